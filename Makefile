@@ -1,0 +1,43 @@
+# Two commands matter on a fresh machine: `make smoke` (main job for now) and `make test`.
+# Both create the virtual environment themselves.
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+NPROC  ?= 2
+CONFIG ?= pipelines/tiny_cpu.yaml
+ARGS   ?=
+
+# megatron-core >= 0.17 needs Python 3.12. Use a working `python3.12` on PATH, else pyenv's
+# (pyenv's shim refuses `python3.12` when the global version is 3.11).
+PYTHON312 ?= $(shell (python3.12 -c 'import sys' >/dev/null 2>&1 && command -v python3.12) || \
+	(v=$$(pyenv versions --bare 2>/dev/null | grep '^3\.12' | tail -n1); \
+	 [ -n "$$v" ] && PYENV_VERSION=$$v pyenv which python3.12 2>/dev/null))
+
+.PHONY: setup test test-fast smoke bench clean-venv
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@if [ ! -x $(PY) ]; then \
+	  if [ -z "$(PYTHON312)" ]; then echo "error: Python 3.12 not found (need python3.12 on PATH or under pyenv); set PYTHON312=/path/to/python3.12" >&2; exit 1; fi; \
+	  $(PYTHON312) -m venv $(VENV); \
+	fi
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[test]'
+	@touch $(STAMP)
+
+test: setup
+	$(PY) -m pytest -ra
+
+test-fast: setup
+	$(PY) -m pytest -ra -m "not slow"
+
+smoke: setup
+	$(PY) -m torch.distributed.run --standalone --nproc-per-node $(NPROC) \
+	  -m megatron_rlhf smoke --config $(CONFIG) parallel.tensor_parallel=$(NPROC) $(ARGS)
+
+bench: setup
+	$(PY) benchmarks/bench_roles.py
+
+clean-venv:
+	rm -rf $(VENV)

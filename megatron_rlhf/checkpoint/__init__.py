@@ -1,0 +1,1 @@
+"""Distributed checkpoints (megatron-core dist_checkpointing, torch_dist format)."""

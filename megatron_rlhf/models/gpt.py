@@ -1,0 +1,123 @@
+"""Build megatron-core GPTModels (Llama-style) for this process's pipeline stage.
+
+The layer spec is Transformer Engine's when TE imports (GPU nodes), megatron-core's local
+spec otherwise (CPU). Value models (reward model, critic) are the same network with the
+vocabulary projection replaced by a TP-aware scalar head.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.models.gpt import GPTModel
+from megatron.core.transformer import TransformerConfig
+
+from megatron_rlhf.config import Config, ModelConfig
+
+
+def transformer_engine_available() -> bool:
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import transformer_engine  # noqa: F401
+    except Exception:  # TE raises assorted errors when its CUDA libraries are missing
+        return False
+    return True
+
+
+def layer_spec():
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    if transformer_engine_available():
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
+    return gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+
+
+def transformer_config(cfg: Config) -> TransformerConfig:
+    m = cfg.model
+    dtype = getattr(torch, m.params_dtype)
+    fused = transformer_engine_available()  # fused kernels need TE/apex on a GPU
+    return TransformerConfig(
+        num_layers=m.num_layers,
+        hidden_size=m.hidden_size,
+        num_attention_heads=m.num_attention_heads,
+        num_query_groups=m.kv_heads,
+        ffn_hidden_size=m.ffn_hidden_size,
+        kv_channels=m.hidden_size // m.num_attention_heads,
+        tensor_model_parallel_size=cfg.parallel.tensor_parallel,
+        pipeline_model_parallel_size=cfg.parallel.pipeline_parallel,
+        sequence_parallel=False,
+        normalization="RMSNorm",
+        layernorm_epsilon=m.norm_epsilon,
+        gated_linear_unit=True,  # SwiGLU
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=False,
+        hidden_dropout=0.0,  # RL roles run without dropout (PPO checklist item 8)
+        attention_dropout=0.0,
+        init_method_std=m.init_method_std,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        use_cpu_initialization=not torch.cuda.is_available(),
+        gradient_accumulation_fusion=fused,
+        masked_softmax_fusion=fused,
+        bias_activation_fusion=fused,
+        bias_dropout_fusion=fused,
+        apply_rope_fusion=fused,
+        persist_layer_norm=fused,
+    )
+
+
+class ValueHead(tensor_parallel.RowParallelLinear):
+    """hidden -> 1 scalar. Row-parallel: each TP rank holds hidden/TP input columns and the
+    partial dot products are all-reduced, so the head shards like the rest of the model.
+    Initialised N(0, 1/sqrt(d_model + 1)), bias 0 (PPO checklist item 6)."""
+
+    def __init__(self, config: TransformerConfig):
+        std = 1.0 / math.sqrt(config.hidden_size + 1)
+        super().__init__(
+            config.hidden_size, 1, config=config,
+            init_method=lambda w: torch.nn.init.normal_(w, mean=0.0, std=std),
+            bias=True, input_is_parallel=False, skip_bias_add=False,
+        )
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:  # [s, b, h] -> [b, s]
+        values, _ = super().forward(hidden_states)
+        return values.squeeze(-1).transpose(0, 1).float()
+
+
+class GPTValueModel(GPTModel):
+    """GPTModel whose output layer is a scalar value head instead of the vocabulary
+    projection (same attribute name, so megatron's checkpoint logic for it still applies)."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs["share_embeddings_and_output_weights"] = False
+        super().__init__(*args, **kwargs)
+        if self.post_process:
+            self.output_layer = ValueHead(self.config)
+
+
+def build_model(cfg: Config, value_head: bool = False) -> GPTModel:
+    """The model chunk for this rank's pipeline stage (no virtual pipeline)."""
+    m: ModelConfig = cfg.model
+    cls = GPTValueModel if value_head else GPTModel
+    model = cls(
+        config=transformer_config(cfg),
+        transformer_layer_spec=layer_spec(),
+        vocab_size=m.padded_vocab_size,
+        max_sequence_length=m.max_seq_length,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+        parallel_output=True,  # keep logits vocab-parallel: never gather them across TP
+        share_embeddings_and_output_weights=m.share_embeddings_and_output_weights,
+        position_embedding_type="rope",
+        rotary_base=int(m.rotary_base),
+    )
+    if torch.cuda.is_available():
+        model.cuda(torch.cuda.current_device())
+    return model

@@ -1,0 +1,110 @@
+"""megatron-core DDP + DistributedOptimizer wiring, and the checkpoint fixes it needs.
+
+Without Transformer Engine or apex, megatron-core 0.19.2 falls back to torch AdamW, whose
+per-parameter `step` state its DistributedOptimizer checkpoint code mishandles. The fixes
+below are not CPU-specific: any run without TE/apex fused Adam needs them.
+"""
+
+from __future__ import annotations
+
+import torch
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
+from megatron.core.optimizer import get_megatron_optimizer
+
+from megatron_rlhf.config import Config
+
+# Reshardable across TP, PP and DP. ("fully_sharded_model_space" raises on flattened ranges;
+# "dp_reshardable" only allows DP changes.)
+OPTIMIZER_CKPT_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
+
+
+def wrap_ddp(model: torch.nn.Module, cfg: Config) -> DistributedDataParallel:
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=False,
+        use_distributed_optimizer=cfg.optimizer.use_distributed_optimizer,
+    )
+    return DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)
+
+
+def build_optimizer(ddp_model: DistributedDataParallel, cfg: Config):
+    o, dtype = cfg.optimizer, getattr(torch, cfg.model.params_dtype)
+    config = MegatronOptimizerConfig(
+        optimizer="adam",
+        lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay,
+        adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2, adam_eps=o.adam_eps,
+        clip_grad=o.clip_grad,
+        use_distributed_optimizer=o.use_distributed_optimizer,
+        params_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
+    )
+    return get_megatron_optimizer(config, [ddp_model])
+
+
+def _inner_optimizers(optimizer):
+    return getattr(optimizer, "chained_optimizers", [optimizer])
+
+
+def _torch_adam(opt) -> torch.optim.Optimizer | None:
+    inner = getattr(opt, "optimizer", None)
+    return inner if isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)) else None
+
+
+def materialize_state(optimizer) -> None:
+    """Bug (a): loading into a fresh optimizer asserts `len(steps) == 1` over an empty state.
+    Create the Adam state (zeros, step 0) first, as a loaded checkpoint will overwrite it."""
+    for opt in _inner_optimizers(optimizer):
+        adam = _torch_adam(opt)
+        if adam is None or adam.state:
+            continue
+        for group in adam.param_groups:
+            for p in group["params"]:
+                adam.state[p] = {
+                    "step": torch.tensor(0.0),
+                    "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+                    "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
+                }
+
+
+def optimizer_sharded_state_dict(optimizer, model_sharded_state_dict, is_loading: bool):
+    if is_loading:
+        materialize_state(optimizer)
+    return optimizer.sharded_state_dict(
+        model_sharded_state_dict, is_loading=is_loading, metadata=OPTIMIZER_CKPT_METADATA
+    )
+
+
+_PARAM_STATE_LOADERS = {
+    "fully_reshardable": "load_parameter_state_from_fully_reshardable",
+    "dp_reshardable": "load_parameter_state_from_dp_reshardable",
+}
+
+
+def load_optimizer_state(optimizer, loaded_state) -> None:
+    """Load a DistributedOptimizer state dict, working around bugs (b) and (c).
+
+    (b) megatron copies every tensor of the live Adam state from the checkpoint's parameter
+    state, but that carries no per-parameter `step` (it is kept in the param groups), so the
+    load raises KeyError: 'step'. We load the param groups first, set `step` aside while the
+    parameter state is copied in, then give each parameter its own `step` back (c).
+    """
+    parts = _inner_optimizers(optimizer)
+    states = [loaded_state] if len(parts) == 1 else [v for _, v in sorted(loaded_state.items())]
+    for opt, state in zip(parts, states):
+        adam = _torch_adam(opt)
+        if adam is None or "param_state" not in state:
+            opt.load_state_dict(state)  # TE/apex fused Adam keeps no per-parameter step
+            continue
+        state = dict(state)
+        param_state = state.pop("param_state")
+        sharding = state.pop("param_state_sharding_type")
+        if sharding not in _PARAM_STATE_LOADERS:
+            raise ValueError(f"optimizer checkpoint sharding type {sharding!r} is not supported; "
+                             f"save with {OPTIMIZER_CKPT_METADATA}")
+        opt.load_state_dict(state)  # param groups + grad scaler; sets one shared `step`
+        steps = {p: s.pop("step") for p, s in adam.state.items() if "step" in s}
+        getattr(opt, _PARAM_STATE_LOADERS[sharding])(param_state)
+        for p, step in steps.items():
+            adam.state[p]["step"] = step.detach().clone()
+    if len(parts) > 1:
+        optimizer._synchronize_steps()

@@ -1,0 +1,211 @@
+"""The four PPO-RLHF roles as megatron-core models on this rank's TP x PP shard.
+
+Every forward and backward goes through megatron-core's pipeline schedule
+(`get_forward_backward_func`) over microbatches, so PP > 1 is the same code path as PP = 1.
+Per-token outputs are computed on the last pipeline stage and broadcast to all stages, so
+every rank returns the same full-batch tensors.
+
+A batch is a dict of tensors with batch dimension first: `tokens` [B, S] (long) and,
+optionally, `attention_mask` [B, 1, S, S] (bool, True = masked; default causal) plus whatever
+the role's outputs or the caller's loss function read.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Callable
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.distributed import finalize_model_grads
+from megatron.core.pipeline_parallel import get_forward_backward_func
+
+from megatron_rlhf.config import Config
+from megatron_rlhf.models.gpt import build_model
+from megatron_rlhf.models.optimizer import build_optimizer, wrap_ddp
+from megatron_rlhf.models.vocab_parallel import (
+    mask_padded_vocab, vocab_parallel_entropy, vocab_parallel_logprobs,
+)
+from megatron_rlhf.parallel import device
+
+Batch = dict[str, torch.Tensor]
+LossFn = Callable[[dict[str, torch.Tensor], Batch], torch.Tensor]
+
+
+def split_microbatches(batch: Batch, micro_batch_size: int) -> list[Batch]:
+    size = batch["tokens"].size(0)
+    if size % micro_batch_size:
+        raise ValueError(f"batch of {size} is not a multiple of micro_batch_size={micro_batch_size}")
+    return [
+        {k: v[i : i + micro_batch_size] for k, v in batch.items()}
+        for i in range(0, size, micro_batch_size)
+    ]
+
+
+def broadcast_from_last_stage(tensors: dict[str, torch.Tensor], like: dict[str, torch.Size]) -> dict[str, torch.Tensor]:
+    """Every pipeline stage gets the last stage's tensors (float32, shapes from `like`)."""
+    if parallel_state.get_pipeline_model_parallel_world_size() == 1:
+        return tensors
+    out = {}
+    for key, shape in like.items():
+        t = tensors[key].float().contiguous() if key in tensors else torch.empty(shape, device=device())
+        torch.distributed.broadcast(
+            t, src=parallel_state.get_pipeline_model_parallel_last_rank(),
+            group=parallel_state.get_pipeline_model_parallel_group(),
+        )
+        out[key] = t
+    return out
+
+
+class Role:
+    """One megatron GPTModel chunk, trainable (DDP + DistributedOptimizer) or frozen."""
+
+    value_head = False
+
+    def __init__(self, cfg: Config, trainable: bool):
+        self.cfg = cfg
+        self.trainable = trainable
+        module = build_model(cfg, value_head=self.value_head)
+        if trainable:
+            self.model = wrap_ddp(module, cfg)
+            self.optimizer = build_optimizer(self.model, cfg)
+            config = module.config
+            config.finalize_model_grads_func = finalize_model_grads
+            config.grad_scale_func = self.optimizer.scale_loss
+            config.no_sync_func = self.model.no_sync
+        else:
+            module.requires_grad_(False)
+            module.eval()
+            self.model, self.optimizer = module, None
+
+    @property
+    def module(self) -> torch.nn.Module:
+        """The bare GPTModel (unwrapped from DDP): what checkpoints save and load."""
+        return getattr(self.model, "module", self.model)
+
+    # --- role-specific: outputs computed from the decoder's final hidden states
+    def outputs(self, *, hidden_states, output_layer, output_weight, context: Batch, **_) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def output_shapes(self, batch_size: int, seq_len: int) -> dict[str, torch.Size]:
+        raise NotImplementedError
+
+    # --- megatron schedule plumbing
+    def _forward_step(self, loss_fn: LossFn | None, data_iterator, model):
+        mb = next(data_iterator)
+        tokens = mb["tokens"]
+        position_ids = torch.arange(tokens.size(1), device=tokens.device).expand_as(tokens)
+        out = model(
+            tokens, position_ids, mb.get("attention_mask"),
+            output_processor=self.outputs, output_processor_context=mb,
+        )
+        if loss_fn is None:
+            return out, lambda o: (torch.zeros((), device=tokens.device), {k: v.detach() for k, v in o.items()})
+
+        def loss_func(o):
+            loss = loss_fn(o, mb)
+            # clone: the schedule divides `loss` in place by the number of microbatches
+            return loss, {"loss": loss.detach().clone()}
+
+        return out, loss_func
+
+    def _run(self, batch: Batch, micro_batch_size: int, loss_fn: LossFn | None) -> list[dict]:
+        microbatches = split_microbatches({k: v.to(device()) for k, v in batch.items()}, micro_batch_size)
+        return get_forward_backward_func()(
+            forward_step_func=partial(self._forward_step, loss_fn),
+            data_iterator=iter(microbatches),
+            model=self.model,
+            num_microbatches=len(microbatches),
+            seq_length=batch["tokens"].size(1),
+            micro_batch_size=micro_batch_size,
+            forward_only=loss_fn is None,
+        )
+
+    def forward(self, batch: Batch, micro_batch_size: int) -> dict[str, torch.Tensor]:
+        """Role outputs for the whole batch, on every rank."""
+        self.model.eval()
+        with torch.no_grad():
+            store = self._run(batch, micro_batch_size, loss_fn=None)
+        merged = {k: torch.cat([d[k] for d in store]) for k in store[0]} if store else {}
+        return broadcast_from_last_stage(merged, self.output_shapes(*batch["tokens"].shape))
+
+    def train_step(self, batch: Batch, micro_batch_size: int, loss_fn: LossFn) -> dict[str, float]:
+        """One optimizer step on `batch`: gradient accumulation over its microbatches.
+
+        `loss_fn(outputs, microbatch)` returns the microbatch's mean loss; the step minimises
+        the mean over microbatches (and over data-parallel ranks).
+        """
+        assert self.trainable, f"{type(self).__name__} is frozen"
+        self.model.train()
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        store = self._run(batch, micro_batch_size, loss_fn=loss_fn)
+        update_ok, grad_norm, _ = self.optimizer.step()
+        loss = torch.stack([d["loss"] for d in store]).mean() if store else torch.zeros((), device=device())
+        loss = broadcast_from_last_stage({"loss": loss}, {"loss": torch.Size([])})["loss"]
+        return {"loss": loss.item(), "grad_norm": float(grad_norm or 0.0), "update_ok": bool(update_ok)}
+
+
+class Actor(Role):
+    """The policy: per-token log-probs of given tokens and per-token entropy.
+
+    `logprobs[:, t]` is log p(tokens[:, t+1] | tokens[:, :t+1]) under logits / temperature;
+    the last column has no next token and is 0. Same for `entropy`.
+    """
+
+    def __init__(self, cfg: Config, trainable: bool = True, temperature: float = 1.0):
+        super().__init__(cfg, trainable)
+        self.temperature = temperature
+
+    def outputs(self, *, hidden_states, output_layer, output_weight, context, **_):
+        logits, _ = output_layer(hidden_states, weight=output_weight)  # [s, b, V/TP]
+        logits = mask_padded_vocab(logits.float() / self.temperature, self.cfg.model.vocab_size)
+        tokens = context["tokens"].t()  # [s, b]
+        targets = torch.cat([tokens[1:], torch.zeros_like(tokens[:1])])
+        valid = torch.ones_like(targets, dtype=logits.dtype)
+        valid[-1] = 0
+        logprobs = vocab_parallel_logprobs(logits, targets) * valid
+        entropy = vocab_parallel_entropy(logits) * valid
+        return {"logprobs": logprobs.t(), "entropy": entropy.t()}
+
+    def output_shapes(self, batch_size, seq_len):
+        return {"logprobs": torch.Size([batch_size, seq_len]), "entropy": torch.Size([batch_size, seq_len])}
+
+
+class Reference(Actor):
+    """Frozen copy of the SFT policy: the per-token KL anchor."""
+
+    def __init__(self, cfg: Config, temperature: float = 1.0):
+        super().__init__(cfg, trainable=False, temperature=temperature)
+
+
+class Critic(Role):
+    """Per-token values V(prefix up to and including token t)."""
+
+    value_head = True
+
+    def __init__(self, cfg: Config, trainable: bool = True):
+        super().__init__(cfg, trainable)
+
+    def outputs(self, *, hidden_states, output_layer, context, **_):
+        return {"values": output_layer(hidden_states)}
+
+    def output_shapes(self, batch_size, seq_len):
+        return {"values": torch.Size([batch_size, seq_len])}
+
+
+class RewardModel(Role):
+    """One scalar per sequence, read at its last non-pad token (`context["lengths"]` - 1)."""
+
+    value_head = True
+
+    def __init__(self, cfg: Config, trainable: bool = False):
+        super().__init__(cfg, trainable)
+
+    def outputs(self, *, hidden_states, output_layer, context, **_):
+        values = output_layer(hidden_states)  # [b, s]
+        last = (context["lengths"] - 1).clamp(min=0).unsqueeze(1)
+        return {"rewards": values.gather(1, last).squeeze(1)}
+
+    def output_shapes(self, batch_size, seq_len):
+        return {"rewards": torch.Size([batch_size])}

@@ -1,0 +1,117 @@
+"""Distributed start-up: process group, megatron `parallel_state`, seeds.
+
+Reads the launcher's environment (torchrun, or Slurm's srun with one task per device),
+picks NCCL on GPU and gloo on CPU, and initialises megatron-core's model-parallel groups
+(TP x PP, data-parallel size inferred). On CPU the adaptations in `cpu.py` are applied first.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megatron_rlhf.config import Config, ConfigError, validate
+from megatron_rlhf.parallel import cpu
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+    master_addr: str
+    master_port: int
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def read_dist_env(environ: dict[str, str] | None = None) -> DistEnv:
+    """torchrun sets RANK/WORLD_SIZE/LOCAL_RANK; srun sets SLURM_PROCID/NTASKS/LOCALID.
+
+    A bare `python` process is rank 0 of 1 on a free local port.
+    """
+    env = os.environ if environ is None else environ
+
+    def first(*names: str, default: str) -> str:
+        for name in names:
+            if env.get(name):
+                return env[name]
+        return default
+
+    world_size = int(first("WORLD_SIZE", "SLURM_NTASKS", default="1"))
+    rank = int(first("RANK", "SLURM_PROCID", default="0"))
+    local_rank = int(first("LOCAL_RANK", "SLURM_LOCALID", default="0"))
+    addr = first("MASTER_ADDR", default="127.0.0.1")
+    port = env.get("MASTER_PORT")
+    if port is None:
+        if world_size > 1:
+            raise ConfigError("MASTER_PORT is not set: launch with torchrun, or export it in the sbatch script")
+        port = str(_free_port())
+    return DistEnv(rank, world_size, local_rank, addr, int(port))
+
+
+def choose_backend(requested: str) -> str:
+    if requested != "auto":
+        return requested
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def initialize(cfg: Config) -> DistEnv:
+    """Start torch.distributed and megatron's parallel_state for `cfg.parallel`; seed all RNGs."""
+    from megatron.core import parallel_state
+
+    env = read_dist_env()
+    validate(cfg, world_size=env.world_size)
+    backend = choose_backend(cfg.parallel.backend)
+    if backend == "nccl":
+        torch.cuda.set_device(env.local_rank)
+    else:
+        cpu.apply()
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", env.master_addr)
+        os.environ.setdefault("MASTER_PORT", str(env.master_port))
+        dist.init_process_group(
+            backend=backend, rank=env.rank, world_size=env.world_size,
+            timeout=timedelta(minutes=int(os.environ.get("MEGATRON_RLHF_DIST_TIMEOUT_MIN", "30"))),
+        )
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=cfg.parallel.tensor_parallel,
+            pipeline_model_parallel_size=cfg.parallel.pipeline_parallel,
+        )
+    seed_everything(cfg.seed)
+    return env
+
+
+def seed_everything(seed: int) -> None:
+    """Same seed on every rank for python/numpy/torch; megatron's tracker adds TP/PP offsets."""
+    from megatron.core import tensor_parallel
+
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def destroy() -> None:
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")

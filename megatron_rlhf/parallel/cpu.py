@@ -1,0 +1,161 @@
+"""The only place that adapts megatron-core to run on CPU with gloo.
+
+megatron-core assumes a CUDA device in a handful of places (verified against 0.19.2; see
+shared/design/MEGATRON_ON_CPU.md). Each adaptation below maps one of them to its CPU
+equivalent. `apply()` does nothing when CUDA is available, so GPU runs use megatron-core
+untouched. Nothing here changes numerics: the same kernels run, only device plumbing moves.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+_applied = False
+_mode: TorchFunctionMode | None = None
+_CPU = torch.device("cpu")
+
+
+def needed() -> bool:
+    return not torch.cuda.is_available()
+
+
+def is_applied() -> bool:
+    return _applied
+
+
+def _is_cuda(device) -> bool:
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    return isinstance(device, int) and not isinstance(device, bool)  # cuda ordinal
+
+
+class _CudaToCpu(TorchFunctionMode):
+    """Rewrites tensor calls that name the CUDA device so they run on CPU."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        # Hot path: every torch call of the process comes through here; keep it short.
+        if func in _TENSOR_METHODS:
+            return _TENSOR_METHODS[func](func, args, kwargs or {})
+        if kwargs:
+            device = kwargs.get("device")
+            # Literal device="cuda" (schedules.py:749/1121/2292, transformer/utils.py:39,
+            # optimizer.py:315/690, clip_grads.py:96) and pinned host buffers: plain CPU memory.
+            if (device is not None and _is_cuda(device)) or kwargs.get("pin_memory"):
+                kwargs = dict(kwargs)
+                if device is not None and _is_cuda(device):
+                    kwargs["device"] = _CPU
+                kwargs.pop("pin_memory", None)
+            return func(*args, **kwargs)
+        return func(*args)
+
+
+def _stay_on_cpu(func, args, kwargs):
+    # `.cuda()` / `.pin_memory()` (optimizer.py reload, distrib_optimizer.py:1374): no-op.
+    return args[0]
+
+
+def _cuda_type_name(func, args, kwargs):
+    # Type strings: distrib_optimizer.py:466, optimizer.py:1028, clip_grads.py:174 accept only
+    # 'torch.cuda.*Tensor'; report CPU tensors under their CUDA names.
+    name = func(*args, **kwargs)
+    if len(args) == 1 and not kwargs and ".cuda." not in name:
+        return name.replace("torch.", "torch.cuda.", 1)
+    return name
+
+
+def _to_cpu(func, args, kwargs):
+    # `.to("cuda")` / `.to(device="cuda")`: stay on CPU.
+    if len(args) > 1 and _is_cuda(args[1]):
+        args = (args[0], _CPU, *args[2:])
+    if _is_cuda(kwargs.get("device")):
+        kwargs = {**kwargs, "device": _CPU}
+    return func(*args, **kwargs)
+
+
+_TENSOR_METHODS = {
+    torch.Tensor.cuda: _stay_on_cpu,
+    torch.Tensor.pin_memory: _stay_on_cpu,
+    torch.Tensor.type: _cuda_type_name,
+    torch.Tensor.to: _to_cpu,
+}
+
+
+class _Stream:
+    """Stand-in for torch.cuda.Stream: CPU work is already ordered."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, other):
+        pass
+
+    def wait_event(self, event):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def record_event(self, event=None):
+        return event or _Event()
+
+
+class _Event:
+    """Stand-in for torch.cuda.Event (inference/text_generation_controller.py)."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def record(self, stream=None):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def wait(self, stream=None):
+        pass
+
+    def query(self):
+        return True
+
+    def elapsed_time(self, other):
+        return 0.0
+
+
+def apply() -> bool:
+    """Install the CPU adaptations once. Returns True when they are active."""
+    global _applied, _mode
+    if not needed():
+        return False
+    if _applied:
+        return True
+    from megatron.core.tensor_parallel import random as mpu_random
+
+    # RNG tracker (tensor_parallel/random.py:104/135/303): reads/writes the CUDA generator;
+    # on CPU the model-parallel RNG states live in the CPU generator instead.
+    mpu_random._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
+    mpu_random._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
+    torch.cuda.get_rng_state = lambda device="cuda": torch.get_rng_state()
+    torch.cuda.set_rng_state = lambda state, device="cuda": torch.set_rng_state(state)
+    torch.cuda.manual_seed = torch.manual_seed  # lazily queued (never run) without a driver
+    # torch.cuda.synchronize (p2p_communication.py:263/419, checkpointing): nothing to wait for.
+    torch.cuda.synchronize = lambda *a, **k: None
+    # torch.cuda.current_device() as a tensor device (p2p buffers, DDP/optimizer buffers).
+    torch.cuda.current_device = lambda: _CPU
+    # Streams (param_and_grad_buffer.py:632/686, distributed_data_parallel.py:297).
+    torch.cuda.Stream = _Stream
+    torch.cuda.current_stream = lambda *a, **k: _Stream()
+    torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()
+    # Events (inference/text_generation_controller.py): "dummy base class Event" otherwise.
+    torch.cuda.Event = _Event
+    # Empty-cache and memory queries (DDP offload, optimizer offload): no device cache.
+    torch.cuda.empty_cache = lambda: None
+
+    _mode = _CudaToCpu()
+    _mode.__enter__()  # stays active for the life of the process
+    _applied = True
+    return True

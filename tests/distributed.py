@@ -1,0 +1,42 @@
+"""Helpers for tests that launch real multi-process jobs with torchrun (gloo on CPU)."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+REPO = Path(__file__).resolve().parent.parent
+
+# A tiny Llama-style model: GQA (4 heads, 2 kv groups), 4 layers so PP=2 splits them, and a
+# vocabulary of 100 padded to 128 so the padded-logit masking is exercised.
+TINY_MODEL = [
+    "model.num_layers=4", "model.hidden_size=64", "model.num_attention_heads=4",
+    "model.num_query_groups=2", "model.ffn_hidden_size=128", "model.vocab_size=100",
+    "model.max_seq_length=32",
+]
+
+
+def torchrun(nproc: int, script: str, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    """`script` is a path under the repo, or "-m" followed by a module name in `args`."""
+    target = [script] if script == "-m" else [str(REPO / script)]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc-per-node={nproc}", *target, *args]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise AssertionError(
+            f"{' '.join(cmd)} exited {proc.returncode}\n--- stdout\n{proc.stdout[-6000:]}\n"
+            f"--- stderr\n{proc.stderr[-12000:]}"
+        )
+    return proc
+
+
+def read_global_tensors(checkpoint_dir: Path) -> dict[str, torch.Tensor]:
+    """A megatron torch_dist checkpoint as full (unsharded) tensors, read in this process."""
+    out = checkpoint_dir.parent / (checkpoint_dir.name + ".full.pt")
+    dcp_to_torch_save(checkpoint_dir, out)
+    state = torch.load(out, weights_only=False)
+    return {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}

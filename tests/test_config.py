@@ -1,0 +1,89 @@
+"""Config loading, overrides and validation: every error names the offending field."""
+
+import pytest
+
+from megatron_rlhf.config import Config, ConfigError, load_config, parse_overrides, validate
+
+
+def cfg_with(*overrides: str) -> Config:
+    return load_config(None, list(overrides))
+
+
+def assert_error_names(field: str, *overrides: str, world_size: int | None = None):
+    with pytest.raises(ConfigError) as err:
+        validate(cfg_with(*overrides), world_size=world_size)
+    assert field in str(err.value)
+    return str(err.value)
+
+
+def test_defaults_are_valid():
+    assert validate(Config(), world_size=1).model.padded_vocab_size == 128
+
+
+def test_yaml_and_overrides(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("seed: 3\nmodel:\n  hidden_size: 128\n  num_layers: 4\noptimizer:\n  lr: 1e-4\n")
+    cfg = load_config(recipe, ["model.num_layers=2", "parallel.tensor_parallel=2"])
+    assert (cfg.seed, cfg.model.hidden_size, cfg.model.num_layers) == (3, 128, 2)
+    assert cfg.parallel.tensor_parallel == 2
+    assert cfg.optimizer.lr == 1e-4 and isinstance(cfg.optimizer.lr, float)  # YAML's "1e-4" string
+
+
+def test_unknown_key_suggests_the_close_one():
+    with pytest.raises(ConfigError, match=r"model.hiden_size: unknown key; did you mean 'model.hidden_size'"):
+        cfg_with("model.hiden_size=64")
+    with pytest.raises(ConfigError, match="paralel: unknown key"):
+        cfg_with("paralel.tensor_parallel=2")
+
+
+@pytest.mark.parametrize("override, field", [
+    ("model.hidden_size=abc", "model.hidden_size"),
+    ("model.num_layers=2.5", "model.num_layers"),
+    ("optimizer.use_distributed_optimizer=3", "optimizer.use_distributed_optimizer"),
+    ("parallel.tensor_parallel=true", "parallel.tensor_parallel"),
+    ("model=3", "model"),
+])
+def test_wrong_types_name_the_field(override, field):
+    with pytest.raises(ConfigError) as err:
+        cfg_with(override)
+    assert str(err.value).startswith(field)
+
+
+def test_override_needs_key_value():
+    with pytest.raises(ConfigError, match="expected key=value"):
+        parse_overrides(["model.hidden_size"])
+
+
+def test_tp_must_divide_heads():
+    msg = assert_error_names("parallel.tensor_parallel", "model.num_attention_heads=6",
+                             "model.hidden_size=96", "parallel.tensor_parallel=4")
+    assert "model.num_attention_heads=6" in msg
+
+
+def test_tp_must_divide_kv_heads():
+    assert_error_names("model.num_query_groups", "model.num_query_groups=1", "parallel.tensor_parallel=2")
+
+
+def test_pp_larger_than_layers():
+    msg = assert_error_names("parallel.pipeline_parallel", "model.num_layers=2", "parallel.pipeline_parallel=4")
+    assert "larger than model.num_layers=2" in msg
+
+
+def test_pp_must_divide_layers():
+    assert_error_names("parallel.pipeline_parallel", "model.num_layers=3", "parallel.pipeline_parallel=2")
+
+
+def test_world_size_divisible_by_tp_pp():
+    msg = assert_error_names("parallel.tensor_parallel", "parallel.tensor_parallel=2",
+                             "parallel.pipeline_parallel=2", world_size=6)
+    assert "world size 6" in msg
+
+
+def test_other_cross_field_rules():
+    assert_error_names("model.hidden_size", "model.hidden_size=66")
+    assert_error_names("model.num_query_groups", "model.num_query_groups=3")
+    assert_error_names("model.params_dtype", "model.params_dtype=float8")
+    assert_error_names("model.make_vocab_size_divisible_by", "model.make_vocab_size_divisible_by=3",
+                       "parallel.tensor_parallel=2")
+    assert_error_names("model.num_layers", "model.num_layers=0")
+    assert_error_names("parallel.backend", "parallel.backend=mpi")
