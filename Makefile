@@ -13,7 +13,7 @@ PYTHON312 ?= $(shell (python3.12 -c 'import sys' >/dev/null 2>&1 && command -v p
 	(v=$$(pyenv versions --bare 2>/dev/null | grep '^3\.12' | tail -n1); \
 	 [ -n "$$v" ] && PYENV_VERSION=$$v pyenv which python3.12 2>/dev/null))
 
-.PHONY: setup test test-fast smoke bench clean-venv
+.PHONY: setup test test-fast smoke sft rm bench clean-venv
 
 setup: $(STAMP)
 
@@ -35,6 +35,11 @@ test-fast: setup
 smoke: setup
 	$(PY) -m torch.distributed.run --standalone --nproc-per-node $(NPROC) \
 	  -m megatron_rlhf smoke --config $(CONFIG) parallel.tensor_parallel=$(NPROC) $(ARGS)
+
+# Stages on the default recipe; NPROC processes (data-parallel unless ARGS sets TP/PP).
+sft rm: setup
+	$(PY) -m torch.distributed.run --standalone --nproc-per-node $(NPROC) \
+	  -m megatron_rlhf $@ --config $(CONFIG) $(ARGS)
 
 bench: setup
 	$(PY) benchmarks/bench_roles.py

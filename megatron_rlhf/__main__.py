@@ -12,7 +12,24 @@ from megatron_rlhf.config import ConfigError, load_config
 
 COMMANDS = {
     "smoke": "the four roles at the configured TP x PP: forward + one optimizer step each",
+    "sft": "supervised fine-tuning stage -> <run>/sft",
+    "rm": "reward-model stage (starts from the SFT checkpoint) -> <run>/rm",
 }
+
+
+def run_command(command: str, cfg) -> None:
+    if command == "smoke":
+        from megatron_rlhf import smoke
+
+        smoke.run(cfg)
+    elif command == "sft":
+        from megatron_rlhf.trainers import sft
+
+        sft.train(cfg)
+    elif command == "rm":
+        from megatron_rlhf.trainers import rm
+
+        rm.train(cfg)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -27,14 +44,21 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(f"config error: {err}", file=sys.stderr)
         return 2
-    if args.command == "smoke":
-        from megatron_rlhf import smoke
+    from megatron_rlhf.data.jsonl import DataError
+    from megatron_rlhf.data.tokenizers import TokenizerError
 
-        try:
-            smoke.run(cfg)
-        except ConfigError as err:  # layout checks against the launched world size
-            print(f"config error: {err}", file=sys.stderr)
-            return 2
+    try:
+        run_command(args.command, cfg)
+    except ConfigError as err:  # checks that need the launched world size or the data
+        print(f"config error: {err}", file=sys.stderr)
+        return 2
+    except (DataError, TokenizerError) as err:
+        print(f"data error: {err}", file=sys.stderr)
+        return 2
+    finally:
+        from megatron_rlhf import parallel
+
+        parallel.destroy()
     return 0
 
 

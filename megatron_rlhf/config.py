@@ -74,6 +74,87 @@ class OptimizerConfig:
     clip_grad: float = 1.0
     # megatron-core's DistributedOptimizer (ZeRO-1 over data-parallel ranks).
     use_distributed_optimizer: bool = True
+    # megatron-core's OptimizerParamScheduler: linear warmup, then decay to min_lr.
+    warmup_steps: int = 0
+    lr_decay_style: str = "constant"
+
+
+LR_DECAY_STYLES = ("constant", "linear", "cosine")
+OVERFLOW_POLICIES = ("truncate", "drop")
+
+
+@dataclass
+class TaskSizesConfig:
+    """How many examples the built-in task generates per split."""
+
+    sft_train: int = 2000
+    sft_eval: int = 200
+    preference_train: int = 2000
+    preference_eval: int = 200
+    ppo_prompts: int = 1000
+    eval_prompts: int = 100
+
+
+@dataclass
+class DataConfig:
+    # A built-in task (megatron_rlhf/data/tasks) generates every split from `seed`; a JSONL
+    # path given below replaces that split. task: null means all needed paths must be given.
+    task: str | None = "sentiment"
+    task_sizes: TaskSizesConfig = field(default_factory=TaskSizesConfig)
+    # "builtin": the task's word-level tokenizer; otherwise a local HF tokenizer directory.
+    tokenizer: str = "builtin"
+    sft_train: str | None = None
+    sft_eval: str | None = None
+    preference_train: str | None = None
+    preference_eval: str | None = None
+    prompts_train: str | None = None
+    prompts_eval: str | None = None
+    # Sequences longer than the stage's seq_length: "truncate" or "drop" (always counted).
+    overflow: str = "truncate"
+
+
+@dataclass
+class StageConfig:
+    steps: int = 100
+    # In sequences (SFT) or preference pairs (RM), summed over data-parallel ranks.
+    global_batch_size: int = 32
+    micro_batch_size: int = 8
+    seq_length: int = 64
+    eval_interval: int = 50
+    log_interval: int = 10
+    # 0: save only at the end of the stage.
+    save_interval: int = 0
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+
+
+@dataclass
+class SFTConfig(StageConfig):
+    pass
+
+
+@dataclass
+class RMConfig(StageConfig):
+    # Normalise rewards to mean 0, std 1 over SFT-data responses; stored with the checkpoint.
+    normalize: bool = True
+    # Stage (or iter_*) directory of the SFT checkpoint; default: <run>/sft.
+    init_from: str | None = None
+
+
+@dataclass
+class CheckpointConfig:
+    # Stages write to <root>/<run_name>/<stage>/.
+    root: str = "checkpoints"
+    run_name: str = "default"
+    keep_last: int = 2
+    # Resume from the stage's own latest complete checkpoint when there is one.
+    resume: bool = True
+    # Resume from this stage or iter_* directory instead (e.g. a copy of another run).
+    load: str | None = None
+
+
+@dataclass
+class LoggingConfig:
+    tensorboard: bool = True
 
 
 @dataclass
@@ -81,7 +162,13 @@ class Config:
     seed: int = 1234
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    # Used by roles built outside a stage (smoke run, tests); each stage has its own.
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
+    rm: RMConfig = field(default_factory=RMConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -253,4 +340,47 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
             f"parallel.tensor_parallel={tp} x parallel.pipeline_parallel={pp} = {tp * pp} does not "
             f"divide the world size {world_size}; launch a multiple of TP*PP processes"
         )
+    dp = (world_size or tp * pp) // (tp * pp)
+    if cfg.data.overflow not in OVERFLOW_POLICIES:
+        raise ConfigError(f"data.overflow={cfg.data.overflow!r}: choose one of {OVERFLOW_POLICIES}")
+    for name in ("sft", "rm"):
+        _validate_stage(name, getattr(cfg, name), m, dp)
+    for name in ("optimizer", "sft.optimizer", "rm.optimizer"):
+        _validate_optimizer(name, _get_dotted(cfg, name))
+    if cfg.checkpoint.keep_last < 1:
+        raise ConfigError(f"checkpoint.keep_last={cfg.checkpoint.keep_last}: must be >= 1")
     return cfg
+
+
+def _get_dotted(obj: Any, dotted: str) -> Any:
+    for part in dotted.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _validate_optimizer(name: str, o: OptimizerConfig) -> None:
+    if o.lr_decay_style not in LR_DECAY_STYLES:
+        raise ConfigError(f"{name}.lr_decay_style={o.lr_decay_style!r}: choose one of {LR_DECAY_STYLES}")
+    if o.lr <= 0 or o.min_lr < 0 or o.min_lr > o.lr:
+        raise ConfigError(f"{name}.lr={o.lr}, {name}.min_lr={o.min_lr}: need 0 <= min_lr <= lr and lr > 0")
+    if o.warmup_steps < 0:
+        raise ConfigError(f"{name}.warmup_steps={o.warmup_steps}: must be >= 0")
+
+
+def _validate_stage(name: str, st: StageConfig, m: ModelConfig, dp: int) -> None:
+    for key in ("steps", "global_batch_size", "micro_batch_size", "seq_length", "eval_interval", "log_interval"):
+        if getattr(st, key) < 1:
+            raise ConfigError(f"{name}.{key}={getattr(st, key)}: must be >= 1")
+    if st.save_interval < 0:
+        raise ConfigError(f"{name}.save_interval={st.save_interval}: must be >= 0 (0 = only at the end)")
+    if st.seq_length > m.max_seq_length:
+        raise ConfigError(
+            f"{name}.seq_length={st.seq_length}: longer than model.max_seq_length={m.max_seq_length}"
+        )
+    if st.global_batch_size % (st.micro_batch_size * dp):
+        raise ConfigError(
+            f"{name}.global_batch_size={st.global_batch_size}: must be a multiple of "
+            f"{name}.micro_batch_size={st.micro_batch_size} x data-parallel size {dp}"
+        )
+    if st.optimizer.warmup_steps > st.steps:
+        raise ConfigError(f"{name}.optimizer.warmup_steps={st.optimizer.warmup_steps}: more than {name}.steps={st.steps}")

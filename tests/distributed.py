@@ -15,7 +15,7 @@ REPO = Path(__file__).resolve().parent.parent
 TINY_MODEL = [
     "model.num_layers=4", "model.hidden_size=64", "model.num_attention_heads=4",
     "model.num_query_groups=2", "model.ffn_hidden_size=128", "model.vocab_size=100",
-    "model.max_seq_length=32",
+    "model.max_seq_length=64",
 ]
 
 

@@ -11,8 +11,9 @@ import torch
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
 from megatron.core.optimizer import get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-from megatron_rlhf.config import Config
+from megatron_rlhf.config import Config, OptimizerConfig
 
 # Reshardable across TP, PP and DP. ("fully_sharded_model_space" raises on flattened ranges;
 # "dp_reshardable" only allows DP changes.)
@@ -28,8 +29,8 @@ def wrap_ddp(model: torch.nn.Module, cfg: Config) -> DistributedDataParallel:
     return DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)
 
 
-def build_optimizer(ddp_model: DistributedDataParallel, cfg: Config):
-    o, dtype = cfg.optimizer, getattr(torch, cfg.model.params_dtype)
+def build_optimizer(ddp_model: DistributedDataParallel, o: OptimizerConfig, params_dtype: str):
+    dtype = getattr(torch, params_dtype)
     config = MegatronOptimizerConfig(
         optimizer="adam",
         lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay,
@@ -39,6 +40,20 @@ def build_optimizer(ddp_model: DistributedDataParallel, cfg: Config):
         params_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
     )
     return get_megatron_optimizer(config, [ddp_model])
+
+
+def build_scheduler(optimizer, o: OptimizerConfig, total_steps: int) -> OptimizerParamScheduler:
+    """Linear warmup over `warmup_steps`, then `lr_decay_style` down to min_lr at `total_steps`."""
+    return OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0 if o.warmup_steps else o.lr,
+        max_lr=o.lr, min_lr=o.min_lr,
+        lr_warmup_steps=o.warmup_steps,
+        lr_decay_steps=max(total_steps, o.warmup_steps + 1),
+        lr_decay_style=o.lr_decay_style,
+        start_wd=o.weight_decay, end_wd=o.weight_decay,
+        wd_incr_steps=max(total_steps, 1), wd_incr_style="constant",
+    )
 
 
 def _inner_optimizers(optimizer):
@@ -51,8 +66,9 @@ def _torch_adam(opt) -> torch.optim.Optimizer | None:
 
 
 def materialize_state(optimizer) -> None:
-    """Bug (a): loading into a fresh optimizer asserts `len(steps) == 1` over an empty state.
-    Create the Adam state (zeros, step 0) first, as a loaded checkpoint will overwrite it."""
+    """Bug (a): saving or loading a never-stepped optimizer asserts `len(steps) == 1` over its
+    empty state. Create the state torch AdamW would create lazily (zeros, step 0): the first
+    step is unchanged, and a load overwrites it."""
     for opt in _inner_optimizers(optimizer):
         adam = _torch_adam(opt)
         if adam is None or adam.state:
@@ -67,8 +83,7 @@ def materialize_state(optimizer) -> None:
 
 
 def optimizer_sharded_state_dict(optimizer, model_sharded_state_dict, is_loading: bool):
-    if is_loading:
-        materialize_state(optimizer)
+    materialize_state(optimizer)
     return optimizer.sharded_state_dict(
         model_sharded_state_dict, is_loading=is_loading, metadata=OPTIMIZER_CKPT_METADATA
     )

@@ -20,9 +20,9 @@ from megatron.core import parallel_state
 from megatron.core.distributed import finalize_model_grads
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
-from megatron_rlhf.config import Config
+from megatron_rlhf.config import Config, OptimizerConfig
 from megatron_rlhf.models.gpt import build_model
-from megatron_rlhf.models.optimizer import build_optimizer, wrap_ddp
+from megatron_rlhf.models.optimizer import build_optimizer, build_scheduler, wrap_ddp
 from megatron_rlhf.models.vocab_parallel import (
     mask_padded_vocab, vocab_parallel_entropy, vocab_parallel_logprobs,
 )
@@ -58,17 +58,22 @@ def broadcast_from_last_stage(tensors: dict[str, torch.Tensor], like: dict[str, 
 
 
 class Role:
-    """One megatron GPTModel chunk, trainable (DDP + DistributedOptimizer) or frozen."""
+    """One megatron GPTModel chunk, trainable (DDP + DistributedOptimizer + LR schedule) or
+    frozen. `optimizer` defaults to `cfg.optimizer`; `total_steps` sets the LR decay length."""
 
     value_head = False
 
-    def __init__(self, cfg: Config, trainable: bool):
+    def __init__(self, cfg: Config, trainable: bool, optimizer: OptimizerConfig | None = None,
+                 total_steps: int = 1):
         self.cfg = cfg
         self.trainable = trainable
+        self.optimizer = self.scheduler = None
         module = build_model(cfg, value_head=self.value_head)
         if trainable:
+            optimizer = optimizer or cfg.optimizer
             self.model = wrap_ddp(module, cfg)
-            self.optimizer = build_optimizer(self.model, cfg)
+            self.optimizer = build_optimizer(self.model, optimizer, cfg.model.params_dtype)
+            self.scheduler = build_scheduler(self.optimizer, optimizer, total_steps)
             config = module.config
             config.finalize_model_grads_func = finalize_model_grads
             config.grad_scale_func = self.optimizer.scale_loss
@@ -76,12 +81,19 @@ class Role:
         else:
             module.requires_grad_(False)
             module.eval()
-            self.model, self.optimizer = module, None
+            self.model = module
 
     @property
     def module(self) -> torch.nn.Module:
         """The bare GPTModel (unwrapped from DDP): what checkpoints save and load."""
         return getattr(self.model, "module", self.model)
+
+    # --- non-tensor state saved with the role's checkpoint (rank 0's copy is kept)
+    def extra_state(self) -> dict:
+        return {}
+
+    def load_extra_state(self, state: dict) -> None:
+        pass
 
     # --- role-specific: outputs computed from the decoder's final hidden states
     def outputs(self, *, hidden_states, output_layer, output_weight, context: Batch, **_) -> dict[str, torch.Tensor]:
@@ -141,9 +153,12 @@ class Role:
         self.optimizer.zero_grad()
         store = self._run(batch, micro_batch_size, loss_fn=loss_fn)
         update_ok, grad_norm, _ = self.optimizer.step()
+        if update_ok:
+            self.scheduler.step(increment=1)
         loss = torch.stack([d["loss"] for d in store]).mean() if store else torch.zeros((), device=device())
         loss = broadcast_from_last_stage({"loss": loss}, {"loss": torch.Size([])})["loss"]
-        return {"loss": loss.item(), "grad_norm": float(grad_norm or 0.0), "update_ok": bool(update_ok)}
+        return {"loss": loss.item(), "grad_norm": float(grad_norm or 0.0), "update_ok": bool(update_ok),
+                "lr": self.optimizer.param_groups[0]["lr"]}
 
 
 class Actor(Role):
@@ -153,8 +168,8 @@ class Actor(Role):
     the last column has no next token and is 0. Same for `entropy`.
     """
 
-    def __init__(self, cfg: Config, trainable: bool = True, temperature: float = 1.0):
-        super().__init__(cfg, trainable)
+    def __init__(self, cfg: Config, trainable: bool = True, temperature: float = 1.0, **optim):
+        super().__init__(cfg, trainable, **optim)
         self.temperature = temperature
 
     def outputs(self, *, hidden_states, output_layer, output_weight, context, **_):
@@ -184,8 +199,8 @@ class Critic(Role):
 
     value_head = True
 
-    def __init__(self, cfg: Config, trainable: bool = True):
-        super().__init__(cfg, trainable)
+    def __init__(self, cfg: Config, trainable: bool = True, **optim):
+        super().__init__(cfg, trainable, **optim)
 
     def outputs(self, *, hidden_states, output_layer, context, **_):
         return {"values": output_layer(hidden_states)}
@@ -195,17 +210,26 @@ class Critic(Role):
 
 
 class RewardModel(Role):
-    """One scalar per sequence, read at its last non-pad token (`context["lengths"]` - 1)."""
+    """One scalar per sequence, read at its last non-pad token (`context["lengths"]` - 1),
+    then normalised with the (mean, std) stored in its checkpoint (identity until set)."""
 
     value_head = True
 
-    def __init__(self, cfg: Config, trainable: bool = False):
-        super().__init__(cfg, trainable)
+    def __init__(self, cfg: Config, trainable: bool = False, **optim):
+        super().__init__(cfg, trainable, **optim)
+        self.reward_mean, self.reward_std = 0.0, 1.0
+
+    def extra_state(self) -> dict:
+        return {"reward_mean": self.reward_mean, "reward_std": self.reward_std}
+
+    def load_extra_state(self, state: dict) -> None:
+        self.reward_mean, self.reward_std = state.get("reward_mean", 0.0), state.get("reward_std", 1.0)
 
     def outputs(self, *, hidden_states, output_layer, context, **_):
         values = output_layer(hidden_states)  # [b, s]
         last = (context["lengths"] - 1).clamp(min=0).unsqueeze(1)
-        return {"rewards": values.gather(1, last).squeeze(1)}
+        raw = values.gather(1, last).squeeze(1)
+        return {"rewards": (raw - self.reward_mean) / self.reward_std}
 
     def output_shapes(self, batch_size, seq_len):
         return {"rewards": torch.Size([batch_size])}

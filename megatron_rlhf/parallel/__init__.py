@@ -105,6 +105,8 @@ def seed_everything(seed: int) -> None:
 
 
 def destroy() -> None:
+    if not dist.is_initialized():
+        return
     from megatron.core import parallel_state
 
     if parallel_state.model_parallel_is_initialized():

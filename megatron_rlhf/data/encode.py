@@ -1,0 +1,224 @@
+"""Tokenising examples and batching them into the tensors the model roles consume.
+
+Sequence convention (the roles rely on it): a sequence is `prompt + response + [EOS]`,
+right-padded with PAD. The model's log-prob at position t scores token t+1, so
+`loss_mask[b, t] = 1` exactly when token t+1 is a response token or the final EOS;
+`lengths[b]` counts the non-pad tokens. Prompt and response are encoded separately so the
+boundary between them is exact; a tokenizer that needs a leading space on the response
+must get it from the data.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from megatron_rlhf.data.jsonl import PreferenceExample, PromptExample, SFTExample
+from megatron_rlhf.data.tokenizers import Tokenizer
+
+OVERFLOW_MODES = ("truncate", "drop")
+
+
+@dataclass
+class LengthReport:
+    """How many examples were read, cut to fit `max_len`, and left out."""
+
+    total: int
+    truncated: int
+    dropped: int
+
+    @property
+    def kept(self) -> int:
+        """Examples that made it into the encoded data (truncated ones included)."""
+        return self.total - self.dropped
+
+    def __str__(self) -> str:
+        return (
+            f"{self.total} examples: {self.kept} kept ({self.truncated} truncated), "
+            f"{self.dropped} dropped"
+        )
+
+
+@dataclass(frozen=True)
+class EncodedSFT:
+    """`tokens` = prompt + response + EOS (maybe truncated); the first `prompt_len` are prompt."""
+
+    tokens: list[int]
+    prompt_len: int
+
+
+@dataclass(frozen=True)
+class EncodedPair:
+    """Chosen and rejected sequences sharing their first `prompt_len` (prompt) tokens."""
+
+    chosen: list[int]
+    rejected: list[int]
+    prompt_len: int
+
+
+def encode_sft(
+    examples: Sequence[SFTExample], tokenizer: Tokenizer, max_len: int, overflow: str
+) -> tuple[list[EncodedSFT], LengthReport]:
+    """Encode SFT examples to at most `max_len` tokens, truncating or dropping the rest."""
+    _check_overflow(overflow)
+    _check_max_len(max_len)
+    encoded, truncated, dropped = [], 0, 0
+    for index, example in enumerate(examples):
+        prompt = _encode_prompt(tokenizer, example.prompt, index)
+        response = tokenizer.encode(example.response)
+        tokens, was_cut = _fit(prompt, response, tokenizer.eos_id, max_len, overflow)
+        if tokens is None:
+            dropped += 1
+            continue
+        truncated += was_cut
+        encoded.append(EncodedSFT(tokens, len(prompt)))
+    report = LengthReport(len(examples), truncated, dropped)
+    _check_not_empty(report, max_len, "SFT examples")
+    return encoded, report
+
+
+def encode_preferences(
+    examples: Sequence[PreferenceExample], tokenizer: Tokenizer, max_len: int, overflow: str
+) -> tuple[list[EncodedPair], LengthReport]:
+    """Encode preference pairs; a pair is dropped if either side is, or if both sides are equal."""
+    _check_overflow(overflow)
+    _check_max_len(max_len)
+    encoded, truncated, dropped = [], 0, 0
+    eos = tokenizer.eos_id
+    for index, example in enumerate(examples):
+        prompt = _encode_prompt(tokenizer, example.prompt, index)
+        chosen, chosen_cut = _fit(prompt, tokenizer.encode(example.chosen), eos, max_len, overflow)
+        rejected, rejected_cut = _fit(
+            prompt, tokenizer.encode(example.rejected), eos, max_len, overflow
+        )
+        # Identical sides (the difference was past max_len, or both texts map to the same
+        # ids) carry no preference signal; they are counted with the dropped ones.
+        if chosen is None or rejected is None or chosen == rejected:
+            dropped += 1
+            continue
+        truncated += chosen_cut or rejected_cut
+        encoded.append(EncodedPair(chosen, rejected, len(prompt)))
+    report = LengthReport(len(examples), truncated, dropped)
+    _check_not_empty(report, max_len, "preference pairs")
+    return encoded, report
+
+
+def encode_prompts(
+    examples: Sequence[PromptExample], tokenizer: Tokenizer, max_len: int
+) -> tuple[list[list[int]], LengthReport]:
+    """Encode prompts, dropping those that leave no room (over `max_len - 1`) to generate."""
+    _check_max_len(max_len)
+    encoded, dropped = [], 0
+    for index, example in enumerate(examples):
+        prompt = _encode_prompt(tokenizer, example.prompt, index)
+        if len(prompt) > max_len - 1:
+            dropped += 1
+            continue
+        encoded.append(prompt)
+    report = LengthReport(len(examples), 0, dropped)
+    _check_not_empty(report, max_len, "prompts")
+    return encoded, report
+
+
+def collate_sft(items: Sequence[EncodedSFT], pad_id: int, seq_len: int) -> dict[str, torch.Tensor]:
+    """Batch SFT sequences: `tokens` [B,S] long, `loss_mask` [B,S] float, `lengths` [B] long."""
+    return _collate_rows([(item.tokens, item.prompt_len) for item in items], pad_id, seq_len)
+
+
+def collate_preferences(
+    items: Sequence[EncodedPair], pad_id: int, seq_len: int
+) -> dict[str, torch.Tensor]:
+    """Batch pairs as rows [chosen_0, rejected_0, chosen_1, ...]: `tokens`, `loss_mask`, `lengths`.
+
+    Shapes are [2B, S], [2B, S] (float) and [2B], with the same convention as `collate_sft`.
+    """
+    # Interleaved so that any even-sized microbatch split keeps each pair together.
+    rows = []
+    for item in items:
+        rows.append((item.chosen, item.prompt_len))
+        rows.append((item.rejected, item.prompt_len))
+    return _collate_rows(rows, pad_id, seq_len)
+
+
+def collate_prompts_left_padded(
+    prompts: Sequence[Sequence[int]], pad_id: int
+) -> dict[str, torch.Tensor]:
+    """Left-pad prompts to the longest: `tokens` [B,P], `attention_mask` [B,P], `lengths` [B].
+
+    `attention_mask` is bool with True at real tokens (not megatron's True-means-masked).
+    """
+    if not prompts:
+        raise ValueError("collate_prompts_left_padded: no prompts")
+    if any(len(prompt) == 0 for prompt in prompts):
+        raise ValueError("collate_prompts_left_padded: empty prompt")
+    # Left padding puts every prompt's last token in the same column, so generation
+    # appends the first new token at one position for the whole batch.
+    width = max(len(prompt) for prompt in prompts)
+    tokens = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(prompts), width), dtype=torch.bool)
+    for row, prompt in enumerate(prompts):
+        tokens[row, width - len(prompt) :] = torch.tensor(list(prompt), dtype=torch.long)
+        attention_mask[row, width - len(prompt) :] = True
+    lengths = torch.tensor([len(prompt) for prompt in prompts], dtype=torch.long)
+    return {"tokens": tokens, "attention_mask": attention_mask, "lengths": lengths}
+
+
+def _check_overflow(overflow: str) -> None:
+    if overflow not in OVERFLOW_MODES:
+        raise ValueError(f"data.overflow: expected one of {OVERFLOW_MODES}, got {overflow!r}")
+
+
+def _check_max_len(max_len: int) -> None:
+    if max_len < 2:
+        # One prompt token plus one token to learn or generate is the least that is useful.
+        raise ValueError(f"max_len: must be at least 2, got {max_len}")
+
+
+def _encode_prompt(tokenizer: Tokenizer, text: str, index: int) -> list[int]:
+    prompt = tokenizer.encode(text)
+    if not prompt:
+        raise ValueError(f"example {index}: prompt {text!r} encodes to no tokens")
+    return prompt
+
+
+def _fit(
+    prompt: list[int], response: list[int], eos_id: int, max_len: int, overflow: str
+) -> tuple[list[int] | None, bool]:
+    """(`prompt + response + EOS` cut to `max_len`, was it cut); None when it must be dropped."""
+    tokens = prompt + response + [eos_id]
+    if len(tokens) <= max_len:
+        return tokens, False
+    # With the prompt filling max_len there is no response token left to train on.
+    if overflow == "drop" or len(prompt) >= max_len:
+        return None, False
+    return tokens[:max_len], True
+
+
+def _check_not_empty(report: LengthReport, max_len: int, what: str) -> None:
+    if report.kept == 0:
+        raise ValueError(
+            f"no {what} left after encoding ({report}); max_len={max_len} is too short for "
+            "this data, or the data is empty"
+        )
+
+
+def _collate_rows(
+    rows: Sequence[tuple[Sequence[int], int]], pad_id: int, seq_len: int
+) -> dict[str, torch.Tensor]:
+    if not rows:
+        raise ValueError("collate: no examples")
+    tokens = torch.full((len(rows), seq_len), pad_id, dtype=torch.long)
+    loss_mask = torch.zeros((len(rows), seq_len), dtype=torch.float)
+    lengths = torch.zeros(len(rows), dtype=torch.long)
+    for row, (sequence, prompt_len) in enumerate(rows):
+        length = len(sequence)
+        if length > seq_len:
+            raise ValueError(f"collate: row {row} has {length} tokens, more than seq_len={seq_len}")
+        tokens[row, :length] = torch.tensor(list(sequence), dtype=torch.long)
+        lengths[row] = length
+        # Position t predicts token t+1: the response starts at prompt_len, so its first
+        # token is predicted from position prompt_len - 1, the last from length - 2.
+        loss_mask[row, max(prompt_len - 1, 0) : length - 1] = 1.0
+    return {"tokens": tokens, "loss_mask": loss_mask, "lengths": lengths}

@@ -1,0 +1,194 @@
+"""Tokenizers: a built-in word-level one for the toy tasks, and local Hugging Face ones.
+
+Both follow one contract the rest of the code relies on: `encode` adds no special tokens
+(the data layer appends EOS itself, so there is exactly one), `decode` drops PAD and EOS,
+and PAD differs from EOS (a PAD equal to EOS would make the model's real EOS look like
+padding, so `lengths` and the loss mask would cut it off).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+PAD, EOS, UNK = "<pad>", "<eos>", "<unk>"
+
+
+class TokenizerError(ValueError):
+    """A tokenizer that cannot be loaded or used; the message names the file and the fix."""
+
+
+class Tokenizer(ABC):
+    """What the data layer and the models need from a tokenizer."""
+
+    vocab_size: int
+    pad_id: int
+    eos_id: int
+
+    @abstractmethod
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text`, without any special tokens."""
+
+    @abstractmethod
+    def decode(self, ids: Sequence[int]) -> str:
+        """Text of `ids`, skipping PAD and EOS."""
+
+    def _check_special_ids(self, source: str) -> None:
+        if self.pad_id == self.eos_id:
+            raise TokenizerError(f"{source}: pad id and eos id are both {self.pad_id}")
+        for name, value in (("pad", self.pad_id), ("eos", self.eos_id)):
+            if not 0 <= value < self.vocab_size:
+                raise TokenizerError(
+                    f"{source}: {name} id {value} is outside the vocabulary "
+                    f"(size {self.vocab_size})"
+                )
+
+
+class WordTokenizer(Tokenizer):
+    """Whitespace word-level tokenizer: 0 `<pad>`, 1 `<eos>`, 2 `<unk>`, then `words` in order."""
+
+    def __init__(self, words: Sequence[str]) -> None:
+        specials = (PAD, EOS, UNK)
+        vocab: list[str] = list(specials)
+        for index, word in enumerate(words):
+            if not isinstance(word, str) or not word or word.split() != [word]:
+                raise TokenizerError(
+                    f"WordTokenizer: word {index} ({word!r}) must be a non-empty string "
+                    "without whitespace"
+                )
+            if word in specials:
+                raise TokenizerError(f"WordTokenizer: word {index} ({word!r}) is a special token")
+        # dict.fromkeys dedupes while keeping first-seen order, so ids are deterministic.
+        vocab.extend(dict.fromkeys(words))
+        self.vocab = vocab
+        self._ids = {word: i for i, word in enumerate(vocab)}
+        self.vocab_size = len(vocab)
+        self.pad_id, self.eos_id, self.unk_id = 0, 1, 2
+        self._check_special_ids("WordTokenizer")
+
+    def encode(self, text: str) -> list[int]:
+        """Ids of the whitespace-separated words of `text`; unknown words become `<unk>`."""
+        return [self._ids.get(word, self.unk_id) for word in text.split()]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Words of `ids` joined by single spaces, skipping `<pad>` and `<eos>`."""
+        words = []
+        for token in ids:
+            token = int(token)
+            if token in (self.pad_id, self.eos_id):
+                continue
+            if not 0 <= token < self.vocab_size:
+                raise TokenizerError(
+                    f"WordTokenizer: id {token} is outside the vocabulary (size {self.vocab_size})"
+                )
+            words.append(self.vocab[token])
+        return " ".join(words)
+
+
+class HFTokenizer(Tokenizer):
+    """A Hugging Face fast tokenizer read offline from a local directory's tokenizer.json."""
+
+    CONFIG_FILES = ("tokenizer_config.json", "special_tokens_map.json")
+
+    def __init__(self, directory: str | os.PathLike[str]) -> None:
+        directory = Path(directory)
+        if not directory.is_dir():
+            raise TokenizerError(f"tokenizer directory not found: {directory}")
+        tokenizer_file = directory / "tokenizer.json"
+        if not tokenizer_file.is_file():
+            raise TokenizerError(
+                f"{directory}: no tokenizer.json (expected {tokenizer_file}; only tokenizers "
+                "saved in the Hugging Face 'fast' format are supported)"
+            )
+        try:
+            # Imported here: only runs that point data.tokenizer at a directory need it.
+            import tokenizers
+        except ImportError:
+            raise TokenizerError(
+                f"{directory}: loading a Hugging Face tokenizer needs the 'tokenizers' package "
+                "(pip install tokenizers)"
+            ) from None
+        try:
+            self._tokenizer = tokenizers.Tokenizer.from_file(str(tokenizer_file))
+        except Exception as exc:  # the Rust side raises plain Exception subclasses
+            raise TokenizerError(f"{tokenizer_file}: cannot load ({exc})") from None
+        self.directory = directory
+        self.vocab_size = self._tokenizer.get_vocab_size(with_added_tokens=True)
+        self.eos_token = self._special_token(directory, "eos_token")
+        self.pad_token = self._special_token(directory, "pad_token")
+        self.eos_id = self._token_id(directory, "eos_token", self.eos_token)
+        self.pad_id = self._token_id(directory, "pad_token", self.pad_token)
+        if self.pad_id == self.eos_id:
+            raise TokenizerError(
+                f"{directory}: pad_token and eos_token are the same token ({self.eos_token!r}); "
+                f"set a distinct \"pad_token\" in {directory / 'tokenizer_config.json'}"
+            )
+        self._check_special_ids(str(directory))
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text`, without BOS/EOS or other template tokens."""
+        return list(self._tokenizer.encode(text, add_special_tokens=False).ids)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Text of `ids`, skipping PAD, EOS and other special tokens."""
+        kept = [int(i) for i in ids if int(i) not in (self.pad_id, self.eos_id)]
+        return self._tokenizer.decode(kept, skip_special_tokens=True)
+
+    def _special_token(self, directory: Path, key: str) -> str:
+        # tokenizer_config.json is read first (unlike transformers, where
+        # special_tokens_map.json wins) because it is the file our errors tell users to edit.
+        for name in self.CONFIG_FILES:
+            value = _read_config(directory / name).get(key)
+            if value is None:
+                continue
+            if isinstance(value, dict):
+                value = value.get("content")
+            if not isinstance(value, str) or not value:
+                raise TokenizerError(
+                    f"{directory / name}: \"{key}\" must be a string or a dict with a "
+                    f"\"content\" string, got {value!r}"
+                )
+            return value
+        hint = "a token distinct from eos_token" if key == "pad_token" else "the end-of-text token"
+        raise TokenizerError(
+            f"{directory}: no \"{key}\" in tokenizer_config.json or special_tokens_map.json; "
+            f"set \"{key}\" in {directory / 'tokenizer_config.json'} to {hint}"
+        )
+
+    def _token_id(self, directory: Path, key: str, token: str) -> int:
+        token_id = self._tokenizer.token_to_id(token)
+        if token_id is None:
+            raise TokenizerError(
+                f"{directory}: {key} {token!r} is not in the vocabulary of tokenizer.json"
+            )
+        return token_id
+
+
+def load_tokenizer(spec: str, task_words: Sequence[str] | None) -> Tokenizer:
+    """`"builtin"` -> WordTokenizer over the task's words; anything else is an HF directory."""
+    if spec == "builtin":
+        if task_words is None:
+            raise TokenizerError("data.tokenizer=builtin needs a built-in task (data.task)")
+        return WordTokenizer(task_words)
+    if not spec or not Path(spec).is_dir():
+        raise TokenizerError(
+            f"data.tokenizer={spec!r}: not 'builtin' and not a directory; use 'builtin' or "
+            "the path of a local Hugging Face tokenizer directory"
+        )
+    return HFTokenizer(spec)
+
+
+def _read_config(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise TokenizerError(f"{path}: not valid JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise TokenizerError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data

@@ -1,0 +1,63 @@
+"""One writer per run (global rank 0; every logged value is already identical on all ranks):
+TensorBoard scalars `<stage>/<name>`, one JSON line per logged step, a console progress line.
+
+On resume from step k, lines and events after k are dropped first (they are about to be
+recomputed), so a resumed run's logs equal an uninterrupted run's.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+
+import torch.distributed as dist
+
+
+class MetricsLogger:
+    def __init__(self, out_dir: str | Path, stage: str, total_steps: int, resume_step: int = 0,
+                 tensorboard: bool = True):
+        self.stage, self.total_steps = stage, total_steps
+        self.active = not dist.is_initialized() or dist.get_rank() == 0
+        self.jsonl = Path(out_dir) / "metrics.jsonl"
+        self.writer = None
+        self._start, self._first_step = time.perf_counter(), resume_step
+        if not self.active:
+            return
+        self.jsonl.parent.mkdir(parents=True, exist_ok=True)
+        self._truncate_after(resume_step)
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(str(Path(out_dir) / "tensorboard"), purge_step=resume_step + 1)
+
+    def _truncate_after(self, step: int) -> None:
+        if not self.jsonl.exists():
+            return
+        kept = [line for line in self.jsonl.read_text().splitlines() if line and json.loads(line)["step"] <= step]
+        self.jsonl.write_text("".join(line + "\n" for line in kept))
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        if not self.active:
+            return
+        clean = {k: float(v) for k, v in metrics.items()}
+        with self.jsonl.open("a") as f:
+            f.write(json.dumps({"step": step, **clean}) + "\n")
+        if self.writer is not None:
+            for key, value in clean.items():
+                self.writer.add_scalar(f"{self.stage}/{key}", value, step)
+            self.writer.flush()
+        done = step - self._first_step
+        elapsed = time.perf_counter() - self._start
+        eta = elapsed / done * (self.total_steps - step) if done > 0 else math.nan
+        shown = "  ".join(f"{k} {v:.4g}" for k, v in clean.items())
+        print(f"[{self.stage}] step {step}/{self.total_steps}  {shown}  eta {eta:.0f}s", flush=True)
+
+    def info(self, message: str) -> None:
+        if self.active:
+            print(f"[{self.stage}] {message}", flush=True)
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()

@@ -1,0 +1,114 @@
+"""What every stage trainer shares: run directories, the data the config names, data-parallel
+slicing, padded forward passes, resume, and the summary file."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron_rlhf.config import Config, ConfigError
+from megatron_rlhf.data import jsonl
+from megatron_rlhf.data.tasks import get_task
+from megatron_rlhf.data.tasks.base import Task, TaskSizes
+from megatron_rlhf.data.tokenizers import Tokenizer, load_tokenizer
+
+
+def run_dir(cfg: Config) -> Path:
+    return Path(cfg.checkpoint.root) / cfg.checkpoint.run_name
+
+
+def stage_dir(cfg: Config, stage: str) -> Path:
+    return run_dir(cfg) / stage
+
+
+@dataclass
+class StageData:
+    tokenizer: Tokenizer
+    task: Task | None
+    splits: dict[str, list]  # split name -> records (only the splits that were asked for)
+
+
+_READERS = {
+    "sft_train": jsonl.read_sft, "sft_eval": jsonl.read_sft,
+    "preference_train": jsonl.read_preferences, "preference_eval": jsonl.read_preferences,
+    "prompts_train": jsonl.read_prompts, "prompts_eval": jsonl.read_prompts,
+}
+_TASK_SPLIT = {"prompts_train": "ppo_prompts", "prompts_eval": "eval_prompts"}
+
+
+def load_stage_data(cfg: Config, needed: tuple[str, ...]) -> StageData:
+    """The splits a stage needs: from the JSONL path in `data.<split>` when set, else generated
+    by the built-in task from `seed` (and written to <run>/data/ for the user to inspect)."""
+    d = cfg.data
+    task = get_task(d.task) if d.task else None
+    generated = None
+    if task is not None and any(getattr(d, name) is None for name in needed):
+        generated = task.splits(cfg.seed, TaskSizes(**asdict(d.task_sizes)))
+        if dist.get_rank() == 0:
+            generated.write(run_dir(cfg) / "data")
+    splits = {}
+    for name in needed:
+        path = getattr(d, name)
+        if path is not None:
+            splits[name] = _READERS[name](path)
+        elif generated is not None:
+            splits[name] = getattr(generated, _TASK_SPLIT.get(name, name))
+        else:
+            raise ConfigError(f"data.{name}: no file given and data.task is null; set one of them")
+    tokenizer = load_tokenizer(d.tokenizer, task.words() if task else None)
+    if tokenizer.vocab_size > cfg.model.vocab_size:
+        raise ConfigError(
+            f"model.vocab_size={cfg.model.vocab_size}: smaller than the tokenizer's vocabulary "
+            f"({tokenizer.vocab_size}, data.tokenizer={d.tokenizer}); raise model.vocab_size"
+        )
+    return StageData(tokenizer, task, splits)
+
+
+def data_parallel() -> tuple[int, int]:
+    from megatron.core import parallel_state
+
+    return parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
+
+
+def dp_slice(items: list, rank: int, size: int) -> list:
+    """This data-parallel rank's contiguous share of a global batch."""
+    per_rank = len(items) // size
+    return items[rank * per_rank : (rank + 1) * per_rank]
+
+
+def padded_forward(role, batch: dict[str, torch.Tensor], micro_batch_size: int) -> dict[str, torch.Tensor]:
+    """role.forward on a batch whose size need not be a multiple of the microbatch size."""
+    rows = batch["tokens"].size(0)
+    extra = -rows % micro_batch_size
+    if extra:
+        batch = {k: torch.cat([v, v[-1:].expand(extra, *v.shape[1:])]) for k, v in batch.items()}
+    return {k: v[:rows] for k, v in role.forward(batch, micro_batch_size).items()}
+
+
+def all_reduce_sum(*values: float) -> list[float]:
+    """Sum over data-parallel ranks (each rank evaluated its own shard)."""
+    from megatron.core import parallel_state
+
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t, group=parallel_state.get_data_parallel_group())
+    return t.tolist()
+
+
+def resume_source(cfg: Config, ckpt) -> Path | str | None:
+    if cfg.checkpoint.load:
+        return cfg.checkpoint.load
+    if cfg.checkpoint.resume and ckpt.latest() is not None:
+        return ckpt.stage_dir
+    return None
+
+
+def write_summary(directory: Path, summary: dict[str, Any]) -> None:
+    if dist.get_rank() == 0:
+        tmp = directory / "summary.json.tmp"
+        tmp.write_text(json.dumps(summary, indent=2) + "\n")
+        tmp.replace(directory / "summary.json")

@@ -1,0 +1,123 @@
+"""Reward model: Bradley-Terry loss -log sigmoid(r_chosen - r_rejected) on preference pairs.
+
+    python -m megatron_rlhf rm --config pipelines/tiny_cpu.yaml [key=value ...]
+
+The network starts from the SFT checkpoint (its LM head replaced by a fresh scalar head,
+N(0, 1/sqrt(d_model+1)), bias 0); the reward is read at the last response token. After
+training, rewards are optionally normalised to mean 0, std 1 over SFT-data responses; the
+normalisation is stored in the checkpoint. Writes <run>/rm/ like the SFT stage.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+import torch.nn.functional as F
+
+from megatron_rlhf import parallel
+from megatron_rlhf.checkpoint.dist import load_model_weights
+from megatron_rlhf.checkpoint.manager import CheckpointManager, resolve_checkpoint
+from megatron_rlhf.config import Config
+from megatron_rlhf.data.encode import collate_preferences, collate_sft, encode_preferences, encode_sft
+from megatron_rlhf.data.sampler import EpochSampler
+from megatron_rlhf.logging import MetricsLogger
+from megatron_rlhf.models.roles import RewardModel
+from megatron_rlhf.trainers.common import (
+    all_reduce_sum, data_parallel, dp_slice, load_stage_data, padded_forward, resume_source,
+    stage_dir, write_summary,
+)
+
+
+def bradley_terry_loss(outputs: dict, microbatch: dict) -> torch.Tensor:
+    """Rows alternate chosen, rejected (collate_preferences)."""
+    rewards = outputs["rewards"]
+    return -F.logsigmoid(rewards[0::2] - rewards[1::2]).mean()
+
+
+def evaluate(rm: RewardModel, pairs: list, pad_id: int, seq_len: int, micro_pairs: int) -> dict:
+    """Held-out accuracy (r_chosen > r_rejected) and mean margin, over data-parallel shards."""
+    rank, size = data_parallel()
+    batch = collate_preferences(pairs[rank::size], pad_id, seq_len)
+    rewards = padded_forward(rm, {"tokens": batch["tokens"], "lengths": batch["lengths"]}, 2 * micro_pairs)["rewards"]
+    margin = rewards[0::2] - rewards[1::2]
+    correct, total, margin_sum = all_reduce_sum((margin > 0).sum().item(), margin.numel(), margin.sum().item())
+    return {"eval_accuracy": correct / total, "eval_margin": margin_sum / total}
+
+
+def reward_statistics(rm: RewardModel, examples: list, pad_id: int, seq_len: int, micro: int) -> tuple[float, float]:
+    """Mean and std of the RM's scores on prompt+response sequences (SFT data)."""
+    rank, size = data_parallel()
+    batch = collate_sft(examples[rank::size], pad_id, seq_len)
+    r = padded_forward(rm, {"tokens": batch["tokens"], "lengths": batch["lengths"]}, micro)["rewards"].double()
+    n, s, s2 = all_reduce_sum(r.numel(), r.sum().item(), (r * r).sum().item())
+    mean = s / n
+    return mean, math.sqrt(max(s2 / n - mean * mean, 1e-12))
+
+
+def train(cfg: Config) -> dict:
+    start = time.perf_counter()
+    parallel.initialize(cfg)
+    st, out = cfg.rm, stage_dir(cfg, "rm")
+    data = load_stage_data(cfg, ("preference_train", "preference_eval", "sft_eval"))
+    pad, ovf = data.tokenizer.pad_id, cfg.data.overflow
+    train_set, train_report = encode_preferences(data.splits["preference_train"], data.tokenizer, st.seq_length, ovf)
+    eval_set, eval_report = encode_preferences(data.splits["preference_eval"], data.tokenizer, st.seq_length, ovf)
+    sft_samples, _ = encode_sft(data.splits["sft_eval"], data.tokenizer, st.seq_length, ovf)
+
+    rm = RewardModel(cfg, trainable=True, optimizer=st.optimizer, total_steps=st.steps)
+    sampler = EpochSampler(len(train_set), seed=cfg.seed)
+    ckpt = CheckpointManager(out, cfg.checkpoint.keep_last)
+    step, source = 0, resume_source(cfg, ckpt)
+    if source is not None:
+        state = ckpt.load({"reward": rm}, source)
+        step = state["step"]
+        sampler.load_state_dict(state["sampler"])
+        init_note = f"resumed from {state['checkpoint']} at step {step}"
+    else:
+        sft_ckpt = resolve_checkpoint(st.init_from or stage_dir(cfg, "sft"))
+        load_model_weights(rm, sft_ckpt / "actor", skip_prefixes=("output_layer.",))
+        init_note = f"initialised from {sft_ckpt} (fresh value head)"
+    log = MetricsLogger(out, "rm", st.steps, resume_step=step, tensorboard=cfg.logging.tensorboard)
+    log.info(init_note)
+    log.info(f"train pairs: {train_report}; eval pairs: {eval_report}")
+    eval_args = (pad, st.seq_length, st.micro_batch_size)
+    dp_rank, dp_size = data_parallel()
+
+    metrics = {}
+    while step < st.steps:
+        t0 = time.perf_counter()
+        indices = dp_slice(sampler.next_indices(st.global_batch_size), dp_rank, dp_size)
+        batch = collate_preferences([train_set[i] for i in indices], pad, st.seq_length)
+        result = rm.train_step({k: batch[k] for k in ("tokens", "lengths")}, 2 * st.micro_batch_size,
+                               bradley_terry_loss)
+        step += 1
+        (tokens,) = all_reduce_sum(batch["lengths"].sum().item())
+        metrics = {"loss": result["loss"], "lr": result["lr"], "grad_norm": result["grad_norm"],
+                   "tokens_per_s": tokens / (time.perf_counter() - t0)}
+        if step % st.eval_interval == 0 or step == st.steps:
+            metrics.update(evaluate(rm, eval_set, *eval_args))
+        if step % st.log_interval == 0 or "eval_accuracy" in metrics:
+            log.log(step, metrics)
+        if step == st.steps and st.normalize:
+            rm.reward_mean, rm.reward_std = 0.0, 1.0
+            rm.reward_mean, rm.reward_std = reward_statistics(rm, sft_samples, pad, st.seq_length, st.micro_batch_size)
+            log.info(f"reward normalisation: mean {rm.reward_mean:.4f}, std {rm.reward_std:.4f}")
+        if (st.save_interval and step % st.save_interval == 0) or step == st.steps:
+            ckpt.save(step, {"reward": rm}, {"step": step, "sampler": sampler.state_dict()})
+
+    final = evaluate(rm, eval_set, *eval_args)
+    summary = {
+        "stage": "rm", "steps": step,
+        "final_train_loss": metrics.get("loss"),
+        **final,
+        "reward_mean": rm.reward_mean, "reward_std": rm.reward_std,
+        "train_data": vars(train_report), "eval_data": vars(eval_report),
+        "wall_seconds": time.perf_counter() - start,
+        "checkpoint": str(ckpt.latest()),
+    }
+    write_summary(out, summary)
+    log.info(f"done: eval accuracy {final['eval_accuracy']:.3f}, margin {final['eval_margin']:.3f}")
+    log.close()
+    return summary

@@ -1,0 +1,61 @@
+"""Role outputs mean what the trainers assume: shifted next-token log-probs of
+temperature-scaled logits with padded vocabulary excluded, entropy of the same
+distribution, reward at the last non-pad token, a frozen reference, dropout off."""
+
+import math
+
+import pytest
+import torch
+
+from distributed import TINY_MODEL, torchrun
+from workers.role_semantics import TEMPERATURE
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def res(tmp_path_factory):
+    out = tmp_path_factory.mktemp("semantics") / "res.pt"
+    torchrun(1, "tests/workers/role_semantics.py", f"--out={out}", *TINY_MODEL)
+    return torch.load(out, weights_only=False)
+
+
+def test_logprobs_are_next_token_logprobs_of_scaled_logits(res):
+    logits, tokens, vocab = res["logits"], res["tokens"], res["vocab"]
+    assert logits.size(-1) > vocab  # padded vocabulary: the test must see padding excluded
+    logp = torch.log_softmax(logits[..., :vocab] / TEMPERATURE, dim=-1)
+    want = logp[:, :-1].gather(-1, tokens[:, 1:, None]).squeeze(-1)
+    torch.testing.assert_close(res["logprobs"][:, :-1], want, atol=1e-5, rtol=0)
+    assert torch.all(res["logprobs"][:, -1] == 0)
+
+
+def test_entropy_of_the_same_distribution(res):
+    logp = torch.log_softmax(res["logits"][..., : res["vocab"]] / TEMPERATURE, dim=-1)
+    want = -(logp.exp() * logp).sum(-1)[:, :-1]
+    torch.testing.assert_close(res["entropy"][:, :-1], want, atol=1e-5, rtol=0)
+
+
+def test_reward_is_the_value_at_the_last_non_pad_token(res):
+    last = res["lengths"] - 1
+    want = res["values"][torch.arange(len(last)), last]
+    torch.testing.assert_close(res["rewards"], want, atol=1e-6, rtol=0)
+    assert len(set(res["rewards"].tolist())) == len(last)
+
+
+def test_value_head_init(res):
+    weight = res["head_weight"]
+    assert weight.shape == (1, 64)
+    assert torch.all(res["head_bias"] == 0)
+    # N(0, 1/sqrt(d_model + 1)): sample std within sampling error for 64 draws
+    assert weight.std().item() == pytest.approx(1 / math.sqrt(65), rel=0.3)
+
+
+def test_reference_is_frozen_and_dropout_is_off(res):
+    assert res["reference_trainable_params"] == 0
+    assert res["reference_training_mode"] is False
+    assert res["reference_train_step_refused"]
+    assert res["dropout"] == (0.0, 0.0)
+
+
+def test_saving_a_fresh_optimizer_leaves_the_first_step_unchanged(res):
+    assert res["fresh_save_step_diff"] == 0.0

@@ -1,0 +1,132 @@
+"""SFT and RM stages on the built-in sentiment task, run as users run them
+(`python -m megatron_rlhf sft|rm` under torchrun), checked through what they write."""
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from distributed import REPO, read_global_tensors, torchrun
+
+pytestmark = pytest.mark.slow
+
+RECIPE = ["--config", "pipelines/tiny_cpu.yaml"]
+# Smaller than the recipe so CI stays quick; still enough to learn the task.
+SIZES = ["data.task_sizes.sft_train=1024", "data.task_sizes.preference_train=1024",
+         "data.task_sizes.sft_eval=128", "data.task_sizes.preference_eval=128"]
+SFT_STEPS, RM_STEPS = 60, 60
+# SFT must bring the eval NLL of response tokens below this fraction of its start.
+SFT_EVAL_LOSS_RATIO = 0.6
+RM_MIN_ACCURACY = 0.9
+
+
+def stage(nproc, command, root, run, *overrides):
+    return torchrun(nproc, "-m", "megatron_rlhf", command, *RECIPE, *SIZES,
+                    f"checkpoint.root={root}", f"checkpoint.run_name={run}", *overrides)
+
+
+def summary(root, run, name):
+    return json.loads((root / run / name / "summary.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    root = tmp_path_factory.mktemp("stages")
+    sft = [f"sft.steps={SFT_STEPS}", f"sft.save_interval={SFT_STEPS // 2}", f"sft.eval_interval={SFT_STEPS // 2}"]
+    stage(1, "sft", root, "main", *sft)
+    stage(1, "rm", root, "main", f"rm.steps={RM_STEPS}", f"rm.eval_interval={RM_STEPS // 2}")
+    # The same SFT run resumed from its mid-run checkpoint, in a fresh run directory.
+    stage(1, "sft", root, "resumed", *sft,
+          f"checkpoint.load={root}/main/sft/iter_{SFT_STEPS // 2:07d}")
+    return root
+
+
+def test_sft_lowers_eval_loss(root):
+    s = summary(root, "main", "sft")
+    assert s["stage"] == "sft" and s["steps"] == SFT_STEPS
+    assert s["eval_loss"] < SFT_EVAL_LOSS_RATIO * s["eval_loss_start"], s
+    for key in ("final_train_loss", "wall_seconds", "checkpoint"):
+        assert s[key] is not None
+
+
+def test_rm_learns_the_preferences(root):
+    s = summary(root, "main", "rm")
+    assert s["eval_accuracy"] >= RM_MIN_ACCURACY, s
+    assert s["eval_margin"] > 0
+    # normalisation over SFT responses is stored with the checkpoint
+    assert s["reward_std"] > 0 and s["reward_mean"] != 0.0
+
+
+def test_resumed_sft_equals_uninterrupted(root):
+    last = f"iter_{SFT_STEPS:07d}"
+    want = read_global_tensors(root / "main" / "sft" / last / "actor")
+    got = read_global_tensors(root / "resumed" / "sft" / last / "actor")
+    assert want.keys() == got.keys()
+    for key in want:
+        assert torch.equal(want[key], got[key]), key
+    assert summary(root, "resumed", "sft")["eval_loss"] == summary(root, "main", "sft")["eval_loss"]
+
+
+def test_checkpoint_layout_and_retention(root):
+    sft_dir = root / "main" / "sft"
+    assert (sft_dir / "latest").read_text().strip() == f"iter_{SFT_STEPS:07d}"
+    iters = sorted(p.name for p in sft_dir.glob("iter_*"))
+    assert iters == [f"iter_{SFT_STEPS // 2:07d}", f"iter_{SFT_STEPS:07d}"]
+    assert not list(sft_dir.glob("*.tmp"))
+    assert (sft_dir / iters[-1] / "trainer_state" / "rank_00000.pt").is_file()
+
+
+@pytest.mark.parametrize("name", ["sft", "rm"])
+def test_tensorboard_matches_metrics_jsonl(root, name):
+    lines = [json.loads(x) for x in (root / "main" / name / "metrics.jsonl").read_text().splitlines()]
+    assert lines, "nothing logged"
+    acc = EventAccumulator(str(root / "main" / name / "tensorboard"))
+    acc.Reload()
+    keys = {k for line in lines for k in line if k != "step"}
+    assert {f"{name}/{k}" for k in keys} <= set(acc.Tags()["scalars"])
+    for key in keys:
+        logged = {x["step"]: x[key] for x in lines if key in x}
+        events = {e.step: e.value for e in acc.Scalars(f"{name}/{key}")}
+        assert events == pytest.approx(logged, rel=1e-6), key  # TensorBoard stores float32
+
+
+def test_checkpoint_saved_at_tp2_loads_at_tp1_with_identical_outputs(root):
+    """SFT at TP2 (2 processes); then SFT at TP1 resumed from it: the eval loss the TP1 run
+    computes right after loading equals the TP2 run's final eval loss."""
+    steps = ["sft.steps=6", "sft.optimizer.warmup_steps=2", "sft.save_interval=0", "sft.eval_interval=6",
+             "data.task_sizes.sft_train=256"]
+    stage(2, "sft", root, "tp2", "parallel.tensor_parallel=2", *steps)
+    shutil.copytree(root / "tp2" / "sft", root / "tp1" / "sft")
+    (root / "tp1" / "sft" / "summary.json").unlink()
+    stage(1, "sft", root, "tp1", *steps[1:], "sft.steps=8")
+    tp2, tp1 = summary(root, "tp2", "sft"), summary(root, "tp1", "sft")
+    assert tp1["eval_loss_start"] == pytest.approx(tp2["eval_loss"], abs=1e-5)
+    assert tp1["steps"] == 8
+
+
+def test_sft_on_user_jsonl_with_a_local_hf_tokenizer(tmp_path):
+    """The path users take: their own JSONL files and tokenizer directory, no built-in task."""
+    from test_data import make_hf_dir
+
+    tok = make_hf_dir(tmp_path / "tok", {"eos_token": "</s>", "pad_token": "<pad>"})
+    rows = [{"prompt": "hello", "response": "world again", "source": "kept-and-ignored"}] * 16
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "eval.jsonl").write_text(json.dumps({"prompt": "hello world", "response": "again"}) + "\n")
+    stage(1, "sft", tmp_path, "user", "data.task=null", f"data.tokenizer={tok}",
+          f"data.sft_train={tmp_path / 'train.jsonl'}", f"data.sft_eval={tmp_path / 'eval.jsonl'}",
+          "sft.steps=3", "sft.optimizer.warmup_steps=0", "sft.global_batch_size=8", "sft.micro_batch_size=4")
+    s = summary(tmp_path, "user", "sft")
+    assert s["steps"] == 3 and s["train_data"]["total"] == 16 and s["eval_loss"] < s["eval_loss_start"]
+
+
+def test_bad_user_data_stops_with_file_line_and_field(tmp_path):
+    (tmp_path / "train.jsonl").write_text('{"prompt": "hello", "response": "world"}\n{"prompt": "hello"}\n')
+    proc = subprocess.run(
+        [sys.executable, "-m", "megatron_rlhf", "sft", *RECIPE, f"data.sft_train={tmp_path / 'train.jsonl'}",
+         f"checkpoint.root={tmp_path}"], capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert proc.returncode == 2
+    assert f"data error: {tmp_path / 'train.jsonl'}:2: field 'response': missing" in proc.stderr

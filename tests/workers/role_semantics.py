@@ -1,0 +1,75 @@
+"""torchrun worker for tests/test_role_semantics.py: what each role's outputs mean.
+
+Computes the roles' outputs and, beside them, the same quantities from first principles
+(full logits from the bare GPTModel, log_softmax, gathers), and writes both to --out.
+"""
+
+import argparse
+from pathlib import Path
+
+import torch
+
+from megatron_rlhf import parallel
+from megatron_rlhf.checkpoint.dist import save_role
+from megatron_rlhf.config import load_config
+from megatron_rlhf.models.roles import Actor, Critic, Reference, RewardModel
+
+TEMPERATURE = 0.7
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("overrides", nargs="*")
+    args = ap.parse_args()
+    cfg = load_config(None, args.overrides)
+    parallel.initialize(cfg)
+    vocab = cfg.model.vocab_size
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, vocab, (4, 12), generator=g)
+    lengths = torch.tensor([12, 7, 3, 9])
+    res = {"tokens": tokens, "lengths": lengths, "vocab": vocab}
+
+    actor = Actor(cfg, temperature=TEMPERATURE)
+    out = actor.forward({"tokens": tokens}, micro_batch_size=2)
+    res.update(logprobs=out["logprobs"], entropy=out["entropy"])
+    with torch.no_grad():  # full logits [b, s, padded_vocab] straight from megatron's GPTModel
+        position_ids = torch.arange(tokens.size(1)).expand_as(tokens)
+        res["logits"] = actor.module(tokens, position_ids, None)
+
+    reward_model = RewardModel(cfg)
+    critic = Critic(cfg)
+    critic.module.load_state_dict(reward_model.module.state_dict())  # same network, same weights
+    res["rewards"] = reward_model.forward({"tokens": tokens, "lengths": lengths}, 2)["rewards"]
+    res["values"] = critic.forward({"tokens": tokens}, 2)["values"]
+    head = reward_model.module.output_layer
+    res["head_weight"], res["head_bias"] = head.weight.detach().clone(), head.bias.detach().clone()
+
+    reference = Reference(cfg)
+    res["reference_trainable_params"] = sum(p.requires_grad for p in reference.module.parameters())
+    res["reference_training_mode"] = reference.module.training
+    try:
+        reference.train_step({"tokens": tokens}, 2, lambda o, mb: o["logprobs"].mean())
+        res["reference_train_step_refused"] = False
+    except AssertionError:
+        res["reference_train_step_refused"] = True
+    res["dropout"] = (actor.module.config.hidden_dropout, actor.module.config.attention_dropout)
+
+    # Saving a never-stepped optimizer (its Adam state is materialised for megatron) must not
+    # change the first step.
+    twin = Actor(cfg, temperature=TEMPERATURE)
+    twin.module.load_state_dict(actor.module.state_dict())
+    twin.optimizer.reload_model_params()
+    save_role(twin, args.out.parent / "fresh_optimizer")
+    loss_fn = lambda o, mb: -o["logprobs"].mean()  # noqa: E731
+    actor.train_step({"tokens": tokens}, 2, loss_fn)
+    twin.train_step({"tokens": tokens}, 2, loss_fn)
+    res["fresh_save_step_diff"] = max(
+        (p - q).abs().max().item() for p, q in zip(actor.module.parameters(), twin.module.parameters())
+    )
+    torch.save(res, args.out)
+    parallel.destroy()
+
+
+if __name__ == "__main__":
+    main()
