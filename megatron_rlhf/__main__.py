@@ -14,6 +14,7 @@ COMMANDS = {
     "smoke": "the four roles at the configured TP x PP: forward + one optimizer step each",
     "sft": "supervised fine-tuning stage -> <run>/sft",
     "rm": "reward-model stage (starts from the SFT checkpoint) -> <run>/rm",
+    "ppo": "PPO stage (actor/reference from SFT, reward model/critic from RM) -> <run>/ppo",
 }
 
 
@@ -30,6 +31,10 @@ def run_command(command: str, cfg) -> None:
         from megatron_rlhf.trainers import rm
 
         rm.train(cfg)
+    elif command == "ppo":
+        from megatron_rlhf.trainers import ppo
+
+        ppo.train(cfg)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -16,6 +16,8 @@ from typing import Any
 
 import yaml
 
+from megatron_rlhf.data.tasks.base import TaskSizes
+
 
 class ConfigError(ValueError):
     """A bad configuration value; the message names the field and the fix."""
@@ -84,23 +86,11 @@ OVERFLOW_POLICIES = ("truncate", "drop")
 
 
 @dataclass
-class TaskSizesConfig:
-    """How many examples the built-in task generates per split."""
-
-    sft_train: int = 2000
-    sft_eval: int = 200
-    preference_train: int = 2000
-    preference_eval: int = 200
-    ppo_prompts: int = 1000
-    eval_prompts: int = 100
-
-
-@dataclass
 class DataConfig:
     # A built-in task (megatron_rlhf/data/tasks) generates every split from `seed`; a JSONL
     # path given below replaces that split. task: null means all needed paths must be given.
     task: str | None = "sentiment"
-    task_sizes: TaskSizesConfig = field(default_factory=TaskSizesConfig)
+    task_sizes: TaskSizes = field(default_factory=TaskSizes)
     # "builtin": the task's word-level tokenizer; otherwise a local HF tokenizer directory.
     tokenizer: str = "builtin"
     sft_train: str | None = None
@@ -141,6 +131,46 @@ class RMConfig(StageConfig):
 
 
 @dataclass
+class PPOConfig:
+    steps: int = 40                  # iterations: generate -> score -> train
+    rollout_batch_size: int = 32     # prompts per iteration, over all data-parallel ranks
+    mini_batch_size: int = 16        # sequences per optimizer step, over all data-parallel ranks
+    micro_batch_size: int = 8
+    ppo_epochs: int = 2              # passes over each rollout batch, reshuffled every epoch
+    # Sampling (also the temperature of the recomputed log-probs).
+    max_new_tokens: int = 12
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    # Reward: r_t = -kl_coef * KL_t (kl_in_reward), RM score added at the last response token.
+    kl_coef: float = 0.05
+    kl_controller: str = "fixed"     # fixed | adaptive (Ziegler et al.)
+    kl_target: float = 6.0
+    kl_horizon: float = 10000.0
+    kl_estimator: str = "k1"         # k1 | k2 | k3
+    kl_in_reward: bool = True        # False: the KL penalty goes into the actor loss instead
+    missing_eos_penalty: float | None = None  # score given to responses without EOS
+    reward_clip: float = 10.0        # clip RM scores to [-reward_clip, reward_clip]
+    gamma: float = 1.0
+    lam: float = 0.95
+    whiten_advantages: bool = True
+    clip_eps: float = 0.2
+    value_clip: float = 0.2
+    vf_coef: float = 1.0
+    entropy_coef: float = 0.0
+    critic_warmup_steps: int = 0     # iterations that train only the critic
+    eval_interval: int = 10
+    eval_samples_logged: int = 3
+    log_interval: int = 1
+    save_interval: int = 0           # 0: save only at the end
+    actor_optimizer: OptimizerConfig = field(default_factory=lambda: OptimizerConfig(lr=1e-5))
+    critic_optimizer: OptimizerConfig = field(default_factory=lambda: OptimizerConfig(lr=1e-5))
+    # Stage (or iter_*) directories of the inputs; default <run>/sft and <run>/rm.
+    sft_from: str | None = None
+    rm_from: str | None = None
+
+
+@dataclass
 class CheckpointConfig:
     # Stages write to <root>/<run_name>/<stage>/.
     root: str = "checkpoints"
@@ -167,6 +197,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
     rm: RMConfig = field(default_factory=RMConfig)
+    ppo: PPOConfig = field(default_factory=PPOConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
@@ -227,7 +258,10 @@ def from_dict(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
             kwargs[key] = from_dict(annotation, value, prefix=f"{full}.")
         else:
             kwargs[key] = _check_type(value, annotation, full)
-    return cls(**kwargs)
+    try:
+        return cls(**kwargs)
+    except (TypeError, ValueError) as err:  # checks in the dataclass itself
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: {err}") from err
 
 
 def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
@@ -345,8 +379,9 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
         raise ConfigError(f"data.overflow={cfg.data.overflow!r}: choose one of {OVERFLOW_POLICIES}")
     for name in ("sft", "rm"):
         _validate_stage(name, getattr(cfg, name), m, dp)
-    for name in ("optimizer", "sft.optimizer", "rm.optimizer"):
+    for name in ("optimizer", "sft.optimizer", "rm.optimizer", "ppo.actor_optimizer", "ppo.critic_optimizer"):
         _validate_optimizer(name, _get_dotted(cfg, name))
+    _validate_ppo(cfg.ppo, m, dp)
     if cfg.checkpoint.keep_last < 1:
         raise ConfigError(f"checkpoint.keep_last={cfg.checkpoint.keep_last}: must be >= 1")
     return cfg
@@ -384,3 +419,33 @@ def _validate_stage(name: str, st: StageConfig, m: ModelConfig, dp: int) -> None
         )
     if st.optimizer.warmup_steps > st.steps:
         raise ConfigError(f"{name}.optimizer.warmup_steps={st.optimizer.warmup_steps}: more than {name}.steps={st.steps}")
+
+
+def _validate_ppo(p: PPOConfig, m: ModelConfig, dp: int) -> None:
+    for key in ("steps", "rollout_batch_size", "mini_batch_size", "micro_batch_size", "ppo_epochs",
+                "max_new_tokens", "eval_interval", "log_interval"):
+        if getattr(p, key) < 1:
+            raise ConfigError(f"ppo.{key}={getattr(p, key)}: must be >= 1")
+    if p.rollout_batch_size % p.mini_batch_size:
+        raise ConfigError(f"ppo.rollout_batch_size={p.rollout_batch_size}: must be a multiple of "
+                          f"ppo.mini_batch_size={p.mini_batch_size}")
+    if p.mini_batch_size % (p.micro_batch_size * dp):
+        raise ConfigError(f"ppo.mini_batch_size={p.mini_batch_size}: must be a multiple of "
+                          f"ppo.micro_batch_size={p.micro_batch_size} x data-parallel size {dp}")
+    if p.max_new_tokens >= m.max_seq_length:
+        raise ConfigError(f"ppo.max_new_tokens={p.max_new_tokens}: leaves no room for a prompt in "
+                          f"model.max_seq_length={m.max_seq_length}")
+    if p.temperature <= 0:
+        raise ConfigError(f"ppo.temperature={p.temperature}: must be > 0")
+    if not 0 < p.top_p <= 1 or p.top_k < 0:
+        raise ConfigError(f"ppo.top_p={p.top_p}, ppo.top_k={p.top_k}: need 0 < top_p <= 1 and top_k >= 0")
+    choices = {"kl_estimator": ("k1", "k2", "k3"), "kl_controller": ("fixed", "adaptive")}
+    for key, allowed in choices.items():
+        if getattr(p, key) not in allowed:
+            raise ConfigError(f"ppo.{key}={getattr(p, key)!r}: choose one of {allowed}")
+    if p.kl_target <= 0 or p.kl_horizon <= 0:
+        raise ConfigError(f"ppo.kl_target={p.kl_target}, ppo.kl_horizon={p.kl_horizon}: must be > 0")
+    if not (0 <= p.gamma <= 1 and 0 <= p.lam <= 1):
+        raise ConfigError(f"ppo.gamma={p.gamma}, ppo.lam={p.lam}: must be in [0, 1]")
+    if p.clip_eps <= 0 or p.value_clip <= 0 or p.reward_clip <= 0:
+        raise ConfigError("ppo.clip_eps, ppo.value_clip and ppo.reward_clip must be > 0")

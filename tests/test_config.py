@@ -87,3 +87,9 @@ def test_other_cross_field_rules():
                        "parallel.tensor_parallel=2")
     assert_error_names("model.num_layers", "model.num_layers=0")
     assert_error_names("parallel.backend", "parallel.backend=mpi")
+
+
+def test_task_sizes_are_checked_with_the_field():
+    with pytest.raises(ConfigError, match=r"^data.task_sizes: .*sft_eval"):
+        cfg_with("data.task_sizes.sft_eval=0")
+    assert cfg_with("data.task_sizes.sft_eval=7").data.task_sizes.sft_eval == 7

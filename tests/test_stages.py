@@ -116,7 +116,7 @@ def test_sft_on_user_jsonl_with_a_local_hf_tokenizer(tmp_path):
     rows = [{"prompt": "hello", "response": "world again", "source": "kept-and-ignored"}] * 16
     (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (tmp_path / "eval.jsonl").write_text(json.dumps({"prompt": "hello world", "response": "again"}) + "\n")
-    stage(1, "sft", tmp_path, "user", "data.task=null", f"data.tokenizer={tok}",
+    stage(1, "sft", tmp_path, "user", "data.task=null", f"data.tokenizer={tok}", "model.vocab_size=6",
           f"data.sft_train={tmp_path / 'train.jsonl'}", f"data.sft_eval={tmp_path / 'eval.jsonl'}",
           "sft.steps=3", "sft.optimizer.warmup_steps=0", "sft.global_batch_size=8", "sft.micro_batch_size=4")
     s = summary(tmp_path, "user", "sft")

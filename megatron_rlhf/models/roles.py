@@ -116,8 +116,9 @@ class Role:
 
         def loss_func(o):
             loss = loss_fn(o, mb)
+            loss, stats = loss if isinstance(loss, tuple) else (loss, {})
             # clone: the schedule divides `loss` in place by the number of microbatches
-            return loss, {"loss": loss.detach().clone()}
+            return loss, {"loss": loss.detach().clone(), **{k: v.detach() for k, v in stats.items()}}
 
         return out, loss_func
 
@@ -144,8 +145,9 @@ class Role:
     def train_step(self, batch: Batch, micro_batch_size: int, loss_fn: LossFn) -> dict[str, float]:
         """One optimizer step on `batch`: gradient accumulation over its microbatches.
 
-        `loss_fn(outputs, microbatch)` returns the microbatch's mean loss; the step minimises
-        the mean over microbatches (and over data-parallel ranks).
+        `loss_fn(outputs, microbatch)` returns the microbatch's mean loss, or (loss, stats)
+        with 0-dim tensors to report; the step minimises the mean over microbatches (and over
+        data-parallel ranks). Returns the microbatch means of loss and stats on every rank.
         """
         assert self.trainable, f"{type(self).__name__} is frozen"
         self.model.train()
@@ -155,9 +157,13 @@ class Role:
         update_ok, grad_norm, _ = self.optimizer.step()
         if update_ok:
             self.scheduler.step(increment=1)
-        loss = torch.stack([d["loss"] for d in store]).mean() if store else torch.zeros((), device=device())
-        loss = broadcast_from_last_stage({"loss": loss}, {"loss": torch.Size([])})["loss"]
-        return {"loss": loss.item(), "grad_norm": float(grad_norm or 0.0), "update_ok": bool(update_ok),
+        means = [{k: float(torch.stack([d[k] for d in store]).float().mean()) for k in store[0]}] if store else [None]
+        if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+            torch.distributed.broadcast_object_list(
+                means, src=parallel_state.get_pipeline_model_parallel_last_rank(),
+                group=parallel_state.get_pipeline_model_parallel_group(),
+            )
+        return {**means[0], "grad_norm": float(grad_norm or 0.0), "update_ok": bool(update_ok),
                 "lr": self.optimizer.param_groups[0]["lr"]}
 
 

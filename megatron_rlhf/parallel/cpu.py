@@ -126,6 +126,10 @@ class _Event:
         return 0.0
 
 
+def _assert_not_none(tensor) -> None:
+    assert tensor is not None
+
+
 def apply() -> bool:
     """Install the CPU adaptations once. Returns True when they are active."""
     global _applied, _mode
@@ -154,6 +158,10 @@ def apply() -> bool:
     torch.cuda.Event = _Event
     # Empty-cache and memory queries (DDP offload, optimizer offload): no device cache.
     torch.cuda.empty_cache = lambda: None
+    # PP inference p2p (inference/communication_utils.py:28) asserts `tensor.is_cuda`.
+    from megatron.core.inference import communication_utils
+
+    communication_utils._is_cuda = _assert_not_none
 
     _mode = _CudaToCpu()
     _mode.__enter__()  # stays active for the life of the process

@@ -4,7 +4,7 @@ slicing, padded forward passes, resume, and the summary file."""
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +14,7 @@ import torch.distributed as dist
 from megatron_rlhf.config import Config, ConfigError
 from megatron_rlhf.data import jsonl
 from megatron_rlhf.data.tasks import get_task
-from megatron_rlhf.data.tasks.base import Task, TaskSizes
+from megatron_rlhf.data.tasks.base import Task
 from megatron_rlhf.data.tokenizers import Tokenizer, load_tokenizer
 
 
@@ -48,7 +48,7 @@ def load_stage_data(cfg: Config, needed: tuple[str, ...]) -> StageData:
     task = get_task(d.task) if d.task else None
     generated = None
     if task is not None and any(getattr(d, name) is None for name in needed):
-        generated = task.splits(cfg.seed, TaskSizes(**asdict(d.task_sizes)))
+        generated = task.splits(cfg.seed, d.task_sizes)
         if dist.get_rank() == 0:
             generated.write(run_dir(cfg) / "data")
     splits = {}
@@ -61,10 +61,11 @@ def load_stage_data(cfg: Config, needed: tuple[str, ...]) -> StageData:
         else:
             raise ConfigError(f"data.{name}: no file given and data.task is null; set one of them")
     tokenizer = load_tokenizer(d.tokenizer, task.words() if task else None)
-    if tokenizer.vocab_size > cfg.model.vocab_size:
+    if tokenizer.vocab_size != cfg.model.vocab_size:
+        # Ids the tokenizer lacks would still get probability mass when sampling.
         raise ConfigError(
-            f"model.vocab_size={cfg.model.vocab_size}: smaller than the tokenizer's vocabulary "
-            f"({tokenizer.vocab_size}, data.tokenizer={d.tokenizer}); raise model.vocab_size"
+            f"model.vocab_size={cfg.model.vocab_size}: the tokenizer (data.tokenizer={d.tokenizer}) has "
+            f"{tokenizer.vocab_size} tokens; set model.vocab_size={tokenizer.vocab_size}"
         )
     return StageData(tokenizer, task, splits)
 
@@ -105,6 +106,16 @@ def resume_source(cfg: Config, ckpt) -> Path | str | None:
     if cfg.checkpoint.resume and ckpt.latest() is not None:
         return ckpt.stage_dir
     return None
+
+
+def resume(cfg: Config, ckpt, roles: dict, sampler) -> tuple[int, str | None]:
+    """Load the stage's checkpoint to resume from, if any: (step, a line for the log)."""
+    source = resume_source(cfg, ckpt)
+    if source is None:
+        return 0, None
+    state = ckpt.load(roles, source)
+    sampler.load_state_dict(state["sampler"])
+    return state["step"], f"resumed from {state['checkpoint']} at step {state['step']}"
 
 
 def write_summary(directory: Path, summary: dict[str, Any]) -> None:

@@ -25,7 +25,7 @@ from megatron_rlhf.data.sampler import EpochSampler
 from megatron_rlhf.logging import MetricsLogger
 from megatron_rlhf.models.roles import RewardModel
 from megatron_rlhf.trainers.common import (
-    all_reduce_sum, data_parallel, dp_slice, load_stage_data, padded_forward, resume_source,
+    all_reduce_sum, data_parallel, dp_slice, load_stage_data, padded_forward, resume,
     stage_dir, write_summary,
 )
 
@@ -69,13 +69,8 @@ def train(cfg: Config) -> dict:
     rm = RewardModel(cfg, trainable=True, optimizer=st.optimizer, total_steps=st.steps)
     sampler = EpochSampler(len(train_set), seed=cfg.seed)
     ckpt = CheckpointManager(out, cfg.checkpoint.keep_last)
-    step, source = 0, resume_source(cfg, ckpt)
-    if source is not None:
-        state = ckpt.load({"reward": rm}, source)
-        step = state["step"]
-        sampler.load_state_dict(state["sampler"])
-        init_note = f"resumed from {state['checkpoint']} at step {step}"
-    else:
+    step, init_note = resume(cfg, ckpt, {"reward": rm}, sampler)
+    if init_note is None:
         sft_ckpt = resolve_checkpoint(st.init_from or stage_dir(cfg, "sft"))
         load_model_weights(rm, sft_ckpt / "actor", skip_prefixes=("output_layer.",))
         init_note = f"initialised from {sft_ckpt} (fresh value head)"

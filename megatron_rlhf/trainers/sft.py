@@ -20,7 +20,7 @@ from megatron_rlhf.data.sampler import EpochSampler
 from megatron_rlhf.logging import MetricsLogger
 from megatron_rlhf.models.roles import Actor
 from megatron_rlhf.trainers.common import (
-    all_reduce_sum, data_parallel, dp_slice, load_stage_data, padded_forward, resume_source,
+    all_reduce_sum, data_parallel, dp_slice, load_stage_data, padded_forward, resume,
     stage_dir, write_summary,
 )
 
@@ -53,15 +53,11 @@ def train(cfg: Config) -> dict:
     actor = Actor(cfg, trainable=True, optimizer=st.optimizer, total_steps=st.steps)
     sampler = EpochSampler(len(train_set), seed=cfg.seed)
     ckpt = CheckpointManager(out, cfg.checkpoint.keep_last)
-    step, source = 0, resume_source(cfg, ckpt)
-    if source is not None:
-        state = ckpt.load({"actor": actor}, source)
-        step = state["step"]
-        sampler.load_state_dict(state["sampler"])
+    step, resumed = resume(cfg, ckpt, {"actor": actor}, sampler)
     log = MetricsLogger(out, "sft", st.steps, resume_step=step, tensorboard=cfg.logging.tensorboard)
     log.info(f"train data: {train_report}; eval data: {eval_report}")
-    if source is not None:
-        log.info(f"resumed from {state['checkpoint']} at step {step}")
+    if resumed:
+        log.info(resumed)
     eval_args = (data.tokenizer.pad_id, st.seq_length, st.micro_batch_size)
     eval_loss_start = evaluate(actor, eval_set, *eval_args)
     dp_rank, dp_size = data_parallel()

@@ -1,0 +1,99 @@
+"""Time-shared colocation: which roles live on the device in which PPO phase.
+
+The schedule is data (PHASES below). Entering a phase onloads what it needs and offloads
+the rest: frozen roles move their parameters to (pinned) host memory; trained roles keep
+their parameters but move optimizer states and gradient buffers off the device outside
+`train`. Every phase records wall time and peak memory (device memory on GPU; on CPU the
+moves are no-ops and the peak is the process's peak RSS so far).
+"""
+
+from __future__ import annotations
+
+import resource
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+# phase -> roles whose parameters must be on the device; "+optimizer" marks roles that train.
+PHASES: dict[str, dict[str, str]] = {
+    "generate": {"actor": "params"},
+    "score": {"actor": "params", "reference": "params", "reward": "params", "critic": "params"},
+    "train": {"actor": "params+optimizer", "critic": "params+optimizer"},
+    "eval": {"actor": "params", "reward": "params"},
+}
+
+
+@dataclass
+class PhaseStats:
+    seconds: float = 0.0
+    calls: int = 0
+    peak_memory_bytes: int = 0
+    tokens: int = 0
+
+
+@dataclass
+class ColocationScheduler:
+    roles: dict  # name -> Role
+    phases: dict[str, dict[str, str]] = field(default_factory=lambda: PHASES)
+    stats: dict[str, PhaseStats] = field(default_factory=dict)
+    on_device: dict[str, str] = field(default_factory=dict)  # name -> "params" | "params+optimizer" | "host"
+
+    def __post_init__(self):
+        unknown = {r for needs in self.phases.values() for r in needs} - set(self.roles)
+        if unknown:
+            raise ValueError(f"phase table names roles that do not exist: {sorted(unknown)}")
+        self.on_device = {name: "params+optimizer" if role.trainable else "params"
+                          for name, role in self.roles.items()}
+        self._current, self._start = None, 0.0
+
+    def enter(self, phase: str) -> None:
+        """Close the current phase (if any), move memory for `phase`, start its clock."""
+        if self._current is not None:
+            self.exit()
+        for name, role in self.roles.items():
+            self._place(name, role, self.phases[phase].get(name, "host"))
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+        self._current, self._start = phase, time.perf_counter()
+
+    def exit(self, tokens: int = 0) -> None:
+        st = self.stats.setdefault(self._current, PhaseStats())
+        st.seconds += time.perf_counter() - self._start
+        st.calls += 1
+        st.tokens += tokens
+        st.peak_memory_bytes = max(st.peak_memory_bytes, peak_memory_bytes())
+        self._current = None
+
+    def _place(self, name: str, role, want: str) -> None:
+        have = self.on_device[name]
+        if have == want:
+            return
+        if torch.cuda.is_available():  # on CPU everything already lives in host memory
+            _move(role, have, want)
+        self.on_device[name] = want
+
+    def summary(self) -> dict[str, dict[str, float]]:
+        return {p: {"seconds": s.seconds, "calls": s.calls, "peak_memory_bytes": s.peak_memory_bytes,
+                    "tokens_per_s": s.tokens / s.seconds if s.seconds else 0.0}
+                for p, s in self.stats.items()}
+
+
+def peak_memory_bytes() -> int:
+    if torch.cuda.is_available():
+        return int(torch.cuda.max_memory_allocated())
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
+
+
+def _move(role, have: str, want: str) -> None:
+    """GPU only (marked for GPU checks): megatron-core's RL offload helpers for trained roles,
+    whole-module moves for frozen ones."""
+    if role.trainable:
+        if "optimizer" in have and "optimizer" not in want:
+            role.optimizer.offload_to_cpu()
+            role.model.offload_grad_buffers()
+        elif "optimizer" in want and "optimizer" not in have:
+            role.model.restore_grad_buffers()
+            role.optimizer.restore_from_cpu()
+        return
+    role.module.to("cpu" if want == "host" else torch.cuda.current_device())

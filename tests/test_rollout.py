@@ -1,0 +1,70 @@
+"""The in-place Megatron rollout engine: KV-cached decoding equals full recomputation,
+TP2 / PP2 / TP2-PP2 generate exactly what TP1-PP1 does, rollout log-probs equal the
+actor's recomputed ones, EOS stops a row and the rest is padding."""
+
+import pytest
+import torch
+
+from distributed import TINY_MODEL, torchrun
+from workers.rollout_layouts import EOS, NEW, PAD, PROMPTS
+
+pytestmark = pytest.mark.slow
+LAYOUTS = {"tp2pp1": (2, 1, 2), "tp1pp2": (1, 2, 2), "tp2pp2": (2, 2, 4)}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("rollout")
+    worker = "tests/workers/rollout_layouts.py"
+    torchrun(1, worker, f"--root={root}", "--layout=tp1pp1", "--init", *TINY_MODEL)
+    for layout, (tp, pp, n) in LAYOUTS.items():
+        torchrun(n, worker, f"--root={root}", f"--layout={layout}", *TINY_MODEL,
+                 f"parallel.tensor_parallel={tp}", f"parallel.pipeline_parallel={pp}")
+    return {name: torch.load(root / f"rollout_{name}.pt", weights_only=False) for name in ["tp1pp1", *LAYOUTS]}
+
+
+def test_kv_cached_greedy_equals_full_recomputation(runs):
+    greedy = runs["tp1pp1"]["greedy"]
+    for row, want in enumerate(runs["tp1pp1"]["no_cache_greedy"]):
+        length = int(greedy["lengths"][row])
+        assert length == len(want)
+        assert greedy["tokens"][row, :length].tolist() == want
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_generation_matches_tp1pp1(runs, layout):
+    base, got = runs["tp1pp1"], runs[layout]
+    for kind in ("greedy", "sampled", "eos_run"):
+        assert torch.equal(got[kind]["tokens"], base[kind]["tokens"]), kind
+        assert torch.equal(got[kind]["lengths"], base[kind]["lengths"]), kind
+        torch.testing.assert_close(got[kind]["logprobs"], base[kind]["logprobs"], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("layout", ["tp1pp1", *LAYOUTS])
+def test_rollout_logprobs_equal_recomputed(runs, layout):
+    r = runs[layout]
+    mask = r["response_mask"]
+    assert mask.sum() > 0 and torch.all(r["sampled"]["logprobs"][mask == 0] == 0)
+    torch.testing.assert_close(r["sampled"]["logprobs"], r["recomputed_logprobs"], atol=1e-5, rtol=0)
+
+
+def test_ragged_prompts_are_kept_and_responses_bounded(runs):
+    r = runs["tp1pp1"]["sampled"]
+    for row, prompt in enumerate(PROMPTS):
+        assert r["tokens"][row, : len(prompt)].tolist() == prompt
+        assert int(r["prompt_lengths"][row]) == len(prompt)
+        assert 0 < int(r["lengths"][row]) - len(prompt) <= NEW
+        assert torch.all(r["tokens"][row, int(r["lengths"][row]):] == PAD)
+
+
+def test_eos_stops_the_row_and_pads_the_rest(runs):
+    r, eos = runs["tp1pp1"]["eos_run"], runs["tp1pp1"]["eos_id"]
+    assert eos != EOS
+    end = len(PROMPTS[0]) + 3  # EOS is the third generated token of row 0
+    assert int(r["lengths"][0]) == end and bool(r["finished"][0])
+    assert int(r["tokens"][0, end - 1]) == eos
+    assert torch.all(r["tokens"][0, end:] == PAD)
+    greedy = runs["tp1pp1"]["greedy"]
+    for row in range(1, len(PROMPTS)):  # other rows are unaffected unless they emit it too
+        n = int(r["lengths"][row])
+        assert r["tokens"][row, :n].tolist() == greedy["tokens"][row, :n].tolist()

@@ -1,0 +1,72 @@
+"""torchrun worker for tests/test_rollout.py: the in-place Megatron rollout engine at one layout.
+
+Loads the actor weights saved by the role-layout init (or saves them with --init), then:
+greedy and sampled generation of ragged prompts; the actor's recomputed log-probs of the
+sampled sequences; at TP1-PP1 also greedy decoding by full recomputation (no KV cache); and
+an EOS run where EOS is set to a token the greedy run produced, so where rows must stop is
+known. Results go to --out (global rank 0).
+"""
+
+import argparse
+from pathlib import Path
+
+import torch
+
+from megatron_rlhf import parallel
+from megatron_rlhf.checkpoint.dist import load_role, save_role
+from megatron_rlhf.config import load_config
+from megatron_rlhf.models.roles import Actor
+from megatron_rlhf.rollout import MegatronRolloutEngine, SamplingParams
+
+PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12, 13], [14, 15], [16, 17, 18, 19]]
+EOS, PAD = 1, 0
+NEW = 8
+
+
+def no_cache_greedy(actor: Actor, prompt: list[int]) -> list[int]:
+    tokens = list(prompt)
+    for _ in range(NEW):
+        t = torch.tensor([tokens])
+        logits = actor.module(t, torch.arange(len(tokens))[None], None)[0, -1, : actor.cfg.model.vocab_size]
+        tokens.append(int(logits.argmax()))
+    return tokens
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--root", type=Path, required=True)
+    ap.add_argument("--layout", required=True)
+    ap.add_argument("--init", action="store_true")
+    ap.add_argument("overrides", nargs="*")
+    args = ap.parse_args()
+    cfg = load_config(None, args.overrides)
+    parallel.initialize(cfg)
+    actor = Actor(cfg, trainable=False, temperature=0.8)
+    if args.init:
+        save_role(actor, args.root / "actor_init", with_optimizer=False)
+    else:
+        load_role(actor, args.root / "actor_init", with_optimizer=False)
+
+    engine = MegatronRolloutEngine(actor, eos_id=EOS, pad_id=PAD)
+    res = {}
+    greedy = engine.generate(PROMPTS, SamplingParams(temperature=0.8, max_new_tokens=NEW, greedy=True), seed=0)
+    sampled = engine.generate(PROMPTS, SamplingParams(temperature=0.8, top_k=20, top_p=0.9, max_new_tokens=NEW), seed=3)
+    res["greedy"], res["sampled"] = vars(greedy), vars(sampled)
+    recomputed = actor.forward({"tokens": sampled.tokens}, micro_batch_size=2)["logprobs"]
+    res["recomputed_logprobs"] = recomputed * sampled.response_mask()
+    res["response_mask"] = sampled.response_mask()
+
+    # EOS: make row 0's third generated token the EOS id; row 0 must stop right there.
+    eos = int(greedy.tokens[0, len(PROMPTS[0]) + 2])
+    stop = MegatronRolloutEngine(actor, eos_id=eos, pad_id=PAD).generate(
+        PROMPTS, SamplingParams(temperature=0.8, max_new_tokens=NEW, greedy=True), seed=0)
+    res["eos_id"], res["eos_run"] = eos, vars(stop)
+    if args.layout == "tp1pp1":
+        res["no_cache_greedy"] = [no_cache_greedy(actor, p) for p in PROMPTS]
+    if torch.distributed.get_rank() == 0:
+        torch.save(res, args.root / f"rollout_{args.layout}.pt")
+    parallel.destroy()
+
+
+if __name__ == "__main__":
+    main()
