@@ -1,4 +1,4 @@
-# Two commands matter on a fresh machine: `make smoke` (main job for now) and `make test`.
+# Two commands matter on a fresh machine: `make pipeline` (the main job) and `make test`.
 # Both create the virtual environment themselves.
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
@@ -13,7 +13,7 @@ PYTHON312 ?= $(shell (python3.12 -c 'import sys' >/dev/null 2>&1 && command -v p
 	(v=$$(pyenv versions --bare 2>/dev/null | grep '^3\.12' | tail -n1); \
 	 [ -n "$$v" ] && PYENV_VERSION=$$v pyenv which python3.12 2>/dev/null))
 
-.PHONY: setup test test-fast smoke sft rm bench clean-venv
+.PHONY: setup test test-fast pipeline smoke sft rm ppo bench clean-venv
 
 setup: $(STAMP)
 
@@ -36,13 +36,20 @@ smoke: setup
 	$(PY) -m torch.distributed.run --standalone --nproc-per-node $(NPROC) \
 	  -m megatron_rlhf smoke --config $(CONFIG) parallel.tensor_parallel=$(NPROC) $(ARGS)
 
+# SFT -> RM -> PPO on the default recipe (finished stages are skipped, partial ones resume).
+PIPELINE_NPROC ?= 1
+pipeline: setup
+	$(PY) -m torch.distributed.run --standalone --nproc-per-node $(PIPELINE_NPROC) \
+	  -m megatron_rlhf pipeline --config $(CONFIG) $(ARGS)
+
 # Stages on the default recipe; NPROC processes (data-parallel unless ARGS sets TP/PP).
-sft rm: setup
+sft rm ppo: setup
 	$(PY) -m torch.distributed.run --standalone --nproc-per-node $(NPROC) \
 	  -m megatron_rlhf $@ --config $(CONFIG) $(ARGS)
 
 bench: setup
 	$(PY) benchmarks/bench_roles.py
+	$(PY) benchmarks/ppo_step.py
 
 clean-venv:
 	rm -rf $(VENV)

@@ -15,6 +15,7 @@ COMMANDS = {
     "sft": "supervised fine-tuning stage -> <run>/sft",
     "rm": "reward-model stage (starts from the SFT checkpoint) -> <run>/rm",
     "ppo": "PPO stage (actor/reference from SFT, reward model/critic from RM) -> <run>/ppo",
+    "pipeline": "SFT -> RM -> PPO, skipping finished stages and resuming partial ones; report",
 }
 
 
@@ -35,6 +36,10 @@ def run_command(command: str, cfg) -> None:
         from megatron_rlhf.trainers import ppo
 
         ppo.train(cfg)
+    elif command == "pipeline":
+        from megatron_rlhf import pipeline
+
+        pipeline.run(cfg)
 
 
 def main(argv: list[str] | None = None) -> int:

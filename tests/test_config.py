@@ -93,3 +93,20 @@ def test_task_sizes_are_checked_with_the_field():
     with pytest.raises(ConfigError, match=r"^data.task_sizes: .*sft_eval"):
         cfg_with("data.task_sizes.sft_eval=0")
     assert cfg_with("data.task_sizes.sft_eval=7").data.task_sizes.sft_eval == 7
+
+
+@pytest.mark.parametrize("recipe, world_size", [
+    ("tiny_cpu.yaml", 1), ("tiny_cpu.yaml", 2), ("llama3_8b.yaml", 8), ("llama3_70b.yaml", 64),
+])
+def test_every_recipe_validates_at_its_layout(recipe, world_size):
+    from pathlib import Path
+
+    cfg = load_config(Path(__file__).resolve().parent.parent / "pipelines" / recipe)
+    validate(cfg, world_size=world_size)
+
+
+def test_recipes_directory_is_fully_covered():
+    from pathlib import Path
+
+    recipes = {p.name for p in (Path(__file__).resolve().parent.parent / "pipelines").glob("*.yaml")}
+    assert recipes == {"tiny_cpu.yaml", "llama3_8b.yaml", "llama3_70b.yaml"}

@@ -10,39 +10,22 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from distributed import REPO, read_global_tensors, torchrun
+from distributed import REPO, read_global_tensors
+from stages import RECIPE, SFT_STEPS, stage, summary
 
 pytestmark = pytest.mark.slow
 
-RECIPE = ["--config", "pipelines/tiny_cpu.yaml"]
-# Smaller than the recipe so CI stays quick; still enough to learn the task.
-SIZES = ["data.task_sizes.sft_train=1024", "data.task_sizes.preference_train=1024",
-         "data.task_sizes.sft_eval=128", "data.task_sizes.preference_eval=128"]
-SFT_STEPS, RM_STEPS = 60, 60
 # SFT must bring the eval NLL of response tokens below this fraction of its start.
 SFT_EVAL_LOSS_RATIO = 0.6
 RM_MIN_ACCURACY = 0.9
 
 
-def stage(nproc, command, root, run, *overrides):
-    return torchrun(nproc, "-m", "megatron_rlhf", command, *RECIPE, *SIZES,
-                    f"checkpoint.root={root}", f"checkpoint.run_name={run}", *overrides)
-
-
-def summary(root, run, name):
-    return json.loads((root / run / name / "summary.json").read_text())
-
-
 @pytest.fixture(scope="module")
-def root(tmp_path_factory):
-    root = tmp_path_factory.mktemp("stages")
-    sft = [f"sft.steps={SFT_STEPS}", f"sft.save_interval={SFT_STEPS // 2}", f"sft.eval_interval={SFT_STEPS // 2}"]
-    stage(1, "sft", root, "main", *sft)
-    stage(1, "rm", root, "main", f"rm.steps={RM_STEPS}", f"rm.eval_interval={RM_STEPS // 2}")
-    # The same SFT run resumed from its mid-run checkpoint, in a fresh run directory.
-    stage(1, "sft", root, "resumed", *sft,
-          f"checkpoint.load={root}/main/sft/iter_{SFT_STEPS // 2:07d}")
-    return root
+def root(sft_rm_root):
+    # The main SFT run resumed from its mid-run checkpoint, in a fresh run directory.
+    stage(1, "sft", sft_rm_root, "resumed", f"sft.steps={SFT_STEPS}", f"sft.save_interval={SFT_STEPS // 2}",
+          f"sft.eval_interval={SFT_STEPS // 2}", f"checkpoint.load={sft_rm_root}/main/sft/iter_{SFT_STEPS // 2:07d}")
+    return sft_rm_root
 
 
 def test_sft_lowers_eval_loss(root):

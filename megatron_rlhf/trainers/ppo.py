@@ -123,7 +123,7 @@ def train_on_rollout(actor, critic, batch: dict, ppo: PPOConfig, kl_coef: float,
 
 
 # ----------------------------------------------------------------------------- evaluation
-def evaluate(engine, reward, tokenizer, task, prompts, sampling, micro, seed) -> tuple[dict, list[str]]:
+def evaluate(engine, reward, tokenizer, task, prompts, sampling, micro, seed) -> tuple[dict, list[str], int]:
     """Gold and RM scores of responses to held-out prompts (sharded over DP ranks)."""
     rank, size = data_parallel()
     rollout = engine.generate(prompts[rank::size], sampling, seed)
@@ -132,7 +132,8 @@ def evaluate(engine, reward, tokenizer, task, prompts, sampling, micro, seed) ->
     gold = [task.gold_score(p, r) for p, r in texts] if task else []
     n, rm_sum, gold_sum = all_reduce_sum(len(texts), rm.sum().item(), sum(gold))
     samples = [f"{p} || {r}" for p, r in texts]
-    return {"eval_rm_score": rm_sum / n, "eval_gold_score": gold_sum / n if task else float("nan")}, samples
+    scores = {"eval_rm_score": rm_sum / n, "eval_gold_score": gold_sum / n if task else float("nan")}
+    return scores, samples, int((rollout.lengths - rollout.prompt_lengths).sum())
 
 
 def decode_responses(rollout: Rollout, tokenizer) -> list[tuple[str, str]]:
@@ -217,11 +218,14 @@ def train(cfg: Config) -> dict:
     run_eval = partial(evaluate, engine, reward, tok, data.task, eval_prompts, sampling, ppo.micro_batch_size,
                        cfg.seed + 17)
     sched.enter("eval")
-    eval_before, samples = run_eval()
-    sched.exit()
-    log.info(f"before PPO: {eval_before}; e.g. {samples[: ppo.eval_samples_logged]}")
+    eval_metrics, samples, eval_tokens = run_eval()
+    sched.exit(tokens=eval_tokens)
+    log.info(f"eval at step {step}: {eval_metrics}; e.g. {samples[: ppo.eval_samples_logged]}")
+    # "before" means the SFT policy: a resumed run keeps the numbers its first start measured
+    before = state["before"] if source is not None else {"eval": eval_metrics, "samples": samples}
+    eval_before, samples_before = before["eval"], before["samples"][: ppo.eval_samples_logged]
 
-    eval_metrics, samples_seen, metrics = eval_before, 0, {}
+    samples_seen, metrics = 0, {}
     while step < ppo.steps:
         step += 1
         seed = cfg.seed * 100_003 + step * 1_009 + dp_rank
@@ -264,15 +268,16 @@ def train(cfg: Config) -> dict:
         }
         if step % ppo.eval_interval == 0 or step == ppo.steps:
             sched.enter("eval")
-            eval_metrics, samples = run_eval()
-            sched.exit()
+            eval_metrics, samples, eval_tokens = run_eval()
+            sched.exit(tokens=eval_tokens)
             metrics.update(eval_metrics)
             log.info(f"step {step} samples: {samples[: ppo.eval_samples_logged]}")
         if step % ppo.log_interval == 0 or "eval_gold_score" in metrics:
             log.log(step, metrics)
         if (ppo.save_interval and step % ppo.save_interval == 0) or step == ppo.steps:
             ckpt.save(step, {"actor": actor, "critic": critic},
-                      {"step": step, "sampler": sampler.state_dict(), "kl_controller": kl_ctl.state_dict()})
+                      {"step": step, "sampler": sampler.state_dict(), "kl_controller": kl_ctl.state_dict(),
+                       "before": before})
 
     wall = time.perf_counter() - start_time
     phases = sched.summary()
@@ -286,6 +291,7 @@ def train(cfg: Config) -> dict:
         "phase_peak_memory_bytes": {p: v["peak_memory_bytes"] for p, v in phases.items()},
         "phase_tokens_per_s": {p: v["tokens_per_s"] for p, v in phases.items()},
         "wall_seconds": wall, "checkpoint": str(ckpt.latest()),
+        "samples_before": samples_before, "samples_after": samples[: ppo.eval_samples_logged],
     }
     write_summary(out, summary)
     log.info(f"done: gold {summary['gold_score_eval_before']:.3f} -> {summary['gold_score_eval_after']:.3f}, "

@@ -1,0 +1,71 @@
+"""The run report: PNG plots of each stage's main curves and a markdown summary with sample
+generations before and after PPO. Reads only what the stages wrote (metrics.jsonl,
+summary.json), so it can be rebuilt for any finished or partial run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+CURVES = {
+    "sft": ["loss", "eval_loss"],
+    "rm": ["loss", "eval_accuracy"],
+    "ppo": ["rm_score", "gold_score", "kl_mean", "response_length", "entropy", "value_loss", "clip_fraction",
+            "eval_gold_score"],
+}
+
+
+def _read_metrics(stage_dir: Path) -> list[dict]:
+    path = stage_dir / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line] if path.exists() else []
+
+
+def plot_stage(stage_dir: Path, names: list[str], out: Path) -> Path | None:
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display on cluster nodes
+    import matplotlib.pyplot as plt
+
+    rows = _read_metrics(stage_dir)
+    names = [n for n in names if any(n in r for r in rows)]
+    if not names:
+        return None
+    fig, axes = plt.subplots(1, len(names), figsize=(3.2 * len(names), 2.8), squeeze=False)
+    for ax, name in zip(axes[0], names):
+        points = [(r["step"], r[name]) for r in rows if name in r]
+        ax.plot([p[0] for p in points], [p[1] for p in points], marker="." if len(points) < 20 else None)
+        ax.set_title(name, fontsize=9)
+        ax.set_xlabel("step", fontsize=8)
+        ax.tick_params(labelsize=7)
+    fig.suptitle(stage_dir.name)
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
+
+
+def write_report(run_dir: str | Path) -> Path:
+    run_dir = Path(run_dir)
+    lines = [f"# Run report: {run_dir.name}", ""]
+    for stage, names in CURVES.items():
+        stage_dir = run_dir / stage
+        summary_path = stage_dir / "summary.json"
+        if not summary_path.exists():
+            lines += [f"## {stage}", "", "not finished", ""]
+            continue
+        summary = json.loads(summary_path.read_text())
+        lines += [f"## {stage}", ""]
+        plot = plot_stage(stage_dir, names, run_dir / f"report_{stage}.png")
+        if plot is not None:
+            lines += [f"![{stage}]({plot.name})", ""]
+        lines += ["| metric | value |", "|---|---|"]
+        lines += [f"| {k} | {v:.4g} |" if isinstance(v, float) else f"| {k} | {v} |"
+                  for k, v in summary.items() if not isinstance(v, (dict, list))]
+        for key in ("samples_before", "samples_after"):
+            if summary.get(key):
+                lines += ["", f"**{key.replace('_', ' ')} PPO** (prompt || response):", ""]
+                lines += [f"- {s}" for s in summary[key]]
+        lines.append("")
+    out = run_dir / "report.md"
+    out.write_text("\n".join(lines) + "\n")
+    return out

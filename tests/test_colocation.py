@@ -1,0 +1,42 @@
+"""The phase table decides what is resident; every phase's time and memory is recorded."""
+
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from megatron_rlhf.colocation import PHASES, ColocationScheduler
+
+
+def roles():
+    # Only the attribute the scheduler reads; on CPU no tensor moves are made.
+    return {"actor": SimpleNamespace(trainable=True), "critic": SimpleNamespace(trainable=True),
+            "reference": SimpleNamespace(trainable=False), "reward": SimpleNamespace(trainable=False)}
+
+
+def test_residency_follows_the_phase_table():
+    sched = ColocationScheduler(roles())
+    for phase, needs in PHASES.items():
+        sched.enter(phase)
+        for name in sched.roles:
+            assert sched.on_device[name] == needs.get(name, "host"), (phase, name)
+    sched.exit()
+    assert sched.on_device["reference"] == "host" and sched.on_device["actor"] == "params"
+
+
+def test_time_memory_and_tokens_are_recorded_per_phase():
+    sched = ColocationScheduler(roles())
+    sched.enter("generate")
+    time.sleep(0.02)
+    sched.enter("train")  # entering a phase closes the previous one
+    time.sleep(0.01)
+    sched.exit(tokens=100)
+    summary = sched.summary()
+    assert summary["generate"]["seconds"] >= 0.02 and summary["generate"]["calls"] == 1
+    assert summary["train"]["tokens_per_s"] == pytest.approx(100 / summary["train"]["seconds"])
+    assert summary["train"]["peak_memory_bytes"] > 0
+
+
+def test_unknown_role_in_the_table_is_an_error():
+    with pytest.raises(ValueError, match="critic"):
+        ColocationScheduler({"actor": SimpleNamespace(trainable=True)}, phases={"train": {"critic": "params"}})
