@@ -49,13 +49,15 @@ def test_summary_has_the_promised_fields(root):
 
 def test_every_step_logs_the_checklist_metrics(root):
     lines = metrics(root, "main", "ppo")
-    assert [x["step"] for x in lines] == list(range(1, 41))
-    for line in lines:
+    assert [x["step"] for x in lines] == list(range(0, 41))
+    assert lines[0] == {"step": 0, "eval_rm_score": pytest.approx(summary(root, "main", "ppo")["rm_score_eval_before"]),
+                        "eval_gold_score": pytest.approx(summary(root, "main", "ppo")["gold_score_eval_before"])}
+    for line in lines[1:]:
         missing = CHECKLIST_METRICS - line.keys()
         assert not missing, missing
         assert line["logprob_mismatch"] < 1e-5  # rollout vs recomputed log-probs, same weights
     evals = [x for x in lines if "eval_gold_score" in x]
-    assert [x["step"] for x in evals] == [10, 20, 30, 40]
+    assert [x["step"] for x in evals] == [0, 10, 20, 30, 40]
 
 
 def test_checkpoint_holds_actor_critic_and_trainer_state(root):
@@ -71,7 +73,7 @@ def test_tp2_run_from_tp1_checkpoints(root):
     assert s["steps"] == 3
     # the same SFT policy evaluated at TP2: identical prompts, same sampling seed
     assert s["gold_score_eval_before"] == pytest.approx(summary(root, "main", "ppo")["gold_score_eval_before"], abs=1e-6)
-    assert all(x["logprob_mismatch"] < 1e-5 for x in metrics(root, "tp2", "ppo"))
+    assert all(x["logprob_mismatch"] < 1e-5 for x in metrics(root, "tp2", "ppo")[1:])
 
 
 def test_pipeline_skips_finished_stages_resumes_a_partial_one_and_reports(root, tmp_path):

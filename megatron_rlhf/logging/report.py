@@ -30,8 +30,12 @@ def plot_stage(stage_dir: Path, names: list[str], out: Path) -> Path | None:
     names = [n for n in names if any(n in r for r in rows)]
     if not names:
         return None
-    fig, axes = plt.subplots(1, len(names), figsize=(3.2 * len(names), 2.8), squeeze=False)
-    for ax, name in zip(axes[0], names):
+    cols = min(len(names), 4)
+    rows_n = -(-len(names) // cols)
+    fig, axes = plt.subplots(rows_n, cols, figsize=(3.2 * cols, 2.6 * rows_n), squeeze=False)
+    for ax in axes.flat[len(names):]:
+        ax.set_visible(False)
+    for ax, name in zip(axes.flat, names):
         points = [(r["step"], r[name]) for r in rows if name in r]
         ax.plot([p[0] for p in points], [p[1] for p in points], marker="." if len(points) < 20 else None)
         ax.set_title(name, fontsize=9)

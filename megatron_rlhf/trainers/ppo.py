@@ -223,6 +223,8 @@ def train(cfg: Config) -> dict:
     log.info(f"eval at step {step}: {eval_metrics}; e.g. {samples[: ppo.eval_samples_logged]}")
     # "before" means the SFT policy: a resumed run keeps the numbers its first start measured
     before = state["before"] if source is not None else {"eval": eval_metrics, "samples": samples}
+    if source is None:
+        log.log(0, eval_metrics)  # the SFT policy: the eval curves start here
     eval_before, samples_before = before["eval"], before["samples"][: ppo.eval_samples_logged]
 
     samples_seen, metrics = 0, {}
