@@ -28,6 +28,7 @@ def root(sft_rm_root):
     stage(1, "ppo", sft_rm_root, "main", f"ppo.kl_target={KL_TARGET}")
     inputs = [f"ppo.sft_from={sft_rm_root}/main/sft", f"ppo.rm_from={sft_rm_root}/main/rm"]
     stage(2, "ppo", sft_rm_root, "tp2", "parallel.tensor_parallel=2", "ppo.steps=3", "ppo.eval_interval=3", *inputs)
+    stage(2, "ppo", sft_rm_root, "dp2", "ppo.steps=3", "ppo.eval_interval=3", *inputs)
     return sft_rm_root
 
 
@@ -91,3 +92,11 @@ def test_pipeline_skips_finished_stages_resumes_a_partial_one_and_reports(root, 
         png = tmp_path / "main" / f"report_{stage_name}.png"
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"({png.name})" in report
     assert "samples before PPO" in report and "samples after PPO" in report
+
+
+def test_dp2_run_shards_rollouts_and_eval(root):
+    s, lines = summary(root, "dp2", "ppo"), metrics(root, "dp2", "ppo")
+    assert s["steps"] == 3 and lines[0]["step"] == 0
+    for line in lines[1:]:
+        assert line["logprob_mismatch"] < 1e-5
+        assert line["response_length"] > 0 and -1 <= line["gold_score"] <= 1

@@ -59,3 +59,7 @@ def test_reference_is_frozen_and_dropout_is_off(res):
 
 def test_saving_a_fresh_optimizer_leaves_the_first_step_unchanged(res):
     assert res["fresh_save_step_diff"] == 0.0
+
+
+def test_data_parallel_whitening_matches_the_pure_formula(res):
+    assert res["whiten_diff"] < 1e-6

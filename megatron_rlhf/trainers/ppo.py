@@ -75,11 +75,19 @@ def add_advantages(batch: dict, ppo: PPOConfig, kl_coef: float) -> dict[str, flo
     values = resp(batch["old_values"]) * mask
     advantages, returns = alg.gae(rewards, values, mask, ppo.gamma, ppo.lam)
     if ppo.whiten_advantages:
-        advantages = alg.masked_whiten(advantages, mask)
+        advantages = whiten_over_data_parallel(advantages, mask)
     batch["advantages"] = response_unslice(advantages, plen, seq_len)
     batch["returns"] = response_unslice(returns, plen, seq_len)
     return {"kl_per_token": alg.masked_mean(kl, mask).item(), "kl_mean": (kl.sum(1)).mean().item(),
             "explained_variance": alg.explained_variance(values, returns, mask)}
+
+
+def whiten_over_data_parallel(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """alg.masked_whiten over the global batch: moments summed over data-parallel ranks."""
+    n, total, total_sq = all_reduce_sum(mask.sum().item(), (x * mask).sum().item(), (x * x * mask).sum().item())
+    mean = total / n
+    var = (total_sq / n - mean * mean) * n / max(n - 1, 1)  # unbiased, as alg.masked_var
+    return (x - mean) * torch.rsqrt(torch.tensor(var + 1e-8)) * mask
 
 
 def actor_loss(outputs: dict, mb: dict, ppo: PPOConfig, kl_coef: float):

@@ -11,17 +11,15 @@ Otherwise, at this launch's layout:
 Results go to --out (global rank 0).
 """
 
-import argparse
 import sys
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from megatron_rlhf import parallel
 from megatron_rlhf.checkpoint.dist import load_role, save_role
-from megatron_rlhf.config import load_config
 from megatron_rlhf.models.roles import Actor, Critic, Reference, RewardModel
+from workers import start_layout_worker
 
 ROLES = {"actor": Actor, "reference": Reference, "critic": Critic, "reward": RewardModel}
 TRAINABLE = ("actor", "critic", "reward")
@@ -77,14 +75,7 @@ def params(role):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--root", type=Path, required=True)
-    ap.add_argument("--layout", required=True)
-    ap.add_argument("--init", action="store_true")
-    ap.add_argument("overrides", nargs="*")
-    args = ap.parse_args()
-    cfg = load_config(None, args.overrides)
-    parallel.initialize(cfg)
+    args, cfg = start_layout_worker()
     rank = torch.distributed.get_rank()
 
     if args.init:

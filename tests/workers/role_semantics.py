@@ -67,6 +67,12 @@ def main() -> None:
     res["fresh_save_step_diff"] = max(
         (p - q).abs().max().item() for p, q in zip(actor.module.parameters(), twin.module.parameters())
     )
+    # Advantage whitening summed over data-parallel ranks equals the single-process formula.
+    from megatron_rlhf.algorithms.ppo import masked_whiten
+    from megatron_rlhf.trainers.ppo import whiten_over_data_parallel
+
+    x, m = torch.randn(4, 6, generator=g), (torch.rand(4, 6, generator=g) > 0.3).float()
+    res["whiten_diff"] = (masked_whiten(x, m) - whiten_over_data_parallel(x, m)).abs().max().item()
     torch.save(res, args.out)
     parallel.destroy()
 

@@ -7,16 +7,13 @@ an EOS run where EOS is set to a token the greedy run produced, so where rows mu
 known. Results go to --out (global rank 0).
 """
 
-import argparse
-from pathlib import Path
-
 import torch
 
 from megatron_rlhf import parallel
 from megatron_rlhf.checkpoint.dist import load_role, save_role
-from megatron_rlhf.config import load_config
 from megatron_rlhf.models.roles import Actor
 from megatron_rlhf.rollout import MegatronRolloutEngine, SamplingParams
+from workers import start_layout_worker
 
 PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12, 13], [14, 15], [16, 17, 18, 19]]
 EOS, PAD = 1, 0
@@ -33,14 +30,7 @@ def no_cache_greedy(actor: Actor, prompt: list[int]) -> list[int]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--root", type=Path, required=True)
-    ap.add_argument("--layout", required=True)
-    ap.add_argument("--init", action="store_true")
-    ap.add_argument("overrides", nargs="*")
-    args = ap.parse_args()
-    cfg = load_config(None, args.overrides)
-    parallel.initialize(cfg)
+    args, cfg = start_layout_worker()
     actor = Actor(cfg, trainable=False, temperature=0.8)
     if args.init:
         save_role(actor, args.root / "actor_init", with_optimizer=False)
