@@ -8,7 +8,6 @@ recomputed), so a resumed run's logs equal an uninterrupted run's.
 from __future__ import annotations
 
 import json
-import math
 import time
 from pathlib import Path
 
@@ -50,9 +49,9 @@ class MetricsLogger:
             self.writer.flush()
         done = step - self._first_step
         elapsed = time.perf_counter() - self._start
-        eta = elapsed / done * (self.total_steps - step) if done > 0 else math.nan
+        eta = f"  eta {elapsed / done * (self.total_steps - step):.0f}s" if done > 0 else ""
         shown = "  ".join(f"{k} {v:.4g}" for k, v in clean.items())
-        print(f"[{self.stage}] step {step}/{self.total_steps}  {shown}  eta {eta:.0f}s", flush=True)
+        print(f"[{self.stage}] step {step}/{self.total_steps}  {shown}{eta}", flush=True)
 
     def info(self, message: str) -> None:
         if self.active:

@@ -25,6 +25,7 @@ from megatron_rlhf.data.encode import encode_prompts
 from megatron_rlhf.data.sampler import EpochSampler
 from megatron_rlhf.logging import MetricsLogger
 from megatron_rlhf.models.roles import Actor, Critic, Reference, RewardModel
+from megatron_rlhf.resilience.preemption import Preempted, PreemptionHandler
 from megatron_rlhf.rollout import MegatronRolloutEngine, Rollout, SamplingParams
 from megatron_rlhf.trainers.common import (
     all_reduce_sum, data_parallel, dp_slice, load_stage_data, padded_forward, resume_source,
@@ -195,6 +196,7 @@ def fold_reward_normalization(critic, reward) -> None:
 
 def train(cfg: Config) -> dict:
     start_time = time.perf_counter()
+    preemption = PreemptionHandler()
     parallel.initialize(cfg)
     ppo, out = cfg.ppo, stage_dir(cfg, "ppo")
     data = load_stage_data(cfg, ("prompts_train", "prompts_eval"))
@@ -284,10 +286,14 @@ def train(cfg: Config) -> dict:
             log.info(f"step {step} samples: {samples[: ppo.eval_samples_logged]}")
         if step % ppo.log_interval == 0 or "eval_gold_score" in metrics:
             log.log(step, metrics)
-        if (ppo.save_interval and step % ppo.save_interval == 0) or step == ppo.steps:
+        preempted = preemption.should_stop()
+        if (ppo.save_interval and step % ppo.save_interval == 0) or step == ppo.steps or preempted:
             ckpt.save(step, {"actor": actor, "critic": critic},
                       {"step": step, "sampler": sampler.state_dict(), "kl_controller": kl_ctl.state_dict(),
                        "before": before})
+        if preempted and step < ppo.steps:
+            log.info(f"signalled: checkpoint at step {step} saved, exiting for requeue")
+            raise Preempted(step)
 
     wall = time.perf_counter() - start_time
     phases = sched.summary()

@@ -23,6 +23,7 @@ from megatron_rlhf.config import Config
 from megatron_rlhf.data.encode import collate_preferences, collate_sft, encode_preferences, encode_sft
 from megatron_rlhf.data.sampler import EpochSampler
 from megatron_rlhf.logging import MetricsLogger
+from megatron_rlhf.resilience.preemption import PreemptionHandler, Preempted
 from megatron_rlhf.models.roles import RewardModel
 from megatron_rlhf.trainers.common import (
     all_reduce_sum, data_parallel, dp_slice, load_stage_data, padded_forward, resume,
@@ -58,6 +59,7 @@ def reward_statistics(rm: RewardModel, examples: list, pad_id: int, seq_len: int
 
 def train(cfg: Config) -> dict:
     start = time.perf_counter()
+    preemption = PreemptionHandler()
     parallel.initialize(cfg)
     st, out = cfg.rm, stage_dir(cfg, "rm")
     data = load_stage_data(cfg, ("preference_train", "preference_eval", "sft_eval"))
@@ -99,8 +101,12 @@ def train(cfg: Config) -> dict:
             rm.reward_mean, rm.reward_std = 0.0, 1.0
             rm.reward_mean, rm.reward_std = reward_statistics(rm, sft_samples, pad, st.seq_length, st.micro_batch_size)
             log.info(f"reward normalisation: mean {rm.reward_mean:.4f}, std {rm.reward_std:.4f}")
-        if (st.save_interval and step % st.save_interval == 0) or step == st.steps:
+        preempted = preemption.should_stop()
+        if (st.save_interval and step % st.save_interval == 0) or step == st.steps or preempted:
             ckpt.save(step, {"reward": rm}, {"step": step, "sampler": sampler.state_dict()})
+        if preempted and step < st.steps:
+            log.info(f"signalled: checkpoint at step {step} saved, exiting for requeue")
+            raise Preempted(step)
 
     final = evaluate(rm, eval_set, *eval_args)
     summary = {

@@ -18,6 +18,7 @@ from megatron_rlhf.config import Config
 from megatron_rlhf.data.encode import collate_sft, encode_sft
 from megatron_rlhf.data.sampler import EpochSampler
 from megatron_rlhf.logging import MetricsLogger
+from megatron_rlhf.resilience.preemption import PreemptionHandler, Preempted
 from megatron_rlhf.models.roles import Actor
 from megatron_rlhf.trainers.common import (
     all_reduce_sum, data_parallel, dp_slice, load_stage_data, padded_forward, resume,
@@ -43,6 +44,7 @@ def evaluate(actor: Actor, examples: list, pad_id: int, seq_len: int, micro_batc
 
 def train(cfg: Config) -> dict:
     start = time.perf_counter()
+    preemption = PreemptionHandler()
     parallel.initialize(cfg)
     st, out = cfg.sft, stage_dir(cfg, "sft")
     data = load_stage_data(cfg, ("sft_train", "sft_eval"))
@@ -76,8 +78,12 @@ def train(cfg: Config) -> dict:
             metrics["eval_loss"] = evaluate(actor, eval_set, *eval_args)
         if step % st.log_interval == 0 or "eval_loss" in metrics:
             log.log(step, metrics)
-        if (st.save_interval and step % st.save_interval == 0) or step == st.steps:
+        preempted = preemption.should_stop()
+        if (st.save_interval and step % st.save_interval == 0) or step == st.steps or preempted:
             ckpt.save(step, {"actor": actor}, {"step": step, "sampler": sampler.state_dict()})
+        if preempted and step < st.steps:
+            log.info(f"signalled: checkpoint at step {step} saved, exiting for requeue")
+            raise Preempted(step)
 
     summary = {
         "stage": "sft", "steps": step,

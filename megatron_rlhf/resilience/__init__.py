@@ -1,0 +1,1 @@
+"""Surviving preemption and failures: signal-driven checkpoint-and-exit for requeue."""

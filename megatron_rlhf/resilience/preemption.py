@@ -1,0 +1,43 @@
+"""SIGUSR1 / SIGTERM -> finish the current step, save, exit with REQUEUE_EXIT_CODE.
+
+Slurm sends SIGUSR1 before the time limit (`--signal=B:USR1@T`, forwarded by
+slurm/stage.sh) and SIGTERM on preemption. The handler only sets a flag; at each step
+boundary every rank agrees (all-reduce MAX) whether any rank was signalled, so all ranks
+save the same step together. slurm/stage.sh requeues the job on REQUEUE_EXIT_CODE.
+"""
+
+from __future__ import annotations
+
+import signal
+
+import torch
+import torch.distributed as dist
+
+REQUEUE_EXIT_CODE = 42
+
+
+class PreemptionHandler:
+    def __init__(self, signals=(signal.SIGUSR1, signal.SIGTERM)):
+        self.signalled = False
+        for sig in signals:
+            signal.signal(sig, self._on_signal)
+
+    def _on_signal(self, signum, frame) -> None:
+        self.signalled = True
+
+    def should_stop(self) -> bool:
+        """Collective: True on every rank if any rank was signalled."""
+        flag = torch.tensor([1.0 if self.signalled else 0.0])
+        if dist.is_initialized():
+            if torch.cuda.is_available():
+                flag = flag.cuda()
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+
+class Preempted(SystemExit):
+    """Raised after the checkpoint is written; exits the process with REQUEUE_EXIT_CODE."""
+
+    def __init__(self, step: int):
+        super().__init__(REQUEUE_EXIT_CODE)
+        self.step = step
