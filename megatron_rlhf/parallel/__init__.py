@@ -52,13 +52,35 @@ def read_dist_env(environ: dict[str, str] | None = None) -> DistEnv:
     world_size = int(first("WORLD_SIZE", "SLURM_NTASKS", default="1"))
     rank = int(first("RANK", "SLURM_PROCID", default="0"))
     local_rank = int(first("LOCAL_RANK", "SLURM_LOCALID", default="0"))
-    addr = first("MASTER_ADDR", default="127.0.0.1")
+    addr = env.get("MASTER_ADDR")
+    if addr is None and env.get("SLURM_JOB_NODELIST"):  # srun without a wrapper script
+        addr = first_slurm_host(env["SLURM_JOB_NODELIST"])
+    addr = addr or "127.0.0.1"
     port = env.get("MASTER_PORT")
+    if port is None and env.get("SLURM_JOB_ID"):  # the same rule as slurm/stage.sh
+        port = str(20000 + int(env["SLURM_JOB_ID"]) % 20000)
     if port is None:
         if world_size > 1:
             raise ConfigError("MASTER_PORT is not set: launch with torchrun, or export it in the sbatch script")
         port = str(_free_port())
     return DistEnv(rank, world_size, local_rank, addr, int(port))
+
+
+def first_slurm_host(nodelist: str) -> str:
+    """First host of a Slurm hostlist ("gpu[017-018,020],cpu1" -> "gpu017"), like
+    `scontrol show hostnames | head -1` without needing Slurm's config."""
+    depth, end = 0, len(nodelist)
+    for i, ch in enumerate(nodelist):  # the first top-level comma ends the first group
+        depth += (ch == "[") - (ch == "]")
+        if ch == "," and depth == 0:
+            end = i
+            break
+    group = nodelist[:end]
+    while "[" in group:  # expand each bracket to its first value, keeping zero padding
+        head, rest = group.split("[", 1)
+        inside, tail = rest.split("]", 1)
+        group = head + inside.split(",")[0].split("-")[0] + tail
+    return group
 
 
 def choose_backend(requested: str) -> str:

@@ -108,14 +108,15 @@ def resume_source(cfg: Config, ckpt) -> Path | str | None:
     return None
 
 
-def resume(cfg: Config, ckpt, roles: dict, sampler) -> tuple[int, str | None]:
-    """Load the stage's checkpoint to resume from, if any: (step, a line for the log)."""
+def resume(cfg: Config, ckpt, roles: dict, sampler) -> tuple[int, str | None, dict]:
+    """Load the stage's checkpoint to resume from, if any: (step, a line for the log, the
+    trainer state; step 0, None and {} on a fresh start)."""
     source = resume_source(cfg, ckpt)
     if source is None:
-        return 0, None
+        return 0, None, {}
     state = ckpt.load(roles, source)
     sampler.load_state_dict(state["sampler"])
-    return state["step"], f"resumed from {state['checkpoint']} at step {state['step']}"
+    return state["step"], f"resumed from {state['checkpoint']} at step {state['step']}", state
 
 
 def write_summary(directory: Path, summary: dict[str, Any]) -> None:
@@ -123,3 +124,17 @@ def write_summary(directory: Path, summary: dict[str, Any]) -> None:
         tmp = directory / "summary.json.tmp"
         tmp.write_text(json.dumps(summary, indent=2) + "\n")
         tmp.replace(directory / "summary.json")
+
+
+def checkpoint_if_due(ckpt, log, preemption, step: int, total: int, save_interval: int,
+                      roles: dict, trainer_state: dict) -> None:
+    """Save on the interval, at the last step, or when any rank was signalled; after a
+    signalled save, exit for requeue (resilience/preemption.py)."""
+    from megatron_rlhf.resilience.preemption import Preempted
+
+    preempted = preemption.should_stop()
+    if (save_interval and step % save_interval == 0) or step == total or preempted:
+        ckpt.save(step, roles, trainer_state)
+    if preempted and step < total:
+        log.info(f"signalled: checkpoint at step {step} saved, exiting for requeue")
+        raise Preempted(step)

@@ -25,10 +25,10 @@ from megatron_rlhf.data.encode import encode_prompts
 from megatron_rlhf.data.sampler import EpochSampler
 from megatron_rlhf.logging import MetricsLogger
 from megatron_rlhf.models.roles import Actor, Critic, Reference, RewardModel
-from megatron_rlhf.resilience.preemption import Preempted, PreemptionHandler
+from megatron_rlhf.resilience.preemption import PreemptionHandler
 from megatron_rlhf.rollout import MegatronRolloutEngine, Rollout, SamplingParams
 from megatron_rlhf.trainers.common import (
-    all_reduce_sum, data_parallel, dp_slice, load_stage_data, padded_forward, resume_source,
+    all_reduce_sum, checkpoint_if_due, data_parallel, dp_slice, load_stage_data, padded_forward, resume,
     stage_dir, write_summary,
 )
 
@@ -213,13 +213,10 @@ def train(cfg: Config) -> dict:
     sampler = EpochSampler(len(train_prompts), seed=cfg.seed)
     ckpt = CheckpointManager(out, cfg.checkpoint.keep_last)
     note = load_inputs(cfg, roles)
-    step, source = 0, resume_source(cfg, ckpt)
-    if source is not None:
-        state = ckpt.load({"actor": actor, "critic": critic}, source)
-        step = state["step"]
-        sampler.load_state_dict(state["sampler"])
+    step, resumed, state = resume(cfg, ckpt, {"actor": actor, "critic": critic}, sampler)
+    if resumed:
         kl_ctl.load_state_dict(state["kl_controller"])
-        note = f"resumed from {state['checkpoint']} at step {step}"
+        note = resumed
     log = MetricsLogger(out, "ppo", ppo.steps, resume_step=step, tensorboard=cfg.logging.tensorboard)
     log.info(note)
     log.info(f"prompts: {train_report}")
@@ -232,8 +229,8 @@ def train(cfg: Config) -> dict:
     sched.exit(tokens=eval_tokens)
     log.info(f"eval at step {step}: {eval_metrics}; e.g. {samples[: ppo.eval_samples_logged]}")
     # "before" means the SFT policy: a resumed run keeps the numbers its first start measured
-    before = state["before"] if source is not None else {"eval": eval_metrics, "samples": samples}
-    if source is None:
+    before = state["before"] if resumed else {"eval": eval_metrics, "samples": samples}
+    if not resumed:
         log.log(0, eval_metrics)  # the SFT policy: the eval curves start here
     eval_before, samples_before = before["eval"], before["samples"][: ppo.eval_samples_logged]
 
@@ -286,14 +283,9 @@ def train(cfg: Config) -> dict:
             log.info(f"step {step} samples: {samples[: ppo.eval_samples_logged]}")
         if step % ppo.log_interval == 0 or "eval_gold_score" in metrics:
             log.log(step, metrics)
-        preempted = preemption.should_stop()
-        if (ppo.save_interval and step % ppo.save_interval == 0) or step == ppo.steps or preempted:
-            ckpt.save(step, {"actor": actor, "critic": critic},
-                      {"step": step, "sampler": sampler.state_dict(), "kl_controller": kl_ctl.state_dict(),
-                       "before": before})
-        if preempted and step < ppo.steps:
-            log.info(f"signalled: checkpoint at step {step} saved, exiting for requeue")
-            raise Preempted(step)
+        checkpoint_if_due(ckpt, log, preemption, step, ppo.steps, ppo.save_interval, {"actor": actor, "critic": critic},
+                          {"step": step, "sampler": sampler.state_dict(), "kl_controller": kl_ctl.state_dict(),
+                           "before": before})
 
     wall = time.perf_counter() - start_time
     phases = sched.summary()

@@ -23,10 +23,10 @@ from megatron_rlhf.config import Config
 from megatron_rlhf.data.encode import collate_preferences, collate_sft, encode_preferences, encode_sft
 from megatron_rlhf.data.sampler import EpochSampler
 from megatron_rlhf.logging import MetricsLogger
-from megatron_rlhf.resilience.preemption import PreemptionHandler, Preempted
+from megatron_rlhf.resilience.preemption import PreemptionHandler
 from megatron_rlhf.models.roles import RewardModel
 from megatron_rlhf.trainers.common import (
-    all_reduce_sum, data_parallel, dp_slice, load_stage_data, padded_forward, resume,
+    all_reduce_sum, checkpoint_if_due, data_parallel, dp_slice, load_stage_data, padded_forward, resume,
     stage_dir, write_summary,
 )
 
@@ -71,7 +71,7 @@ def train(cfg: Config) -> dict:
     rm = RewardModel(cfg, trainable=True, optimizer=st.optimizer, total_steps=st.steps)
     sampler = EpochSampler(len(train_set), seed=cfg.seed)
     ckpt = CheckpointManager(out, cfg.checkpoint.keep_last)
-    step, init_note = resume(cfg, ckpt, {"reward": rm}, sampler)
+    step, init_note, _ = resume(cfg, ckpt, {"reward": rm}, sampler)
     if init_note is None:
         sft_ckpt = resolve_checkpoint(st.init_from or stage_dir(cfg, "sft"))
         load_model_weights(rm, sft_ckpt / "actor", skip_prefixes=("output_layer.",))
@@ -101,12 +101,8 @@ def train(cfg: Config) -> dict:
             rm.reward_mean, rm.reward_std = 0.0, 1.0
             rm.reward_mean, rm.reward_std = reward_statistics(rm, sft_samples, pad, st.seq_length, st.micro_batch_size)
             log.info(f"reward normalisation: mean {rm.reward_mean:.4f}, std {rm.reward_std:.4f}")
-        preempted = preemption.should_stop()
-        if (st.save_interval and step % st.save_interval == 0) or step == st.steps or preempted:
-            ckpt.save(step, {"reward": rm}, {"step": step, "sampler": sampler.state_dict()})
-        if preempted and step < st.steps:
-            log.info(f"signalled: checkpoint at step {step} saved, exiting for requeue")
-            raise Preempted(step)
+        checkpoint_if_due(ckpt, log, preemption, step, st.steps, st.save_interval, {"reward": rm},
+                          {"step": step, "sampler": sampler.state_dict()})
 
     final = evaluate(rm, eval_set, *eval_args)
     summary = {

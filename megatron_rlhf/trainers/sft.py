@@ -18,10 +18,10 @@ from megatron_rlhf.config import Config
 from megatron_rlhf.data.encode import collate_sft, encode_sft
 from megatron_rlhf.data.sampler import EpochSampler
 from megatron_rlhf.logging import MetricsLogger
-from megatron_rlhf.resilience.preemption import PreemptionHandler, Preempted
+from megatron_rlhf.resilience.preemption import PreemptionHandler
 from megatron_rlhf.models.roles import Actor
 from megatron_rlhf.trainers.common import (
-    all_reduce_sum, data_parallel, dp_slice, load_stage_data, padded_forward, resume,
+    all_reduce_sum, checkpoint_if_due, data_parallel, dp_slice, load_stage_data, padded_forward, resume,
     stage_dir, write_summary,
 )
 
@@ -55,7 +55,7 @@ def train(cfg: Config) -> dict:
     actor = Actor(cfg, trainable=True, optimizer=st.optimizer, total_steps=st.steps)
     sampler = EpochSampler(len(train_set), seed=cfg.seed)
     ckpt = CheckpointManager(out, cfg.checkpoint.keep_last)
-    step, resumed = resume(cfg, ckpt, {"actor": actor}, sampler)
+    step, resumed, _ = resume(cfg, ckpt, {"actor": actor}, sampler)
     log = MetricsLogger(out, "sft", st.steps, resume_step=step, tensorboard=cfg.logging.tensorboard)
     log.info(f"train data: {train_report}; eval data: {eval_report}")
     if resumed:
@@ -78,12 +78,8 @@ def train(cfg: Config) -> dict:
             metrics["eval_loss"] = evaluate(actor, eval_set, *eval_args)
         if step % st.log_interval == 0 or "eval_loss" in metrics:
             log.log(step, metrics)
-        preempted = preemption.should_stop()
-        if (st.save_interval and step % st.save_interval == 0) or step == st.steps or preempted:
-            ckpt.save(step, {"actor": actor}, {"step": step, "sampler": sampler.state_dict()})
-        if preempted and step < st.steps:
-            log.info(f"signalled: checkpoint at step {step} saved, exiting for requeue")
-            raise Preempted(step)
+        checkpoint_if_due(ckpt, log, preemption, step, st.steps, st.save_interval, {"actor": actor},
+                          {"step": step, "sampler": sampler.state_dict()})
 
     summary = {
         "stage": "sft", "steps": step,

@@ -1,0 +1,88 @@
+"""nemo-run launcher (optional extra `nemo`): SFT -> RM -> PPO as one nemo-run Experiment.
+
+    pip install -e '.[nemo]'
+    python -m megatron_rlhf.launch --config pipelines/tiny_cpu.yaml --executor local --nproc 1
+    python -m megatron_rlhf.launch --config pipelines/llama3_70b.yaml --executor slurm \\
+        --nodes 8 --tasks-per-node 8 --gpus-per-node 8 --partition batch --account acct \\
+        --job-dir /lustre/nemo_run [--dryrun] [key=value ...]
+
+Each stage is the same command the Slurm scripts run (`python -m megatron_rlhf <stage>`), as
+a nemo-run Script; stages depend on each other (afterok on Slurm, sequential locally).
+Local runs use torchrun; Slurm runs one srun task per device, as slurm/stage.sh does.
+Requeue-on-USR1 is the Slurm scripts' job: under nemo-run a signalled stage checkpoints and
+exits 42 and the next submission resumes from the checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+STAGES = ("sft", "rm", "ppo")
+
+
+def stage_script(stage: str, config: str, overrides: list[str], python: str):
+    import nemo_run as run
+
+    return run.Script(path="megatron_rlhf", m=True, entrypoint=python,
+                      args=[stage, "--config", config, *overrides])
+
+
+def make_executor(args):
+    import nemo_run as run
+
+    if args.executor == "local":
+        return run.LocalExecutor(ntasks_per_node=args.nproc, launcher="torchrun")
+    return run.SlurmExecutor(
+        account=args.account, partition=args.partition, nodes=args.nodes,
+        ntasks_per_node=args.tasks_per_node, gpus_per_node=args.gpus_per_node or None,
+        time=args.time, tunnel=run.LocalTunnel(job_dir=args.job_dir),
+    )
+
+
+def add_stages(experiment, args) -> list[str]:
+    """Add the stages in order, each depending on the one before; returns their task ids."""
+    ids: list[str] = []
+    for stage in args.stages:
+        task = stage_script(stage, args.config, args.overrides, args.python)
+        ids.append(experiment.add(task, name=stage, dependencies=ids[-1:] or None))
+    return ids
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m megatron_rlhf.launch", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", required=True)
+    ap.add_argument("--executor", choices=("local", "slurm"), default="local")
+    ap.add_argument("--name", default="rlhf-pipeline")
+    ap.add_argument("--stages", nargs="+", choices=STAGES, default=list(STAGES))
+    ap.add_argument("--python", default=sys.executable, help="interpreter that has megatron_rlhf")
+    ap.add_argument("--nproc", type=int, default=1, help="local: processes (torchrun)")
+    ap.add_argument("--nodes", type=int, default=1)
+    ap.add_argument("--tasks-per-node", type=int, default=8)
+    ap.add_argument("--gpus-per-node", type=int, default=8)
+    ap.add_argument("--partition", default="")
+    ap.add_argument("--account", default="")
+    ap.add_argument("--time", default="24:00:00")
+    ap.add_argument("--job-dir", default="nemo_run_jobs")
+    ap.add_argument("--dryrun", action="store_true", help="print what would be submitted")
+    ap.add_argument("overrides", nargs="*")
+    args = ap.parse_intermixed_args(argv)
+    try:
+        import nemo_run  # noqa: F401
+    except ImportError:
+        print("nemo-run is not installed: pip install -e '.[nemo]'", file=sys.stderr)
+        return 2
+    import nemo_run as run
+
+    with run.Experiment(args.name, executor=make_executor(args)) as experiment:
+        add_stages(experiment, args)
+        if args.dryrun:
+            experiment.dryrun()
+        else:
+            experiment.run()  # the stage dependencies order the jobs
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
