@@ -9,6 +9,7 @@ import subprocess
 import time
 
 import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from distributed import REPO
 from stages import metrics, summary
@@ -67,8 +68,12 @@ def test_ppo_script_runs_on_two_nodes(cluster, sft_rm_root):
     assert "on 2 nodes x 1 tasks" in log
     s = summary(sft_rm_root, "slurm_ppo", "ppo")
     assert s["steps"] == 3
-    assert (sft_rm_root / "slurm_ppo" / "ppo" / "tensorboard").is_dir()
-    assert [x["step"] for x in metrics(sft_rm_root, "slurm_ppo", "ppo")] == [0, 1, 2, 3]
+    lines = metrics(sft_rm_root, "slurm_ppo", "ppo")
+    assert [x["step"] for x in lines] == [0, 1, 2, 3]
+    acc = EventAccumulator(str(sft_rm_root / "slurm_ppo" / "ppo" / "tensorboard"))
+    acc.Reload()
+    assert [e.step for e in acc.Scalars("ppo/gold_score")] == [1, 2, 3]
+    assert [e.value for e in acc.Scalars("ppo/rm_score")] == pytest.approx([x["rm_score"] for x in lines[1:]], rel=1e-6)
 
 
 def test_pipeline_submits_dependent_stages_in_order(cluster, tmp_path):
