@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from distributed import TINY_MODEL, torchrun
+from megatron_rlhf.rollout import Rollout
 from workers.rollout_layouts import EOS, NEW, PAD, PROMPTS
 
 pytestmark = pytest.mark.slow
@@ -50,6 +51,9 @@ def test_rollout_logprobs_equal_recomputed(runs, layout):
 
 def test_ragged_prompts_are_kept_and_responses_bounded(runs):
     r = runs["tp1pp1"]["sampled"]
+    rollout = Rollout(**r)
+    assert rollout.response_lengths().tolist() == [len(ids) for ids in rollout.response_ids()]
+    assert rollout.response_ids()[1] == r["tokens"][1, len(PROMPTS[1]) : int(r["lengths"][1])].tolist()
     for row, prompt in enumerate(PROMPTS):
         assert r["tokens"][row, : len(prompt)].tolist() == prompt
         assert int(r["prompt_lengths"][row]) == len(prompt)

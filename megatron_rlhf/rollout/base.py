@@ -33,6 +33,14 @@ class Rollout:
     logprobs: torch.Tensor
     finished: torch.Tensor
 
+    def response_lengths(self) -> torch.Tensor:
+        """[B] generated tokens per row (EOS included when one was generated)."""
+        return self.lengths - self.prompt_lengths
+
+    def response_ids(self) -> list[list[int]]:
+        """Each row's generated token ids, without prompt or padding."""
+        return [row[int(p):int(n)] for row, p, n in zip(self.tokens.tolist(), self.prompt_lengths, self.lengths)]
+
     def response_mask(self) -> torch.Tensor:
         """[B, S] float: 1 at positions t whose next token t+1 is a response token."""
         pos = torch.arange(self.tokens.size(1))

@@ -142,41 +142,37 @@ def evaluate(engine, reward, tokenizer, task, prompts, sampling, micro, seed) ->
     n, rm_sum, gold_sum = all_reduce_sum(len(texts), rm.sum().item(), sum(gold))
     samples = [f"{p} || {r}" for p, r in texts]
     scores = {"eval_rm_score": rm_sum / n, "eval_gold_score": gold_sum / n if task else float("nan")}
-    return scores, samples, int((rollout.lengths - rollout.prompt_lengths).sum())
+    return scores, samples, int(rollout.response_lengths().sum())
 
 
 def decode_responses(rollout: Rollout, tokenizer) -> list[tuple[str, str]]:
-    out = []
-    for row in range(rollout.tokens.size(0)):
-        plen, length = int(rollout.prompt_lengths[row]), int(rollout.lengths[row])
-        ids = rollout.tokens[row].tolist()
-        out.append((tokenizer.decode(ids[:plen]), tokenizer.decode(ids[plen:length])))
-    return out
+    prompts = [row[: int(p)] for row, p in zip(rollout.tokens.tolist(), rollout.prompt_lengths)]
+    return [(tokenizer.decode(p), tokenizer.decode(r)) for p, r in zip(prompts, rollout.response_ids())]
 
 
 # ----------------------------------------------------------------------------- the stage
 def build_roles(cfg: Config) -> dict:
     ppo = cfg.ppo
+    # LR schedules run over every optimizer step: epochs x minibatches per iteration
+    total_steps = ppo.steps * ppo.ppo_epochs * (ppo.rollout_batch_size // ppo.mini_batch_size)
     return {
         "actor": Actor(cfg, trainable=True, temperature=ppo.temperature,
-                       optimizer=ppo.actor_optimizer, total_steps=ppo.steps * _optimizer_steps_per_iteration(ppo)),
+                       optimizer=ppo.actor_optimizer, total_steps=total_steps),
         "reference": Reference(cfg, temperature=ppo.temperature),
         "reward": RewardModel(cfg),
-        "critic": Critic(cfg, trainable=True, optimizer=ppo.critic_optimizer,
-                         total_steps=ppo.steps * _optimizer_steps_per_iteration(ppo)),
+        "critic": Critic(cfg, trainable=True, optimizer=ppo.critic_optimizer, total_steps=total_steps),
     }
 
 
-def _optimizer_steps_per_iteration(ppo: PPOConfig) -> int:
-    return ppo.ppo_epochs * (ppo.rollout_batch_size // ppo.mini_batch_size)
-
-
-def load_inputs(cfg: Config, roles: dict) -> str:
-    """Reference (and actor, on a fresh start) from SFT; reward model (and critic) from RM."""
+def load_inputs(cfg: Config, roles: dict, fresh_start: bool) -> str:
+    """Reference from SFT and reward model from RM; on a fresh start also the actor (from
+    SFT) and the critic (from RM); a resumed run has them from its own checkpoint."""
     sft = resolve_checkpoint(cfg.ppo.sft_from or stage_dir(cfg, "sft"))
     rm = resolve_checkpoint(cfg.ppo.rm_from or stage_dir(cfg, "rm"))
     load_role(roles["reference"], sft / "actor", with_optimizer=False)
     load_role(roles["reward"], rm / "reward", with_optimizer=False)
+    if not fresh_start:
+        return f"reference from {sft}, reward model from {rm}"
     load_model_weights(roles["actor"], sft / "actor")
     load_model_weights(roles["critic"], rm / "reward")  # value head starts as the reward head
     fold_reward_normalization(roles["critic"], roles["reward"])
@@ -212,13 +208,14 @@ def train(cfg: Config) -> dict:
     kl_ctl = alg.make_kl_controller(ppo.kl_controller, ppo.kl_coef, ppo.kl_target, ppo.kl_horizon)
     sampler = EpochSampler(len(train_prompts), seed=cfg.seed)
     ckpt = CheckpointManager(out, cfg.checkpoint.keep_last)
-    note = load_inputs(cfg, roles)
     step, resumed, state = resume(cfg, ckpt, {"actor": actor, "critic": critic}, sampler)
     if resumed:
         kl_ctl.load_state_dict(state["kl_controller"])
-        note = resumed
+    inputs = load_inputs(cfg, roles, fresh_start=not resumed)
     log = MetricsLogger(out, "ppo", ppo.steps, resume_step=step, tensorboard=cfg.logging.tensorboard)
-    log.info(note)
+    log.info(inputs)
+    if resumed:
+        log.info(resumed)
     log.info(f"prompts: {train_report}")
     sampling = SamplingParams(ppo.temperature, ppo.top_k, ppo.top_p, ppo.max_new_tokens)
     dp_rank, dp = data_parallel()
@@ -242,7 +239,7 @@ def train(cfg: Config) -> dict:
         sched.enter("generate")
         prompts = [train_prompts[i] for i in dp_slice(sampler.next_indices(ppo.rollout_batch_size), dp_rank, dp)]
         rollout = engine.generate(prompts, sampling, seed)
-        sched.exit(tokens=int((rollout.lengths - rollout.prompt_lengths).sum()))
+        sched.exit(tokens=int(rollout.response_lengths().sum()))
 
         sched.enter("score")
         batch = score(rollout, roles, ppo, ppo.micro_batch_size)
@@ -258,10 +255,9 @@ def train(cfg: Config) -> dict:
         n, rm_sum, gold_sum, len_sum, kl_sum, mismatch_sum, tokens_sum, rep_sum = all_reduce_sum(
             len(texts), batch["scores"].sum().item(),
             sum(data.task.gold_score(p, r) for p, r in texts) if data.task else 0.0,
-            (rollout.lengths - rollout.prompt_lengths).sum().item(), kl_stats["kl_mean"] * len(texts),
+            rollout.response_lengths().sum().item(), kl_stats["kl_mean"] * len(texts),
             ((rollout.logprobs - batch["old_logprobs"]).abs() * batch["mask"]).sum().item(), batch["mask"].sum().item(),
-            alg.response_repetition_rate([rollout.tokens[i, int(p):int(l)].tolist() for i, (p, l) in
-                                          enumerate(zip(rollout.prompt_lengths, rollout.lengths))]) * len(texts),
+            alg.response_repetition_rate(rollout.response_ids()) * len(texts),
         )
         samples_seen += int(n)
         kl_ctl.update(kl_sum / n, int(n))
