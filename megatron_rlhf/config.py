@@ -180,6 +180,17 @@ class CheckpointConfig:
     resume: bool = True
     # Resume from this stage or iter_* directory instead (e.g. a copy of another run).
     load: str | None = None
+    # Write checkpoints in background processes (megatron-core async dist-checkpointing):
+    # training continues while the files are written; the checkpoint is committed (renamed,
+    # named in `latest`) only once every rank has finished writing.
+    async_save: bool = False
+
+
+@dataclass
+class ResilienceConfig:
+    # A step whose loss or gradients are NaN/Inf on any rank is skipped (no optimizer update);
+    # this many skipped steps in a row stop the run with an error (0: stop at the first).
+    max_consecutive_nonfinite: int = 3
 
 
 @dataclass
@@ -199,6 +210,7 @@ class Config:
     rm: RMConfig = field(default_factory=RMConfig)
     ppo: PPOConfig = field(default_factory=PPOConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    resilience: ResilienceConfig = field(default_factory=ResilienceConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
     def to_dict(self) -> dict[str, Any]:
@@ -384,6 +396,9 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
     _validate_ppo(cfg.ppo, m, dp)
     if cfg.checkpoint.keep_last < 1:
         raise ConfigError(f"checkpoint.keep_last={cfg.checkpoint.keep_last}: must be >= 1")
+    if cfg.resilience.max_consecutive_nonfinite < 0:
+        raise ConfigError(f"resilience.max_consecutive_nonfinite={cfg.resilience.max_consecutive_nonfinite}: "
+                          "must be >= 0 (0 stops at the first non-finite step)")
     return cfg
 
 

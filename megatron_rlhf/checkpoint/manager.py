@@ -73,9 +73,10 @@ def resolve_checkpoint(path: str | Path) -> Path:
 class CheckpointManager:
     """Saves and loads the complete state of one stage under `stage_dir`."""
 
-    def __init__(self, stage_dir: str | Path, keep_last: int = 2):
+    def __init__(self, stage_dir: str | Path, keep_last: int = 2, async_save: bool = False):
         self.stage_dir = Path(stage_dir)
         self.keep_last = keep_last
+        self.async_save = async_save
 
     def latest(self) -> Path | None:
         try:
@@ -107,6 +108,12 @@ class CheckpointManager:
             self._apply_retention(keep=final.name)
         dist.barrier()
         return final
+
+    def poll(self) -> None:
+        """Collective. Commit the async saves every rank has finished writing (no-op when sync)."""
+
+    def wait(self) -> None:
+        """Collective. Block until every pending async save is committed (no-op when sync)."""
 
     def _apply_retention(self, keep: str) -> None:
         complete = sorted(p for p in self.stage_dir.iterdir() if _ITER.match(p.name))

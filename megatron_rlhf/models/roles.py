@@ -27,6 +27,8 @@ from megatron_rlhf.models.vocab_parallel import (
     mask_padded_vocab, vocab_parallel_entropy, vocab_parallel_logprobs,
 )
 from megatron_rlhf.parallel import device
+from megatron_rlhf.resilience.faults import FAULTS
+from megatron_rlhf.resilience.nonfinite import NonFiniteGuard
 
 Batch = dict[str, torch.Tensor]
 LossFn = Callable[[dict[str, torch.Tensor], Batch], torch.Tensor]
@@ -78,6 +80,7 @@ class Role:
             config.finalize_model_grads_func = finalize_model_grads
             config.grad_scale_func = self.optimizer.scale_loss
             config.no_sync_func = self.model.no_sync
+            self.guard = NonFiniteGuard(type(self).__name__, cfg.resilience.max_consecutive_nonfinite)
         else:
             module.requires_grad_(False)
             module.eval()
@@ -117,6 +120,7 @@ class Role:
         def loss_func(o):
             loss = loss_fn(o, mb)
             loss, stats = loss if isinstance(loss, tuple) else (loss, {})
+            loss = FAULTS.corrupt_loss(loss)
             # clone: the schedule divides `loss` in place by the number of microbatches
             return loss, {"loss": loss.detach().clone(), **{k: v.detach() for k, v in stats.items()}}
 
@@ -148,13 +152,19 @@ class Role:
         `loss_fn(outputs, microbatch)` returns the microbatch's mean loss, or (loss, stats)
         with 0-dim tensors to report; the step minimises the mean over microbatches (and over
         data-parallel ranks). Returns the microbatch means of loss and stats on every rank.
+        A step with a non-finite loss or gradient on any rank is skipped (`skipped`: True).
         """
         assert self.trainable, f"{type(self).__name__} is frozen"
         self.model.train()
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         store = self._run(batch, micro_batch_size, loss_fn=loss_fn)
-        update_ok, grad_norm, _ = self.optimizer.step()
+        FAULTS.at("train")  # between backward and the optimizer step: the middle of a step
+        grads = [b.grad_data for b in self.model.buffers + self.model.expert_parallel_buffers]
+        skipped = self.guard.should_skip([d["loss"] for d in store], grads)
+        update_ok, grad_norm = False, float("nan")
+        if not skipped:
+            update_ok, grad_norm, _ = self.optimizer.step()
         if update_ok:
             self.scheduler.step(increment=1)
         means = [{k: float(torch.stack([d[k] for d in store]).float().mean()) for k in store[0]}] if store else [None]
@@ -164,7 +174,7 @@ class Role:
                 group=parallel_state.get_pipeline_model_parallel_group(),
             )
         return {**means[0], "grad_norm": float(grad_norm or 0.0), "update_ok": bool(update_ok),
-                "lr": self.optimizer.param_groups[0]["lr"]}
+                "skipped": skipped, "lr": self.optimizer.param_groups[0]["lr"]}
 
 
 class Actor(Role):

@@ -109,14 +109,31 @@ def resume_source(cfg: Config, ckpt) -> Path | str | None:
 
 
 def resume(cfg: Config, ckpt, roles: dict, sampler) -> tuple[int, str | None, dict]:
-    """Load the stage's checkpoint to resume from, if any: (step, a line for the log, the
-    trainer state; step 0, None and {} on a fresh start)."""
+    """Load the stage's checkpoint to resume from, if any: (step, lines for the log, the
+    trainer state; step 0, None and {} on a fresh start). Restores the sampler and the
+    non-finite guards of the trained roles."""
     source = resume_source(cfg, ckpt)
     if source is None:
         return 0, None, {}
     state = ckpt.load(roles, source)
     sampler.load_state_dict(state["sampler"])
-    return state["step"], f"resumed from {state['checkpoint']} at step {state['step']}", state
+    for name, guard in state.get("guards", {}).items():
+        roles[name].guard.load_state_dict(guard)
+    notes = [*state.get("checkpoint_warnings", []), f"resumed from {state['checkpoint']} at step {state['step']}"]
+    return state["step"], "\n".join(notes), state
+
+
+def trainer_state(step: int, sampler, roles: dict, **extra) -> dict:
+    """What every stage saves besides the roles: the step, the data position and the
+    skipped-step counters (RNG states are added by the checkpoint manager)."""
+    return {"step": step, "sampler": sampler.state_dict(),
+            "guards": {name: role.guard.state_dict() for name, role in roles.items()}, **extra}
+
+
+def skipped_steps(roles: dict) -> dict[str, int]:
+    """Optimizer steps skipped so far for a NaN/Inf loss or gradient, per trained role."""
+    return {f"{name}_skipped_steps" if len(roles) > 1 else "skipped_steps": role.guard.skipped
+            for name, role in roles.items()}
 
 
 def write_summary(directory: Path, summary: dict[str, Any]) -> None:
@@ -127,14 +144,17 @@ def write_summary(directory: Path, summary: dict[str, Any]) -> None:
 
 
 def checkpoint_if_due(ckpt, log, preemption, step: int, total: int, save_interval: int,
-                      roles: dict, trainer_state: dict) -> None:
+                      roles: dict, state: dict) -> None:
     """Save on the interval, at the last step, or when any rank was signalled; after a
-    signalled save, exit for requeue (resilience/preemption.py)."""
+    signalled save, wait for it to be committed and exit for requeue
+    (resilience/preemption.py). Commits finished async saves on the way."""
     from megatron_rlhf.resilience.preemption import Preempted
 
     preempted = preemption.should_stop()
     if (save_interval and step % save_interval == 0) or step == total or preempted:
-        ckpt.save(step, roles, trainer_state)
+        ckpt.save(step, roles, state)
+    ckpt.poll()
     if preempted and step < total:
+        ckpt.wait()
         log.info(f"signalled: checkpoint at step {step} saved, exiting for requeue")
         raise Preempted(step)

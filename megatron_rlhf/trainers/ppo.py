@@ -25,11 +25,13 @@ from megatron_rlhf.data.encode import encode_prompts
 from megatron_rlhf.data.sampler import EpochSampler
 from megatron_rlhf.logging import MetricsLogger
 from megatron_rlhf.models.roles import Actor, Critic, Reference, RewardModel
+from megatron_rlhf.resilience.faults import FAULTS
+from megatron_rlhf.resilience.heartbeat import Heartbeat
 from megatron_rlhf.resilience.preemption import PreemptionHandler
 from megatron_rlhf.rollout import MegatronRolloutEngine, Rollout, SamplingParams
 from megatron_rlhf.trainers.common import (
     all_reduce_sum, checkpoint_if_due, data_parallel, dp_slice, load_stage_data, padded_forward, resume,
-    stage_dir, write_summary,
+    skipped_steps, stage_dir, trainer_state, write_summary,
 )
 
 
@@ -126,7 +128,7 @@ def train_on_rollout(actor, critic, batch: dict, ppo: PPOConfig, kl_coef: float,
                     name = {"loss": f"{'policy' if role == 'actor' else 'value'}_loss"}.get(k, k)
                     if k in ("grad_norm", "lr"):
                         name = f"{role}_{k}"
-                    if k != "update_ok":
+                    if k not in ("update_ok", "skipped"):
                         trained.setdefault(name, []).append(float(v))
     return {k: sum(v) / len(v) for k, v in trained.items()}
 
@@ -194,6 +196,7 @@ def train(cfg: Config) -> dict:
     start_time = time.perf_counter()
     preemption = PreemptionHandler()
     parallel.initialize(cfg)
+    heartbeat = Heartbeat.from_env()
     ppo, out = cfg.ppo, stage_dir(cfg, "ppo")
     data = load_stage_data(cfg, ("prompts_train", "prompts_eval"))
     tok = data.tokenizer
@@ -207,8 +210,9 @@ def train(cfg: Config) -> dict:
     sched = ColocationScheduler(roles)
     kl_ctl = alg.make_kl_controller(ppo.kl_controller, ppo.kl_coef, ppo.kl_target, ppo.kl_horizon)
     sampler = EpochSampler(len(train_prompts), seed=cfg.seed)
-    ckpt = CheckpointManager(out, cfg.checkpoint.keep_last)
-    step, resumed, state = resume(cfg, ckpt, {"actor": actor, "critic": critic}, sampler)
+    ckpt = CheckpointManager(out, cfg.checkpoint.keep_last, cfg.checkpoint.async_save)
+    trained = {"actor": actor, "critic": critic}
+    step, resumed, state = resume(cfg, ckpt, trained, sampler)
     if resumed:
         kl_ctl.load_state_dict(state["kl_controller"])
     inputs = load_inputs(cfg, roles, fresh_start=not resumed)
@@ -231,19 +235,22 @@ def train(cfg: Config) -> dict:
         log.log(0, eval_metrics)  # the SFT policy: the eval curves start here
     eval_before, samples_before = before["eval"], before["samples"][: ppo.eval_samples_logged]
 
-    samples_seen, metrics = 0, {}
+    samples_seen, metrics = state.get("samples_seen", 0), {}
     while step < ppo.steps:
         step += 1
+        FAULTS.begin_step(step)
         seed = cfg.seed * 100_003 + step * 1_009 + dp_rank
 
         sched.enter("generate")
         prompts = [train_prompts[i] for i in dp_slice(sampler.next_indices(ppo.rollout_batch_size), dp_rank, dp)]
         rollout = engine.generate(prompts, sampling, seed)
         sched.exit(tokens=int(rollout.response_lengths().sum()))
+        heartbeat.beat()
 
         sched.enter("score")
         batch = score(rollout, roles, ppo, ppo.micro_batch_size)
         sched.exit(tokens=int(rollout.lengths.sum()))
+        heartbeat.beat()
 
         sched.enter("train")
         kl_stats = add_advantages(batch, ppo, kl_ctl.value)
@@ -266,7 +273,7 @@ def train(cfg: Config) -> dict:
             "kl_mean": kl_sum / n, "kl_per_token": kl_stats["kl_per_token"], "kl_coef": kl_ctl.value,
             "response_length": len_sum / n, "repetition_rate": rep_sum / n,
             "logprob_mismatch": mismatch_sum / max(tokens_sum, 1.0),
-            "explained_variance": kl_stats["explained_variance"], **train_stats,
+            "explained_variance": kl_stats["explained_variance"], **train_stats, **skipped_steps(trained),
             **{f"{p}_seconds": s.seconds / s.calls for p, s in sched.stats.items()},
             **{f"{p}_tokens_per_s": v["tokens_per_s"] for p, v in sched.summary().items()},
             **{f"{p}_peak_memory_bytes": s.peak_memory_bytes for p, s in sched.stats.items()},
@@ -279,9 +286,12 @@ def train(cfg: Config) -> dict:
             log.info(f"step {step} samples: {samples[: ppo.eval_samples_logged]}")
         if step % ppo.log_interval == 0 or "eval_gold_score" in metrics:
             log.log(step, metrics)
-        checkpoint_if_due(ckpt, log, preemption, step, ppo.steps, ppo.save_interval, {"actor": actor, "critic": critic},
-                          {"step": step, "sampler": sampler.state_dict(), "kl_controller": kl_ctl.state_dict(),
-                           "before": before})
+        checkpoint_if_due(ckpt, log, preemption, step, ppo.steps, ppo.save_interval, trained,
+                          trainer_state(step, sampler, trained, kl_controller=kl_ctl.state_dict(), before=before,
+                                        samples_seen=samples_seen))
+        heartbeat.beat()
+
+    ckpt.wait()
 
     wall = time.perf_counter() - start_time
     phases = sched.summary()
@@ -300,5 +310,6 @@ def train(cfg: Config) -> dict:
     write_summary(out, summary)
     log.info(f"done: gold {summary['gold_score_eval_before']:.3f} -> {summary['gold_score_eval_after']:.3f}, "
              f"RM {summary['rm_score_eval_before']:.3f} -> {summary['rm_score_eval_after']:.3f}")
+    heartbeat.close()
     log.close()
     return summary

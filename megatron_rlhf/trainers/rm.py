@@ -23,11 +23,13 @@ from megatron_rlhf.config import Config
 from megatron_rlhf.data.encode import collate_preferences, collate_sft, encode_preferences, encode_sft
 from megatron_rlhf.data.sampler import EpochSampler
 from megatron_rlhf.logging import MetricsLogger
+from megatron_rlhf.resilience.faults import FAULTS
+from megatron_rlhf.resilience.heartbeat import Heartbeat
 from megatron_rlhf.resilience.preemption import PreemptionHandler
 from megatron_rlhf.models.roles import RewardModel
 from megatron_rlhf.trainers.common import (
     all_reduce_sum, checkpoint_if_due, data_parallel, dp_slice, load_stage_data, padded_forward, resume,
-    stage_dir, write_summary,
+    skipped_steps, stage_dir, trainer_state, write_summary,
 )
 
 
@@ -61,6 +63,7 @@ def train(cfg: Config) -> dict:
     start = time.perf_counter()
     preemption = PreemptionHandler()
     parallel.initialize(cfg)
+    heartbeat = Heartbeat.from_env()
     st, out = cfg.rm, stage_dir(cfg, "rm")
     data = load_stage_data(cfg, ("preference_train", "preference_eval", "sft_eval"))
     pad, ovf = data.tokenizer.pad_id, cfg.data.overflow
@@ -69,9 +72,10 @@ def train(cfg: Config) -> dict:
     sft_samples, _ = encode_sft(data.splits["sft_eval"], data.tokenizer, st.seq_length, ovf)
 
     rm = RewardModel(cfg, trainable=True, optimizer=st.optimizer, total_steps=st.steps)
+    roles = {"reward": rm}
     sampler = EpochSampler(len(train_set), seed=cfg.seed)
-    ckpt = CheckpointManager(out, cfg.checkpoint.keep_last)
-    step, init_note, _ = resume(cfg, ckpt, {"reward": rm}, sampler)
+    ckpt = CheckpointManager(out, cfg.checkpoint.keep_last, cfg.checkpoint.async_save)
+    step, init_note, _ = resume(cfg, ckpt, roles, sampler)
     if init_note is None:
         sft_ckpt = resolve_checkpoint(st.init_from or stage_dir(cfg, "sft"))
         load_model_weights(rm, sft_ckpt / "actor", skip_prefixes=("output_layer.",))
@@ -85,6 +89,7 @@ def train(cfg: Config) -> dict:
     metrics = {}
     while step < st.steps:
         t0 = time.perf_counter()
+        FAULTS.begin_step(step + 1)
         indices = dp_slice(sampler.next_indices(st.global_batch_size), dp_rank, dp_size)
         batch = collate_preferences([train_set[i] for i in indices], pad, st.seq_length)
         result = rm.train_step({k: batch[k] for k in ("tokens", "lengths")}, 2 * st.micro_batch_size,
@@ -92,7 +97,7 @@ def train(cfg: Config) -> dict:
         step += 1
         (tokens,) = all_reduce_sum(batch["lengths"].sum().item())
         metrics = {"loss": result["loss"], "lr": result["lr"], "grad_norm": result["grad_norm"],
-                   "tokens_per_s": tokens / (time.perf_counter() - t0)}
+                   **skipped_steps(roles), "tokens_per_s": tokens / (time.perf_counter() - t0)}
         if step % st.eval_interval == 0 or step == st.steps:
             metrics.update(evaluate(rm, eval_set, *eval_args))
         if step % st.log_interval == 0 or "eval_accuracy" in metrics:
@@ -101,8 +106,11 @@ def train(cfg: Config) -> dict:
             rm.reward_mean, rm.reward_std = 0.0, 1.0
             rm.reward_mean, rm.reward_std = reward_statistics(rm, sft_samples, pad, st.seq_length, st.micro_batch_size)
             log.info(f"reward normalisation: mean {rm.reward_mean:.4f}, std {rm.reward_std:.4f}")
-        checkpoint_if_due(ckpt, log, preemption, step, st.steps, st.save_interval, {"reward": rm},
-                          {"step": step, "sampler": sampler.state_dict()})
+        checkpoint_if_due(ckpt, log, preemption, step, st.steps, st.save_interval, roles,
+                          trainer_state(step, sampler, roles))
+        heartbeat.beat()
+
+    ckpt.wait()
 
     final = evaluate(rm, eval_set, *eval_args)
     summary = {
@@ -116,5 +124,6 @@ def train(cfg: Config) -> dict:
     }
     write_summary(out, summary)
     log.info(f"done: eval accuracy {final['eval_accuracy']:.3f}, margin {final['eval_margin']:.3f}")
+    heartbeat.close()
     log.close()
     return summary

@@ -18,11 +18,13 @@ from megatron_rlhf.config import Config
 from megatron_rlhf.data.encode import collate_sft, encode_sft
 from megatron_rlhf.data.sampler import EpochSampler
 from megatron_rlhf.logging import MetricsLogger
+from megatron_rlhf.resilience.faults import FAULTS
+from megatron_rlhf.resilience.heartbeat import Heartbeat
 from megatron_rlhf.resilience.preemption import PreemptionHandler
 from megatron_rlhf.models.roles import Actor
 from megatron_rlhf.trainers.common import (
     all_reduce_sum, checkpoint_if_due, data_parallel, dp_slice, load_stage_data, padded_forward, resume,
-    stage_dir, write_summary,
+    skipped_steps, stage_dir, trainer_state, write_summary,
 )
 
 
@@ -46,6 +48,7 @@ def train(cfg: Config) -> dict:
     start = time.perf_counter()
     preemption = PreemptionHandler()
     parallel.initialize(cfg)
+    heartbeat = Heartbeat.from_env()
     st, out = cfg.sft, stage_dir(cfg, "sft")
     data = load_stage_data(cfg, ("sft_train", "sft_eval"))
     pad = data.tokenizer.pad_id
@@ -53,9 +56,10 @@ def train(cfg: Config) -> dict:
     eval_set, eval_report = encode_sft(data.splits["sft_eval"], data.tokenizer, st.seq_length, cfg.data.overflow)
 
     actor = Actor(cfg, trainable=True, optimizer=st.optimizer, total_steps=st.steps)
+    roles = {"actor": actor}
     sampler = EpochSampler(len(train_set), seed=cfg.seed)
-    ckpt = CheckpointManager(out, cfg.checkpoint.keep_last)
-    step, resumed, _ = resume(cfg, ckpt, {"actor": actor}, sampler)
+    ckpt = CheckpointManager(out, cfg.checkpoint.keep_last, cfg.checkpoint.async_save)
+    step, resumed, _ = resume(cfg, ckpt, roles, sampler)
     log = MetricsLogger(out, "sft", st.steps, resume_step=step, tensorboard=cfg.logging.tensorboard)
     log.info(f"train data: {train_report}; eval data: {eval_report}")
     if resumed:
@@ -67,19 +71,23 @@ def train(cfg: Config) -> dict:
     metrics = {}
     while step < st.steps:
         t0 = time.perf_counter()
+        FAULTS.begin_step(step + 1)
         indices = dp_slice(sampler.next_indices(st.global_batch_size), dp_rank, dp_size)
         batch = collate_sft([train_set[i] for i in indices], pad, st.seq_length)
         result = actor.train_step(batch, st.micro_batch_size, sft_loss)
         step += 1
         (tokens,) = all_reduce_sum(batch["lengths"].sum().item())
         metrics = {"loss": result["loss"], "lr": result["lr"], "grad_norm": result["grad_norm"],
-                   "tokens_per_s": tokens / (time.perf_counter() - t0)}
+                   **skipped_steps(roles), "tokens_per_s": tokens / (time.perf_counter() - t0)}
         if step % st.eval_interval == 0 or step == st.steps:
             metrics["eval_loss"] = evaluate(actor, eval_set, *eval_args)
         if step % st.log_interval == 0 or "eval_loss" in metrics:
             log.log(step, metrics)
-        checkpoint_if_due(ckpt, log, preemption, step, st.steps, st.save_interval, {"actor": actor},
-                          {"step": step, "sampler": sampler.state_dict()})
+        checkpoint_if_due(ckpt, log, preemption, step, st.steps, st.save_interval, roles,
+                          trainer_state(step, sampler, roles))
+        heartbeat.beat()
+
+    ckpt.wait()
 
     summary = {
         "stage": "sft", "steps": step,
@@ -92,5 +100,6 @@ def train(cfg: Config) -> dict:
     }
     write_summary(out, summary)
     log.info(f"done: eval loss {summary['eval_loss_start']:.4f} -> {summary['eval_loss']:.4f}")
+    heartbeat.close()
     log.close()
     return summary
