@@ -54,8 +54,10 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(f"config error: {err}", file=sys.stderr)
         return 2
+    from megatron_rlhf.checkpoint.validate import CheckpointError
     from megatron_rlhf.data.jsonl import DataError
     from megatron_rlhf.data.tokenizers import TokenizerError
+    from megatron_rlhf.resilience.nonfinite import NonFiniteError
 
     try:
         run_command(args.command, cfg)
@@ -65,6 +67,12 @@ def main(argv: list[str] | None = None) -> int:
     except (DataError, TokenizerError) as err:
         print(f"data error: {err}", file=sys.stderr)
         return 2
+    except CheckpointError as err:  # damaged checkpoints: a person decides, not a requeue loop
+        print(f"checkpoint error: {err}", file=sys.stderr)
+        return 2
+    except NonFiniteError as err:  # not requeued: resuming would diverge again
+        print(f"training error: {err}", file=sys.stderr)
+        return 3
     finally:
         from megatron_rlhf import parallel
 

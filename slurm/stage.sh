@@ -6,6 +6,20 @@
 #   RUN_ROOT   where runs are written              (checkpoint.root; default: the recipe's)
 #   RUN_NAME   run directory under RUN_ROOT        (checkpoint.run_name; default: the recipe's)
 #   EXTRA_ARGS more config overrides, e.g. "ppo.steps=100 data.tokenizer=/models/llama3"
+#   LAUNCHER   srun (default): one srun task per device.
+#              ft_launcher: one nvidia-resiliency-ext ft_launcher per node starts the node's
+#              ranks and restarts all ranks of the job in place (they resume from the latest
+#              checkpoint) when a rank dies or stops sending heartbeats. Its knobs:
+#   NPROC_PER_NODE   ranks per node          (default: --ntasks-per-node, else GPUs on the node)
+#   FT_MAX_RESTARTS  in-job restarts before the job fails                            (default 3)
+#   FT_INITIAL_HEARTBEAT_TIMEOUT  s from a rank's start to its first heartbeat: model build,
+#                    checkpoint load (70B from a shared FS) and first step        (default 1800)
+#   FT_HEARTBEAT_TIMEOUT  s between heartbeats: the longest step or PPO phase, including a
+#                    checkpoint save and an eval; a rank silent this long is killed (default 900)
+#   FT_TERM_TIMEOUT  s the ranks get to checkpoint after USR1/SIGTERM before SIGKILL; keep it
+#                    under the --signal lead time                                  (default 280)
+#   FT_LAUNCHER      the ft_launcher executable                       (default: next to $PYTHON)
+#   FT_ARGS          more ft_launcher arguments, e.g. "--workers-stop-timeout=60"
 # The job is requeued when the stage exits with REQUEUE_EXIT (it saved a checkpoint after
 # SIGUSR1/SIGTERM); on restart the stage resumes from its latest complete checkpoint.
 set -euo pipefail
@@ -19,8 +33,33 @@ cd "$REPO"
 EXTRA_ARGS="${EXTRA_ARGS:-}${RUN_ROOT:+ checkpoint.root=$RUN_ROOT}${RUN_NAME:+ checkpoint.run_name=$RUN_NAME}"
 echo "[slurm] job $SLURM_JOB_ID restart ${SLURM_RESTART_COUNT:-0}: $STAGE on $SLURM_JOB_NUM_NODES nodes x ${SLURM_NTASKS_PER_NODE:-?} tasks, master $MASTER_ADDR:$MASTER_PORT"
 
-# shellcheck disable=SC2086  # EXTRA_ARGS is a list of key=value words
-srun --kill-on-bad-exit=1 "$PYTHON" -m megatron_rlhf "$STAGE" --config "$RECIPE" $EXTRA_ARGS &
+LAUNCHER=${LAUNCHER:-srun}
+if [ "$LAUNCHER" = ft_launcher ]; then
+  NPROC_PER_NODE=${NPROC_PER_NODE:-${SLURM_NTASKS_PER_NODE:-${SLURM_GPUS_ON_NODE:?set NPROC_PER_NODE}}}
+  FT_LAUNCHER=${FT_LAUNCHER:-$(dirname "$PYTHON")/ft_launcher}
+  echo "[slurm] ft_launcher: $NPROC_PER_NODE ranks per node, up to ${FT_MAX_RESTARTS:-3} in-job restarts"
+  # Each node's task is this shell around ft_launcher. ft_launcher passes SIGTERM on to its
+  # ranks (and waits --term-timeout for them) but has no handler for USR1, whose default
+  # action would kill it and orphan the ranks; Slurm may signal every process of the step.
+  # So ft_launcher runs with USR1 ignored, and the shell turns the USR1 that srun forwards
+  # into one SIGTERM for it. SIGTERM from Slurm reaches ft_launcher directly (the shell
+  # ignores it: a second SIGTERM would cut ft_launcher's wait for the ranks short).
+  node_task='trap "" USR1; "$@" & pid=$!; trap "kill -TERM $pid" USR1; trap : TERM
+    while :; do wait $pid; rc=$?; kill -0 $pid 2>/dev/null || exit $rc; done'
+  # shellcheck disable=SC2086  # EXTRA_ARGS and FT_ARGS are lists of words
+  srun --kill-on-bad-exit=1 --nodes="$SLURM_JOB_NUM_NODES" --ntasks="$SLURM_JOB_NUM_NODES" --ntasks-per-node=1 \
+    ${SLURM_CPUS_ON_NODE:+--cpus-per-task=$SLURM_CPUS_ON_NODE} \
+    bash -c "$node_task" ft-node "$FT_LAUNCHER" \
+      --nnodes="$SLURM_JOB_NUM_NODES" --nproc-per-node="$NPROC_PER_NODE" \
+      --rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" --rdzv-id="$SLURM_JOB_ID" \
+      --max-restarts="${FT_MAX_RESTARTS:-3}" --term-timeout="${FT_TERM_TIMEOUT:-280}" \
+      --ft-initial-rank-heartbeat-timeout="${FT_INITIAL_HEARTBEAT_TIMEOUT:-1800}" \
+      --ft-rank-heartbeat-timeout="${FT_HEARTBEAT_TIMEOUT:-900}" ${FT_ARGS:-} \
+      -m megatron_rlhf "$STAGE" --config "$RECIPE" $EXTRA_ARGS &
+else
+  # shellcheck disable=SC2086  # EXTRA_ARGS is a list of key=value words
+  srun --kill-on-bad-exit=1 "$PYTHON" -m megatron_rlhf "$STAGE" --config "$RECIPE" $EXTRA_ARGS &
+fi
 srun_pid=$!
 # --signal=B:USR1@T reaches this shell only; srun forwards USR1 to every task.
 signalled=0
@@ -32,7 +71,8 @@ while :; do
 done
 set -e
 # The first task to exit with REQUEUE_EXIT makes srun stop the others (--kill-on-bad-exit),
-# so srun's own code may differ; a signalled run that did not finish is requeued either way.
+# so srun's own code may differ (and ft_launcher exits 1 whenever a rank exited non-zero);
+# a signalled run that did not finish is requeued either way.
 # Checkpoints are committed atomically, so the restart resumes from the newest complete one.
 if [ "$rc" -ne 0 ] && { [ "$signalled" -eq 1 ] || [ "$rc" -eq "$REQUEUE_EXIT" ]; }; then
   echo "[slurm] $STAGE stopped for requeue (exit $rc); requeueing job $SLURM_JOB_ID"

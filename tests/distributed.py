@@ -19,16 +19,19 @@ TINY_MODEL = [
 ]
 
 
-def torchrun(nproc: int, script: str, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
-    """`script` is a path under the repo, or "-m" followed by a module name in `args`."""
+def torchrun(nproc: int, script: str, *args: str, timeout: int = 600, env: dict | None = None,
+             check: bool = True) -> subprocess.CompletedProcess:
+    """`script` is a path under the repo, or "-m" followed by a module name in `args`;
+    `env` adds environment variables; `check=False` returns a failed run instead of raising."""
     target = [script] if script == "-m" else [str(REPO / script)]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc-per-node={nproc}", *target, *args]
     # tests/ on the path: workers import their shared start-up from tests/workers/__init__.py
     pythonpath = os.pathsep.join(filter(None, [str(REPO / "tests"), os.environ.get("PYTHONPATH")]))
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONWARNINGS": "ignore", "PYTHONPATH": pythonpath}
+    inherited = {k: v for k, v in os.environ.items() if k != "MEGATRON_RLHF_FAULT"}  # faults only when asked
+    env = {**inherited, "PYTHONUNBUFFERED": "1", "PYTHONWARNINGS": "ignore", "PYTHONPATH": pythonpath, **(env or {})}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
-    if proc.returncode != 0:
+    if check and proc.returncode != 0:
         raise AssertionError(
             f"{' '.join(cmd)} exited {proc.returncode}\n--- stdout\n{proc.stdout[-6000:]}\n"
             f"--- stderr\n{proc.stderr[-12000:]}"

@@ -11,9 +11,9 @@ SIZES = ["data.task_sizes.sft_train=1024", "data.task_sizes.preference_train=102
 SFT_STEPS, RM_STEPS = 60, 60
 
 
-def stage(nproc, command, root, run, *overrides):
+def stage(nproc, command, root, run, *overrides, **torchrun_kwargs):
     return torchrun(nproc, "-m", "megatron_rlhf", command, *RECIPE, *SIZES,
-                    f"checkpoint.root={root}", f"checkpoint.run_name={run}", *overrides)
+                    f"checkpoint.root={root}", f"checkpoint.run_name={run}", *overrides, **torchrun_kwargs)
 
 
 def summary(root, run, name):

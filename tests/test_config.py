@@ -87,6 +87,8 @@ def test_other_cross_field_rules():
                        "parallel.tensor_parallel=2")
     assert_error_names("model.num_layers", "model.num_layers=0")
     assert_error_names("parallel.backend", "parallel.backend=mpi")
+    assert_error_names("resilience.max_consecutive_nonfinite", "resilience.max_consecutive_nonfinite=-1")
+    assert_error_names("checkpoint.keep_last", "checkpoint.keep_last=0")
 
 
 def test_task_sizes_are_checked_with_the_field():

@@ -111,3 +111,24 @@ def test_usr1_checkpoints_requeues_and_resumes(cluster, sft_rm_root):
     assert s["steps"] == 10
     # the metrics log has each step once: the resumed run truncated what it redid
     assert [x["step"] for x in metrics(sft_rm_root, "slurm_preempt", "ppo")] == list(range(0, 11))
+
+
+def test_ft_launcher_mode_restarts_a_killed_rank_inside_the_job(cluster, tmp_path):
+    """LAUNCHER=ft_launcher: one ft_launcher per node; rank 1 (on the second node) is
+    SIGKILLed mid-step 5; both nodes restart their ranks in the same job, which resumes from
+    step 4 and completes without a Slurm requeue."""
+    state, env = cluster
+    env = {**env, "LAUNCHER": "ft_launcher", "MEGATRON_RLHF_FAULT": "kill@train:5:1",
+           "FT_INITIAL_HEARTBEAT_TIMEOUT": "120", "FT_HEARTBEAT_TIMEOUT": "60", "FT_TERM_TIMEOUT": "5",
+           "FT_ARGS": "--ft-enable-nic-monitor=false --workers-stop-timeout=5"}
+    args = [f"checkpoint.root={tmp_path}", "checkpoint.run_name=ft", "sft.steps=8", "sft.save_interval=2",
+            "sft.optimizer.warmup_steps=2", "sft.eval_interval=8", "data.task_sizes.sft_train=256",
+            "data.task_sizes.sft_eval=64"]
+    (job_id,) = submit(env, "sft_70b.sh", state, args)
+    info = wait_for(env, job_id)
+    log = (state / f"slurm-{job_id}.out").read_text()
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "0", log[-3000:]
+    assert "[fault injection] rank 1: kill at train of step 5" in log
+    assert "at step 4" in log  # the restarted ranks resumed from the last checkpoint
+    assert summary(tmp_path, "ft", "sft")["steps"] == 8
+    assert [x["step"] for x in metrics(tmp_path, "ft", "sft")][-1] == 8

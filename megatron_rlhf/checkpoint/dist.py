@@ -6,6 +6,9 @@ any other. Commit markers, retention and trainer state build on this in `checkpo
 
 from __future__ import annotations
 
+import multiprocessing as mp
+import os
+from multiprocessing.managers import SyncManager
 from pathlib import Path
 
 import torch
@@ -14,12 +17,38 @@ from megatron.core.dist_checkpointing.strategies import filesystem_async
 
 from megatron_rlhf.models.optimizer import load_optimizer_state, optimizer_sharded_state_dict
 
+_writer_queue_manager = None  # keeps the queue's server process alive
 
-def _use_fork_for_writer_queue() -> None:
-    # torch_dist save starts a multiprocessing Manager; with 'spawn' it re-imports __main__
-    # and costs 7-10 s per save on 2 cores. Fork is safe while CUDA is not initialised.
-    if filesystem_async._results_queue is None and not torch.cuda.is_initialized():
-        filesystem_async.get_write_results_queue("fork")
+
+def _exit_with_parent(parent_pid: int) -> None:
+    # Runs first in the queue's server process. It is no daemon, nothing ever stops it, and
+    # it inherits the trainer's stdout/stderr: when a rank is SIGKILLed (a real crash, or a
+    # fault-injection test) it would outlive the job, and a launcher that reads the job's
+    # output until EOF would hang. Linux: die with the process that started it.
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        os._exit(0)
+
+
+def _start_writer_queue() -> None:
+    """Create megatron's process-wide write-results queue (a multiprocessing Manager queue
+    that every torch_dist save reports through) ourselves, before megatron does:
+    - with 'fork' while CUDA is not initialised: 'spawn' re-imports __main__ and costs 7-10 s
+      per process on 2 cores;
+    - with a server that exits when this process dies (_exit_with_parent)."""
+    global _writer_queue_manager
+    if filesystem_async._results_queue is not None:
+        return
+    ctx = mp.get_context("spawn" if torch.cuda.is_initialized() else "fork")
+    _writer_queue_manager = SyncManager(ctx=ctx)
+    _writer_queue_manager.start(_exit_with_parent, (os.getpid(),))
+    filesystem_async._results_queue = _writer_queue_manager.Queue()
 
 
 def role_sharded_state_dict(role, with_optimizer: bool, is_loading: bool) -> dict:
@@ -30,15 +59,27 @@ def role_sharded_state_dict(role, with_optimizer: bool, is_loading: bool) -> dic
     return state
 
 
-def save_role(role, path: str | Path, with_optimizer: bool = True) -> None:
+def save_role(role, path: str | Path, with_optimizer: bool = True, async_save: bool = False):
     """Collective: every rank calls it. `path` must not exist yet (commit markers are the
-    caller's job: write under a temporary name, then rename)."""
+    caller's job: write under a temporary name, then rename).
+
+    async_save: plan the save now and return megatron's AsyncRequest, whose `async_fn`
+    writes this rank's files and whose `finalize_fns` (collective) complete the checkpoint
+    (`.metadata`, metadata.json); the caller schedules it (checkpoint/manager.py). Without
+    it, the checkpoint is complete when this returns (None)."""
     path = Path(path)
     if torch.distributed.get_rank() == 0:
         path.mkdir(parents=True, exist_ok=False)
     torch.distributed.barrier()
-    _use_fork_for_writer_queue()
-    dist_checkpointing.save(role_sharded_state_dict(role, with_optimizer, is_loading=False), str(path))
+    _start_writer_queue()
+    state = role_sharded_state_dict(role, with_optimizer, is_loading=False)
+    if not async_save:
+        dist_checkpointing.save(state, str(path))
+        return None
+    # async_strategy="mcore": the default "nvrx" needs nvidia-resiliency-ext >= 0.6, whose
+    # async modules megatron_rlhf/__init__.py hides next to the installed 0.4.1
+    # (dist_checkpointing/strategies/torch.py get_async_strategy raises ModuleNotFoundError).
+    return dist_checkpointing.save(state, str(path), async_sharded_save=True, async_strategy="mcore")
 
 
 def load_role(role, path: str | Path, with_optimizer: bool = True) -> None:

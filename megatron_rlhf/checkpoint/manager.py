@@ -1,22 +1,44 @@
-"""Stage checkpoints: iter_* directories, an atomic `latest` marker, retention, trainer state.
+"""Stage checkpoints: crash-safe commits, self-validation, fallback on load, retention, and
+optional async saving.
 
     <stage_dir>/
-      iter_0000040/            one complete checkpoint
-        actor/ critic/ ...     megatron dist checkpoint per trained role (model + optimizer + LR)
-        trainer_state/         rank_00000.pt ... (step, data position, RNG states, ...)
-      latest                   name of the newest COMPLETE checkpoint, written last
+      iter_0000040/              one committed checkpoint
+        actor/ critic/ ...       megatron dist checkpoint per trained role (model + optimizer + LR)
+        trainer_state/           rank_00000.pt ... (step, data position, RNG states, ...)
+        commit.json              the commit record, written last (see below)
+      iter_0000042.tmp/          a save in progress, or the debris of a crashed one
+      latest                     name of the newest committed checkpoint
 
-A checkpoint is written under `iter_*.tmp`, renamed once every rank has finished, and only
-then named in `latest`; a loader trusts nothing `latest` does not name, so a crash mid-save
-never exposes a partial checkpoint.
+Guarantees:
+- A checkpoint is written under `iter_*.tmp/`. Only after every rank has finished writing
+  does rank 0 write `commit.json` ({step, roles, world_size, layout: {tp, pp, dp}, files:
+  {relative path: bytes}}), rename the directory to `iter_*`, and then replace `latest`
+  atomically. A crash at any point leaves the previous committed checkpoint untouched.
+- Loading checks the chosen checkpoint against its commit record (validate.py) and falls
+  back to the next older complete one, with a warning naming what was damaged; an explicit
+  iter_* directory that is damaged is an error, never silently replaced.
+- Nothing is written from NaN/Inf weights (NonFiniteError on every rank, no directory).
+- RNG states are restored only at the layout (TP, PP, DP) they were saved at; model and
+  optimizer state reshard to any layout (megatron dist checkpointing).
+- Retention keeps the newest `keep_last` complete checkpoints and never the one just
+  committed; `.tmp` debris of steps up to the committed one is removed after the commit.
+- async_save: the role files are written by a forked process per save (megatron-core's
+  TemporalAsyncCaller) while training continues, and still hold the values at save time
+  although training updates tensors in place: megatron copies GPU tensors to host, views
+  (DDP buffers) and DistributedOptimizer state while planning the save, and the fork,
+  taken inside save(), freezes the rest (on CPU, e.g. a plain optimizer's Adam moments).
+  `poll()` (every step) / `wait()` commit it as a collective finalize step once every
+  rank's writer has finished. One save is in flight at a time.
 """
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 import random
-import re
 import shutil
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -25,12 +47,13 @@ import torch
 import torch.distributed as dist
 
 from megatron_rlhf.checkpoint.dist import load_role, save_role
+from megatron_rlhf.checkpoint.validate import (  # noqa: F401  (re-exported API)
+    COMMIT, LATEST, CheckpointError, checkpoint_dirs, find_checkpoint, iter_name, read_commit, validate,
+)
+from megatron_rlhf.resilience.faults import FAULTS
+from megatron_rlhf.resilience.nonfinite import any_rank, ensure_finite_weights
 
-_ITER = re.compile(r"^iter_(\d{7})$")
-
-
-def iter_name(step: int) -> str:
-    return f"iter_{step:07d}"
+log = logging.getLogger(__name__)
 
 
 def rng_state() -> dict[str, Any]:
@@ -54,20 +77,88 @@ def set_rng_state(state: dict[str, Any]) -> None:
     tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
 
 
+def current_layout() -> dict[str, int]:
+    from megatron.core import parallel_state as ps
+
+    return {"tp": ps.get_tensor_model_parallel_world_size(), "pp": ps.get_pipeline_model_parallel_world_size(),
+            "dp": ps.get_data_parallel_world_size()}
+
+
+def _describe(layout: dict[str, int]) -> str:
+    return f"TP{layout['tp']} PP{layout['pp']} DP{layout['dp']}"
+
+
+def _rank0() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def _agreed(fn):
+    """Run `fn` on rank 0 and hand its result (or its exception) to every rank, so all
+    ranks load the same checkpoint or all raise the same error."""
+    if not dist.is_initialized():
+        return fn()
+    box: list[Any] = [None]
+    if dist.get_rank() == 0:
+        try:
+            box[0] = ("ok", fn())
+        except Exception as e:  # noqa: BLE001  (re-raised on every rank below)
+            box[0] = ("error", e)
+    dist.broadcast_object_list(box, src=0)
+    kind, value = box[0]
+    if kind == "error":
+        raise value
+    return value
+
+
 def resolve_checkpoint(path: str | Path) -> Path:
-    """A stage directory (follow its `latest`) or an iter_* directory -> the iter_* directory."""
-    path = Path(path)
-    if _ITER.match(path.name):
-        if not path.is_dir():
-            raise FileNotFoundError(f"checkpoint not found: {path}")
-        return path
-    marker = path / "latest"
-    if not marker.is_file():
-        raise FileNotFoundError(f"no complete checkpoint in {path} (no 'latest' marker)")
-    target = path / marker.read_text().strip()
-    if not target.is_dir():
-        raise FileNotFoundError(f"{marker} names {target.name}, which does not exist")
-    return target
+    """A stage directory or an iter_* directory -> the complete iter_* directory to load
+    (validate.find_checkpoint); what was skipped is logged as warnings (rank 0)."""
+    found, warnings = find_checkpoint(path)
+    if _rank0():
+        for line in warnings:
+            log.warning(line)
+    return found
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _run_in_order(calls: list) -> None:
+    # One writer process per save runs every role's writes in turn: megatron's writers all
+    # report to one process-wide results queue that each role's finalize reads with
+    # get_nowait(), so concurrent writers could hand a role another role's results.
+    for fn, args, kwargs in calls:
+        fn(*args, **kwargs)
+
+
+def _merge_requests(requests: list, commit) -> Any:
+    """The roles' megatron AsyncRequests as one request: one writer, then every role's
+    finalize (`.metadata`, metadata.json), then `commit`."""
+    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
+
+    calls, finalize_fns = [], []
+    for req in requests:
+        if req.async_fn is not None:
+            args = list(req.async_fn_args)
+            if req.preload_fn is not None:  # device -> host copy now (as megatron's caller does)
+                args[1] = req.preload_fn()
+            calls.append((req.async_fn, tuple(args), req.async_fn_kwargs))
+        finalize_fns += req.finalize_fns
+    return AsyncRequest(_run_in_order if calls else None, (calls,), [*finalize_fns, commit])
 
 
 class CheckpointManager:
@@ -75,64 +166,111 @@ class CheckpointManager:
 
     def __init__(self, stage_dir: str | Path, keep_last: int = 2, async_save: bool = False):
         self.stage_dir = Path(stage_dir)
-        self.keep_last = keep_last
+        self.keep_last = max(1, keep_last)
         self.async_save = async_save
+        self._queue = None
+        if async_save:
+            from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+            self._queue = AsyncCallsQueue(persistent=False)  # a forked writer per save
 
     def latest(self) -> Path | None:
+        """The complete checkpoint `load()` would use, or None (nothing complete: logged)."""
         try:
-            return resolve_checkpoint(self.stage_dir)
+            return find_checkpoint(self.stage_dir)[0]
+        except CheckpointError as e:
+            if _rank0():
+                log.warning(f"{e}; starting without it")
+            return None
         except FileNotFoundError:
             return None
 
     def save(self, step: int, roles: dict, trainer_state: dict[str, Any]) -> Path:
-        """Collective. `trainer_state` is this rank's (it may differ per rank, e.g. RNG)."""
+        """Collective. `trainer_state` is this rank's (it may differ per rank, e.g. RNG).
+        Sync: committed on return. Async: committed by a later poll()/wait()."""
+        self.wait()
+        ensure_finite_weights(roles)
         rank = dist.get_rank()
         final = self.stage_dir / iter_name(step)
         tmp = final.with_name(final.name + ".tmp")
         if rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)  # debris of an earlier crashed save
+            shutil.rmtree(tmp, ignore_errors=True)  # an earlier attempt at this step crashed
             (tmp / "trainer_state").mkdir(parents=True)
         dist.barrier()
-        for name, role in roles.items():
-            save_role(role, tmp / name)
-        state = {**trainer_state, "rng": rng_state(), "world_size": dist.get_world_size()}
-        torch.save(state, tmp / "trainer_state" / f"rank_{rank:05d}.pt")
-        dist.barrier()
-        if rank == 0:
-            if final.exists():  # same step saved again (e.g. final save after an interval save)
-                shutil.rmtree(final)
-            os.replace(tmp, final)
-            marker_tmp = self.stage_dir / "latest.tmp"
-            marker_tmp.write_text(final.name + "\n")
-            os.replace(marker_tmp, self.stage_dir / "latest")
-            self._apply_retention(keep=final.name)
-        dist.barrier()
+        requests = [save_role(role, tmp / name, async_save=self.async_save) for name, role in roles.items()]
+        torch.save({**trainer_state, "rng": rng_state()}, tmp / "trainer_state" / f"rank_{rank:05d}.pt")
+        record = {"step": step, "roles": list(roles), "world_size": dist.get_world_size(),
+                  "layout": current_layout()}
+        commit = partial(self._commit, tmp, final, record)
+        if self.async_save:
+            self._queue.schedule_async_request(_merge_requests(requests, commit))
+        else:
+            commit()
         return final
 
     def poll(self) -> None:
         """Collective. Commit the async saves every rank has finished writing (no-op when sync)."""
+        if self._queue is not None:
+            self._queue.maybe_finalize_async_calls(blocking=False)
 
     def wait(self) -> None:
         """Collective. Block until every pending async save is committed (no-op when sync)."""
+        if self._queue is not None:
+            self._queue.maybe_finalize_async_calls(blocking=True)
 
-    def _apply_retention(self, keep: str) -> None:
-        complete = sorted(p for p in self.stage_dir.iterdir() if _ITER.match(p.name))
-        for old in complete[: -self.keep_last]:
-            if old.name != keep:
-                shutil.rmtree(old, ignore_errors=True)
+    def _commit(self, tmp: Path, final: Path, record: dict) -> None:
+        """Collective: every rank's files are written; rank 0 makes them the checkpoint."""
+        FAULTS.at("save", record["step"])  # tests: a rank dies with its files written, uncommitted
+        dist.barrier()
+        error = None
+        if dist.get_rank() == 0:
+            try:
+                files = sorted(p for p in tmp.rglob("*") if p.is_file())
+                record = {**record, "files": {p.relative_to(tmp).as_posix(): p.stat().st_size for p in files}}
+                _write_atomic(tmp / COMMIT, json.dumps(record, indent=1) + "\n")
+                if final.exists():  # the same step saved again: the new save replaces it
+                    shutil.rmtree(final)
+                os.replace(tmp, final)
+                _write_atomic(self.stage_dir / LATEST, final.name + "\n")
+                _fsync_dir(self.stage_dir)
+                self._apply_retention(record["step"])
+            except OSError as e:
+                error = e
+        # Every rank learns whether rank 0 committed, instead of waiting for it forever.
+        if any_rank(error is not None):
+            raise error or RuntimeError(f"rank 0 failed to commit checkpoint {final.name}")
+
+    def _apply_retention(self, committed: int) -> None:
+        done, unfinished = checkpoint_dirs(self.stage_dir)
+        complete = [s for s in sorted(done, reverse=True) if not validate(done[s])]
+        keep = {committed, *complete[: self.keep_last]}
+        # Only what is not newer than the committed step: newer ones belong to a run this one
+        # was not resumed from (e.g. checkpoint.load of an older step) and are not ours to drop.
+        doomed = [p for s, p in done.items() if s <= committed and s not in keep]
+        doomed += [p for s, p in unfinished.items() if s <= committed]  # debris of crashed saves
+        for path in doomed:
+            shutil.rmtree(path, ignore_errors=True)
 
     def load(self, roles: dict, checkpoint: str | Path | None = None) -> dict[str, Any]:
-        """Collective. Loads every role (at this process's layout) and returns this rank's
-        trainer state; RNG states are restored only when the world size is unchanged."""
-        path = resolve_checkpoint(checkpoint or self.stage_dir)
+        """Collective. Loads every role (at this process's layout) from the stage's newest
+        complete checkpoint, or from `checkpoint` (a stage or iter_* directory), and returns
+        this rank's trainer state plus "checkpoint" (its path) and "checkpoint_warnings"
+        (lines for the log: damaged or unfinished checkpoints skipped, RNG not restored)."""
+        self.wait()
+        path, warnings = _agreed(lambda: find_checkpoint(checkpoint or self.stage_dir))
+        record = read_commit(path)
+        if missing := [name for name in roles if name not in record["roles"]]:
+            raise CheckpointError(f"checkpoint {path} holds {record['roles']}, not {missing}")
         for name, role in roles.items():
             load_role(role, path / name)
         rank_file = path / "trainer_state" / f"rank_{dist.get_rank():05d}.pt"
         state = torch.load(rank_file if rank_file.exists() else path / "trainer_state" / "rank_00000.pt",
                            weights_only=False)
-        if state.pop("world_size") == dist.get_world_size():
-            set_rng_state(state.pop("rng"))
+        rng = state.pop("rng")
+        saved, now = record["layout"], current_layout()
+        # The per-rank RNG streams only mean the same thing at the same layout.
+        if record["world_size"] == dist.get_world_size() and saved == now:
+            set_rng_state(rng)
         else:
-            state.pop("rng")
-        state["checkpoint"] = str(path)
-        return state
+            warnings.append(f"RNG states not restored: saved at {_describe(saved)}, running at {_describe(now)}")
+        return {**state, "checkpoint": str(path), "checkpoint_warnings": warnings}

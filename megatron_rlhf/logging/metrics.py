@@ -34,7 +34,13 @@ class MetricsLogger:
     def _truncate_after(self, step: int) -> None:
         if not self.jsonl.exists():
             return
-        kept = [line for line in self.jsonl.read_text().splitlines() if line and json.loads(line)["step"] <= step]
+        kept = []
+        for line in self.jsonl.read_text().splitlines():
+            try:
+                if json.loads(line)["step"] <= step:
+                    kept.append(line)
+            except (json.JSONDecodeError, KeyError):
+                pass  # a line torn by a killed process
         self.jsonl.write_text("".join(line + "\n" for line in kept))
 
     def log(self, step: int, metrics: dict[str, float]) -> None:

@@ -59,6 +59,17 @@ def broadcast_from_last_stage(tensors: dict[str, torch.Tensor], like: dict[str, 
     return out
 
 
+def average_over_data_parallel(values: dict[str, float]) -> dict[str, float]:
+    """The data-parallel mean of per-rank statistics (a NaN on any rank shows in the mean)."""
+    size = parallel_state.get_data_parallel_world_size()
+    if size == 1 or not values:
+        return values
+    keys = sorted(values)
+    t = torch.tensor([values[k] for k in keys], dtype=torch.float64, device=device())
+    torch.distributed.all_reduce(t, group=parallel_state.get_data_parallel_group())
+    return dict(zip(keys, (t / size).tolist()))
+
+
 class Role:
     """One megatron GPTModel chunk, trainable (DDP + DistributedOptimizer + LR schedule) or
     frozen. `optimizer` defaults to `cfg.optimizer`; `total_steps` sets the LR decay length."""
@@ -151,8 +162,9 @@ class Role:
 
         `loss_fn(outputs, microbatch)` returns the microbatch's mean loss, or (loss, stats)
         with 0-dim tensors to report; the step minimises the mean over microbatches (and over
-        data-parallel ranks). Returns the microbatch means of loss and stats on every rank.
-        A step with a non-finite loss or gradient on any rank is skipped (`skipped`: True).
+        data-parallel ranks). Returns the microbatch means of loss and stats, averaged over
+        data-parallel ranks, on every rank. A step with a non-finite loss or gradient on any
+        rank is skipped (`skipped`: True): no optimizer or LR-schedule update.
         """
         assert self.trainable, f"{type(self).__name__} is frozen"
         self.model.train()
@@ -173,7 +185,8 @@ class Role:
                 means, src=parallel_state.get_pipeline_model_parallel_last_rank(),
                 group=parallel_state.get_pipeline_model_parallel_group(),
             )
-        return {**means[0], "grad_norm": float(grad_norm or 0.0), "update_ok": bool(update_ok),
+        means = average_over_data_parallel(means[0])
+        return {**means, "grad_norm": float(grad_norm or 0.0), "update_ok": bool(update_ok),
                 "skipped": skipped, "lr": self.optimizer.param_groups[0]["lr"]}
 
 

@@ -101,11 +101,25 @@ def all_reduce_sum(*values: float) -> list[float]:
 
 
 def resume_source(cfg: Config, ckpt) -> Path | str | None:
+    """Where to resume from: checkpoint.load, else the stage's own complete checkpoint, else
+    nothing (a fresh start). Committed checkpoints that are all damaged stop the run: a
+    fresh start would silently throw away the training they hold."""
+    from megatron_rlhf.checkpoint.manager import CheckpointError, checkpoint_dirs, find_checkpoint
+
     if cfg.checkpoint.load:
         return cfg.checkpoint.load
-    if cfg.checkpoint.resume and ckpt.latest() is not None:
-        return ckpt.stage_dir
-    return None
+    if not cfg.checkpoint.resume:
+        return None
+    try:
+        find_checkpoint(ckpt.stage_dir)
+    except CheckpointError as err:
+        if checkpoint_dirs(ckpt.stage_dir)[0]:
+            raise CheckpointError(f"{err}. Nothing was loaded or deleted: repair or move the damaged checkpoints, "
+                                  "or set checkpoint.resume=false to start over") from None
+        return None  # only an unfinished first save: nothing complete to resume from
+    except FileNotFoundError:
+        return None
+    return ckpt.stage_dir
 
 
 def resume(cfg: Config, ckpt, roles: dict, sampler) -> tuple[int, str | None, dict]:
@@ -123,10 +137,11 @@ def resume(cfg: Config, ckpt, roles: dict, sampler) -> tuple[int, str | None, di
     return state["step"], "\n".join(notes), state
 
 
-def trainer_state(step: int, sampler, roles: dict, **extra) -> dict:
-    """What every stage saves besides the roles: the step, the data position and the
-    skipped-step counters (RNG states are added by the checkpoint manager)."""
-    return {"step": step, "sampler": sampler.state_dict(),
+def trainer_state(step: int, consumed_samples: int, sampler, roles: dict, **extra) -> dict:
+    """What every stage saves besides the roles: the step, the samples consumed, the data
+    order and position, the skipped-step counters, and stage-specific `extra` (RNG states
+    are added by the checkpoint manager)."""
+    return {"step": step, "consumed_samples": consumed_samples, "sampler": sampler.state_dict(),
             "guards": {name: role.guard.state_dict() for name, role in roles.items()}, **extra}
 
 
@@ -151,7 +166,11 @@ def checkpoint_if_due(ckpt, log, preemption, step: int, total: int, save_interva
     from megatron_rlhf.resilience.preemption import Preempted
 
     preempted = preemption.should_stop()
-    if (save_interval and step % save_interval == 0) or step == total or preempted:
+    # An interval save waits for a good step: a run that keeps producing NaN must stop with
+    # its last checkpoint from before the trouble, not one taken in the middle of it.
+    in_nonfinite_streak = any(role.guard.consecutive for role in roles.values())
+    interval_due = bool(save_interval) and step % save_interval == 0 and not in_nonfinite_streak
+    if interval_due or step == total or preempted:
         ckpt.save(step, roles, state)
     ckpt.poll()
     if preempted and step < total:

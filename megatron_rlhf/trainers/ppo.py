@@ -235,7 +235,7 @@ def train(cfg: Config) -> dict:
         log.log(0, eval_metrics)  # the SFT policy: the eval curves start here
     eval_before, samples_before = before["eval"], before["samples"][: ppo.eval_samples_logged]
 
-    samples_seen, metrics = state.get("samples_seen", 0), {}
+    samples_seen, metrics = state.get("consumed_samples", 0), {}
     while step < ppo.steps:
         step += 1
         FAULTS.begin_step(step)
@@ -287,8 +287,8 @@ def train(cfg: Config) -> dict:
         if step % ppo.log_interval == 0 or "eval_gold_score" in metrics:
             log.log(step, metrics)
         checkpoint_if_due(ckpt, log, preemption, step, ppo.steps, ppo.save_interval, trained,
-                          trainer_state(step, sampler, trained, kl_controller=kl_ctl.state_dict(), before=before,
-                                        samples_seen=samples_seen))
+                          trainer_state(step, samples_seen, sampler, trained, kl_controller=kl_ctl.state_dict(),
+                                        before=before))
         heartbeat.beat()
 
     ckpt.wait()

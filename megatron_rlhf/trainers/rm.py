@@ -107,7 +107,7 @@ def train(cfg: Config) -> dict:
             rm.reward_mean, rm.reward_std = reward_statistics(rm, sft_samples, pad, st.seq_length, st.micro_batch_size)
             log.info(f"reward normalisation: mean {rm.reward_mean:.4f}, std {rm.reward_std:.4f}")
         checkpoint_if_due(ckpt, log, preemption, step, st.steps, st.save_interval, roles,
-                          trainer_state(step, sampler, roles))
+                          trainer_state(step, step * st.global_batch_size, sampler, roles))
         heartbeat.beat()
 
     ckpt.wait()

@@ -84,7 +84,7 @@ def train(cfg: Config) -> dict:
         if step % st.log_interval == 0 or "eval_loss" in metrics:
             log.log(step, metrics)
         checkpoint_if_due(ckpt, log, preemption, step, st.steps, st.save_interval, roles,
-                          trainer_state(step, sampler, roles))
+                          trainer_state(step, step * st.global_batch_size, sampler, roles))
         heartbeat.beat()
 
     ckpt.wait()

@@ -1,0 +1,208 @@
+"""torchrun worker for tests/test_checkpoint_safety.py: a tiny trainable Actor saved and loaded
+through CheckpointManager. Every run trains the same way (seeded init, batch k for step k), so
+runs are comparable step by step. --mode:
+
+  train     steps 1..4 with a sync save after each (keep_last=2) into <root>/sync; an async save
+            of step 3 into <root>/async followed at once by training step 4 (in place, before
+            the save is committed), then wait(); an async save of step 4 committed by poll();
+            a load at the same layout (RNG streams restored); async vs sync save with a plain
+            (non-distributed) optimizer into <root>/plain_{sync,async}; a NaN weight on rank 1
+            -> save() must raise on every rank (sync and async). Results are written, then:
+            save step 4 into <root>/kill_sync, train steps 5..6 and save step 6 there (run with
+            MEGATRON_RLHF_FAULT=kill@save:6:1: rank 1 dies in that save).
+  kill      steps 1..6 with async saves at 4 and 6 into <root>/kill_async (rank 1 dies in the
+            commit of 6, under the same fault).
+  relayout  (at another layout) load <root>/sync, damaged copies the test prepared and an
+            explicit damaged iter dir: record what was chosen, the warnings and the outputs.
+            Then resume the killed stages: load, re-save the loaded actor to <root>/<stage>_loaded,
+            train steps 5..6 and save step 6 again.
+Results go to <root>/results_<mode>.pt (global rank 0).
+"""
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megatron_rlhf import parallel
+from megatron_rlhf.checkpoint.dist import save_role
+from megatron_rlhf.checkpoint.manager import CheckpointManager
+from megatron_rlhf.config import load_config
+from megatron_rlhf.models.roles import Actor
+
+BATCH, SEQ, MBS, VOCAB = 4, 16, 2, 100
+
+
+def batch(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {"tokens": torch.randint(2, VOCAB, (BATCH, SEQ), generator=g),
+            "advantages": torch.randn(BATCH, SEQ, generator=g)}
+
+
+def loss(out, mb):
+    return -(out["logprobs"] * mb["advantages"]).mean()
+
+
+def train(actor, step: int) -> None:
+    actor.train_step(batch(step), MBS, loss)  # every DP rank the same batch: DP is 1 here
+
+
+def params(actor) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in actor.module.named_parameters()}
+
+
+def state(step: int) -> dict:
+    return {"step": step}
+
+
+def tracker_rand():
+    from megatron.core import tensor_parallel
+
+    with tensor_parallel.get_cuda_rng_tracker().fork():
+        return torch.rand(4)
+
+
+def gather(value):
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
+
+
+def catch(fn):
+    """(None, result) or (message, None) on this rank."""
+    try:
+        return None, fn()
+    except Exception as e:  # noqa: BLE001
+        return f"{type(e).__name__}: {e}", None
+
+
+def mode_train(cfg, overrides: list[str], root: Path, write) -> None:
+    actor = Actor(cfg)
+    roles, res = {"actor": actor}, {}
+    sync = CheckpointManager(root / "sync", keep_last=2)
+    asy = CheckpointManager(root / "async", keep_last=2, async_save=True)
+    for step in (1, 2, 3):
+        train(actor, step)
+        sync.save(step, roles, state(step))
+    asy.save(3, roles, state(3))
+    before = params(actor)
+    train(actor, 4)  # in place, while checkpoint 3 is being written
+    res["moved_while_pending"] = max((p - before[n]).abs().max().item() for n, p in params(actor).items())
+    res["committed_before_wait"] = gather((root / "async" / "iter_0000003").exists())
+    asy.wait()
+    sync.save(4, roles, state(4))
+    after_save = torch.rand(4), tracker_rand()  # what the RNG streams give next
+    asy.save(4, roles, state(4))
+    polls = 0
+    while asy.latest() is None or asy.latest().name != "iter_0000004":
+        polls += 1
+        if polls > 1000:
+            raise RuntimeError("poll() never committed the async save")
+        asy.poll()
+        time.sleep(0.02)
+    res["polls_to_commit"] = polls
+    res["outputs"] = actor.forward(batch(100), MBS)
+
+    # Same layout: the RNG streams continue from where they were at save time.
+    loaded = sync.load({"actor": Actor(cfg)})
+    res["same_layout"] = {"warnings": loaded["checkpoint_warnings"], "checkpoint": loaded["checkpoint"],
+                          "rng_restored": gather(all(map(torch.equal, after_save, (torch.rand(4), tracker_rand()))))}
+
+    # Megatron copies DistributedOptimizer state and DDP-buffer params while planning a save,
+    # but not a plain optimizer's Adam moments or plain params: those rely on the snapshot
+    # the forked writer takes when save() returns.
+    plain = Actor(load_config(None, [*overrides, "optimizer.use_distributed_optimizer=false"]))
+    train(plain, 1)
+    CheckpointManager(root / "plain_sync").save(1, {"actor": plain}, state(1))
+    plain_async = CheckpointManager(root / "plain_async", async_save=True)
+    plain_async.save(1, {"actor": plain}, state(1))
+    train(plain, 2)
+    plain_async.wait()
+
+    weight = next(actor.module.parameters())
+    kept = weight.detach().clone()
+    with torch.no_grad():
+        if dist.get_rank() == 1:
+            weight[0] = float("nan")
+    for name, mgr in (("nan_sync", CheckpointManager(root / "nan_sync")),
+                      ("nan_async", CheckpointManager(root / "nan_async", async_save=True))):
+        res[name] = gather(catch(lambda: mgr.save(5, roles, state(5)))[0])
+        mgr.wait()
+    with torch.no_grad():
+        weight.copy_(kept)
+    write(res)
+
+    kill = CheckpointManager(root / "kill_sync", keep_last=2)
+    kill.save(4, roles, state(4))
+    for step in (5, 6):
+        train(actor, step)
+    kill.save(6, roles, state(6))
+    raise AssertionError("the fault did not fire")
+
+
+def mode_kill(cfg, root: Path) -> None:
+    actor = Actor(cfg)
+    mgr = CheckpointManager(root / "kill_async", keep_last=2, async_save=True)
+    for step in range(1, 7):
+        train(actor, step)
+        if step in (4, 6):
+            mgr.save(step, {"actor": actor}, state(step))
+        mgr.poll()
+    mgr.wait()
+    raise AssertionError("the fault did not fire")
+
+
+def mode_relayout(cfg, root: Path, write) -> None:
+    actor = Actor(cfg)
+    res = {}
+    mgr = CheckpointManager(root / "sync")
+    loaded = mgr.load({"actor": actor})
+    res["sync"] = {"checkpoint": loaded["checkpoint"], "warnings": loaded["checkpoint_warnings"],
+                   "step": loaded["step"], "outputs": actor.forward(batch(100), MBS)}
+    for name in ("damaged", "bad_latest"):
+        loaded = CheckpointManager(root / name).load({"actor": actor})
+        res[name] = {"checkpoint": loaded["checkpoint"], "warnings": loaded["checkpoint_warnings"]}
+    for name, where in (("explicit_damaged", root / "damaged" / "iter_0000004"), ("all_damaged", root / "all_damaged")):
+        res[name] = gather(catch(lambda: mgr.load({"actor": actor}, where))[0])
+
+    for stage in ("kill_sync", "kill_async"):
+        actor = Actor(cfg)
+        mgr = CheckpointManager(root / stage, keep_last=2, async_save=stage == "kill_async")
+        loaded = mgr.load({"actor": actor})
+        save_role(actor, root / f"{stage}_loaded" / "actor")
+        for step in range(loaded["step"] + 1, 7):
+            train(actor, step)
+        mgr.save(6, {"actor": actor}, state(6))
+        mgr.wait()
+        res[stage] = {"checkpoint": loaded["checkpoint"], "warnings": loaded["checkpoint_warnings"],
+                      "step": loaded["step"]}
+    write(res)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--root", type=Path, required=True)
+    ap.add_argument("--mode", required=True, choices=["train", "kill", "relayout"])
+    ap.add_argument("overrides", nargs="*")
+    args = ap.parse_args()
+    cfg = load_config(None, args.overrides)
+    parallel.initialize(cfg)
+
+    def write(res):
+        if dist.get_rank() == 0:
+            torch.save(res, args.root / f"results_{args.mode}.pt")
+
+    if args.mode == "train":
+        mode_train(cfg, args.overrides, args.root, write)
+    elif args.mode == "kill":
+        mode_kill(cfg, args.root)
+    else:
+        mode_relayout(cfg, args.root, write)
+    parallel.destroy()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
