@@ -16,7 +16,39 @@ COMMANDS = {
     "rm": "reward-model stage (starts from the SFT checkpoint) -> <run>/rm",
     "ppo": "PPO stage (actor/reference from SFT, reward model/critic from RM) -> <run>/ppo",
     "pipeline": "SFT -> RM -> PPO, skipping finished stages and resuming partial ones; report",
+    "import-hf": "--hf DIR --out DIR: a local Hugging Face Llama-family checkpoint -> our checkpoint "
+                 "(model fields from its config.json; launch at any TP x PP)",
+    "export-hf": "--ckpt DIR --role actor|reward|critic --out DIR [--tokenizer DIR]: our checkpoint "
+                 "-> a Hugging Face directory (one process)",
 }
+
+
+def convert_command(args, cfg) -> None:
+    import dataclasses
+
+    from megatron_rlhf.convert import export_hf, import_hf, model_config_from_hf
+
+    needed = {"import-hf": ("hf", "out"), "export-hf": ("ckpt", "role", "out")}[args.command]
+    if missing := [f"--{name}" for name in needed if getattr(args, name) is None]:
+        raise ConfigError(f"{args.command}: missing {', '.join(missing)}")
+    if args.command == "export-hf":
+        tokenizer = args.tokenizer or (cfg.data.tokenizer if cfg.data.tokenizer != "builtin" else None)
+        # Without a recipe or model overrides, use the model config the checkpoint recorded
+        # (import-hf checkpoints do); the defaults would only be a guess.
+        given = args.config or any(o.startswith("model.") for o in args.overrides)
+        path = export_hf(args.ckpt, args.role, args.out, model_cfg=cfg.model if given else None,
+                         tokenizer_dir=tokenizer, drop_score_bias=args.drop_score_bias)
+        print(f"[export-hf] {args.role} of {args.ckpt} -> {path}", flush=True)
+        return
+    from megatron_rlhf import parallel
+
+    cfg.model = dataclasses.replace(cfg.model, **model_config_from_hf(args.hf))
+    rank0 = parallel.initialize(cfg).rank == 0
+    if rank0:
+        print(f"[import-hf] model from {args.hf}/config.json: {cfg.model}", flush=True)
+    path = import_hf(cfg, args.hf, args.out)
+    if rank0:
+        print(f"[import-hf] {args.hf} -> {path}", flush=True)
 
 
 def run_command(command: str, cfg) -> None:
@@ -48,6 +80,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("command", choices=sorted(COMMANDS), help="; ".join(f"{k}: {v}" for k, v in COMMANDS.items()))
     parser.add_argument("--config", help="YAML recipe (pipelines/*.yaml)")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. parallel.tensor_parallel=2")
+    parser.add_argument("--hf", help="import-hf: local Hugging Face model directory")
+    parser.add_argument("--ckpt", help="export-hf: a stage or iter_* checkpoint directory")
+    parser.add_argument("--role", choices=("actor", "reward", "critic", "reference"), help="export-hf: the role to export")
+    parser.add_argument("--out", help="import-hf / export-hf: output directory")
+    parser.add_argument("--tokenizer", help="export-hf: tokenizer directory to copy (default: data.tokenizer)")
+    parser.add_argument("--drop-score-bias", action="store_true",
+                        help="export-hf of reward/critic: drop the value head's constant offset (HF's score has no bias)")
     args = parser.parse_intermixed_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
@@ -55,17 +94,24 @@ def main(argv: list[str] | None = None) -> int:
         print(f"config error: {err}", file=sys.stderr)
         return 2
     from megatron_rlhf.checkpoint.validate import CheckpointError
+    from megatron_rlhf.convert import ConvertError
     from megatron_rlhf.data.jsonl import DataError
     from megatron_rlhf.data.tokenizers import TokenizerError
     from megatron_rlhf.resilience.nonfinite import NonFiniteError
 
     try:
-        run_command(args.command, cfg)
+        if args.command in ("import-hf", "export-hf"):
+            convert_command(args, cfg)
+        else:
+            run_command(args.command, cfg)
     except ConfigError as err:  # checks that need the launched world size or the data
         print(f"config error: {err}", file=sys.stderr)
         return 2
     except (DataError, TokenizerError) as err:
         print(f"data error: {err}", file=sys.stderr)
+        return 2
+    except ConvertError as err:
+        print(f"conversion error: {err}", file=sys.stderr)
         return 2
     except CheckpointError as err:  # damaged checkpoints: a person decides, not a requeue loop
         print(f"checkpoint error: {err}", file=sys.stderr)

@@ -46,6 +46,9 @@ class ModelConfig:
     share_embeddings_and_output_weights: bool = False
     init_method_std: float = 0.02
     params_dtype: str = "float32"
+    # A local Hugging Face Llama-family directory (config.json + safetensors): a fresh SFT
+    # run starts from these weights; the fields above must match its config.json.
+    init_from_hf: str | None = None
 
     @property
     def padded_vocab_size(self) -> int:

@@ -3,10 +3,15 @@
     python -m megatron_rlhf pipeline --config pipelines/tiny_cpu.yaml [key=value ...]
 
 A stage whose summary.json exists is skipped; a stage with checkpoints but no summary
-resumes from its latest complete checkpoint. At the end, <run>/report.md and PNG plots.
+resumes from its latest complete checkpoint. At the end, the PPO actor (the only model that
+is deployed) as a Hugging Face directory in <run>/export/actor_hf/, and <run>/report.md
+with PNG plots.
 """
 
 from __future__ import annotations
+
+import shutil
+from pathlib import Path
 
 import torch.distributed as dist
 
@@ -26,7 +31,33 @@ def run(cfg: Config) -> dict:
                 print(f"[pipeline] {name}: finished earlier, skipped ({stage_dir(cfg, name)}/summary.json)", flush=True)
             continue
         summaries[name] = train(cfg)
+    export = export_actor(cfg)
     if not dist.is_initialized() or dist.get_rank() == 0:
+        print(f"[pipeline] PPO actor exported for deployment: {export}", flush=True)
         report = write_report(run_dir(cfg))
         print(f"[pipeline] report: {report}", flush=True)
     return summaries
+
+
+def export_actor(cfg: Config) -> Path:
+    """<run>/export/actor_hf: the final PPO actor with its tokenizer, in Hugging Face format
+    (written by rank 0 under a temporary name, then renamed; kept if it exists already)."""
+    from megatron_rlhf.convert import export_hf
+    from megatron_rlhf.data.tasks import get_task
+    from megatron_rlhf.data.tokenizers import load_tokenizer
+
+    out = run_dir(cfg) / "export" / "actor_hf"
+    if (not dist.is_initialized() or dist.get_rank() == 0) and not out.is_dir():
+        tmp = out.with_name(out.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        if cfg.data.tokenizer == "builtin":  # written next to the weights, in HF format
+            tokenizer = load_tokenizer("builtin", get_task(cfg.data.task).words())
+            export_hf(stage_dir(cfg, "ppo"), "actor", tmp, model_cfg=cfg.model,
+                      special_token_ids={"eos_token_id": tokenizer.eos_id, "pad_token_id": tokenizer.pad_id})
+            tokenizer.save_hf(tmp)
+        else:
+            export_hf(stage_dir(cfg, "ppo"), "actor", tmp, model_cfg=cfg.model, tokenizer_dir=cfg.data.tokenizer)
+        tmp.rename(out)
+    if dist.is_initialized():
+        dist.barrier()
+    return out

@@ -3,6 +3,7 @@ the gold score of held-out generations must rise by >= 0.3 over the SFT policy w
 KL to the reference stays below the configured target; a TP2 run (world size 2) starting
 from the TP1 SFT/RM checkpoints completes with the same bookkeeping."""
 
+import json
 import shutil
 
 import pytest
@@ -92,6 +93,18 @@ def test_pipeline_skips_finished_stages_resumes_a_partial_one_and_reports(root, 
         png = tmp_path / "main" / f"report_{stage_name}.png"
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"({png.name})" in report
     assert "samples before PPO" in report and "samples after PPO" in report
+    # the deployable result: the PPO actor and its tokenizer, loadable by transformers
+    export = tmp_path / "main" / "export" / "actor_hf"
+    assert f"PPO actor exported for deployment: {export}" in out
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model, tok = AutoModelForCausalLM.from_pretrained(export), AutoTokenizer.from_pretrained(export)
+    prompt = json.loads((tmp_path / "main" / "data" / "eval_prompts.jsonl").read_text().splitlines()[0])["prompt"]
+    ids = tok(prompt, return_tensors="pt")["input_ids"]
+    assert tok.unk_token_id not in ids[0].tolist()
+    generated = model.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=tok.pad_token_id)
+    words = tok.decode(generated[0, ids.size(1):], skip_special_tokens=True).split()
+    assert words and "<unk>" not in words  # text in the task's vocabulary
 
 
 def test_dp2_run_shards_rollouts_and_eval(root):

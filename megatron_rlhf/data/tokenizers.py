@@ -88,6 +88,25 @@ class WordTokenizer(Tokenizer):
             words.append(self.vocab[token])
         return " ".join(words)
 
+    def save_hf(self, directory: str | os.PathLike[str]) -> Path:
+        """Write this vocabulary as a Hugging Face fast tokenizer (tokenizer.json with a
+        word-level model, tokenizer_config.json naming the special tokens), so an exported
+        model ships with the tokenizer it was trained with; HFTokenizer reads it back."""
+        import tokenizers
+        from tokenizers import decoders, models, pre_tokenizers
+
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        tok = tokenizers.Tokenizer(models.WordLevel(dict(self._ids), unk_token=UNK))
+        tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+        tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins words with spaces
+        tok.add_special_tokens([PAD, EOS, UNK])
+        tok.save(str(directory / "tokenizer.json"))
+        config = {"tokenizer_class": "PreTrainedTokenizerFast", "pad_token": PAD, "eos_token": EOS,
+                  "unk_token": UNK, "model_max_length": 1_000_000}
+        (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+        return directory
+
 
 class HFTokenizer(Tokenizer):
     """A Hugging Face fast tokenizer read offline from a local directory's tokenizer.json."""

@@ -60,10 +60,17 @@ def train(cfg: Config) -> dict:
     sampler = EpochSampler(len(train_set), seed=cfg.seed)
     ckpt = CheckpointManager(out, cfg.checkpoint.keep_last, cfg.checkpoint.async_save)
     step, resumed, _ = resume(cfg, ckpt, roles, sampler)
+    if resumed is None and cfg.model.init_from_hf:
+        from megatron_rlhf.convert import check_model_matches_hf, load_hf_weights
+
+        check_model_matches_hf(cfg, cfg.model.init_from_hf)
+        load_hf_weights(actor, cfg.model.init_from_hf)
     log = MetricsLogger(out, "sft", st.steps, resume_step=step, tensorboard=cfg.logging.tensorboard)
     log.info(f"train data: {train_report}; eval data: {eval_report}")
     if resumed:
         log.info(resumed)
+    elif cfg.model.init_from_hf:
+        log.info(f"initialised from the Hugging Face checkpoint {cfg.model.init_from_hf}")
     eval_args = (data.tokenizer.pad_id, st.seq_length, st.micro_batch_size)
     eval_loss_start = evaluate(actor, eval_set, *eval_args)
     dp_rank, dp_size = data_parallel()

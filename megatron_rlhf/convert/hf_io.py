@@ -1,0 +1,435 @@
+"""Hugging Face checkpoints in and out: load into a role, import to, and export from, our
+megatron checkpoints.
+
+- load_hf_weights(role, hf_dir): collective; every rank reads only the slices of its own
+  TP x PP shard from the HF safetensors.
+- import_hf(cfg, hf_dir, out_dir): collective; a frozen role loaded from HF, saved as a
+  stage-style checkpoint (CheckpointManager: iter_0000000/<role> + commit.json + latest)
+  that loads at any TP x PP (ppo.sft_from, rm.init_from, ppo.rm_from).
+- export_hf(checkpoint, role, out_dir, ...): one process, no torch.distributed; reads our
+  torch_dist checkpoint (any layout) one layer at a time and writes an HF directory.
+
+Value models (reward model, critic) are LlamaForSequenceClassification with num_labels=1:
+HF's `score` is a bias-free [1, hidden] projection read at the last non-pad token, our
+value head is the same projection plus a bias. On export the reward model's stored
+normalisation (mean, std) is folded in (score = w / std) so HF scores equal our RewardModel's
+rewards; an effective bias (b - mean) / std that is not zero cannot be represented, so
+export refuses unless `drop_score_bias=True`, which exports scores shifted by that constant
+(pairwise preferences and rankings are unchanged) and records it in config.json under
+"megatron_rlhf_export.score_offset".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from megatron_rlhf.convert.hf_config import (
+    ConvertError, check_model_matches_hf, hf_config_dict, read_hf_config,
+)
+from megatron_rlhf.convert.hf_weights import (
+    CKPT_LAYER_KEYS, Dims, hf_expected_shapes, hf_layer_tensors, shard_for_param,
+)
+from megatron_rlhf.convert.safetensors_io import HFWeights, group_bytes, write_shards
+from megatron_rlhf.convert.torch_dist_reader import TorchDistCheckpoint
+
+log = logging.getLogger(__name__)
+
+VALUE_ROLES = ("reward", "critic")
+POLICY_ROLES = ("actor", "reference")
+DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # transformers' classic max_shard_size="5GB"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "added_tokens.json", "vocab.json", "merges.txt", "chat_template.jinja")
+# HF tensors that carry no weights of ours (old checkpoints saved the RoPE buffer).
+_IGNORED_HF = ("rotary_emb.inv_freq",)
+
+
+# ----------------------------------------------------------------------------- import
+
+
+def _check_hf_tensors(weights: HFWeights, expected: dict[str, tuple[int, ...]], optional: set[str]) -> None:
+    for name, shape in expected.items():
+        if name not in weights:
+            raise ConvertError(f"{weights.dir}: tensor {name!r} is missing (expected shape {list(shape)})")
+        if weights.shape(name) != shape:
+            raise ConvertError(f"{weights.dir}: tensor {name!r} has shape {list(weights.shape(name))}, "
+                               f"expected {list(shape)} from config.json")
+    extra = [n for n in weights.files if n not in expected and n not in optional and not n.endswith(_IGNORED_HF)]
+    if extra:
+        raise ConvertError(f"{weights.dir}: unexpected tensors {extra[:5]}{' ...' if len(extra) > 5 else ''}: "
+                           "not a plain Llama (biases? extra norms?); such models do not convert")
+
+
+def _load_shards(role, hf_dir: Path) -> None:
+    from megatron.core import parallel_state as ps
+
+    hf = read_hf_config(hf_dir)
+    check_model_matches_hf(role.cfg, hf_dir)
+    value_model = bool(getattr(role, "value_head", False))
+    if hf.is_value_model and not value_model:
+        raise ConvertError(f"{hf_dir}/config.json: architectures=[{hf.architecture!r}] is a reward/value model "
+                           f"(score head, no lm_head): load it into a RewardModel or Critic, not a "
+                           f"{type(role).__name__}")
+    d = Dims.of(role.cfg.model)
+    if value_model:
+        d = dataclasses.replace(d, tied=False)  # GPTValueModel never ties its (value) head
+    weights = HFWeights(hf_dir)
+    expected = hf_expected_shapes(Dims.of(role.cfg.model), value_model=hf.is_value_model)
+    _check_hf_tensors(weights, expected, optional={"lm_head.weight"})
+    module = role.module
+    layers = module.decoder.layers
+
+    def global_layer(i: int) -> int:
+        return layers[i].layer_number - 1
+
+    tp_rank, tp_size = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
+    with torch.no_grad():
+        for name, param in module.state_dict(keep_vars=True).items():
+            if name.endswith("_extra_state"):
+                continue
+            shard = shard_for_param(name, weights.read, d, tp_rank, tp_size, global_layer, value_model,
+                                    hf.is_value_model, param.dtype)
+            if shard is None:
+                continue
+            if tuple(shard.shape) != tuple(param.shape):
+                raise ConvertError(f"{name}: the HF tensors give this rank a {list(shard.shape)} shard, the "
+                                   f"model has {list(param.shape)} (model config out of sync with the model?)")
+            param.data.copy_(shard)  # copy_ casts to the parameter's dtype
+
+
+def load_hf_weights(role, hf_dir: str | os.PathLike) -> None:
+    """Collective. Fill this rank's TP x PP shard of `role.module` from the HF model at
+    `hf_dir` (reading only this rank's slices). Value models (Critic, RewardModel) get
+    everything but the value head, which is loaded (bias 0) only from a
+    *ForSequenceClassification checkpoint's `score.weight`. A trainable role's optimizer
+    copies the new weights into its main params. An error on any rank raises on all."""
+    from megatron_rlhf.resilience.nonfinite import any_rank
+
+    error: Exception | None = None
+    try:
+        _load_shards(role, Path(hf_dir))
+    except Exception as e:  # noqa: BLE001  (re-raised below, after every rank knows)
+        error = e
+    if any_rank(error is not None):
+        if error is not None:
+            raise error
+        raise ConvertError(f"loading {hf_dir} failed on another rank (see its error)")
+    if getattr(role, "optimizer", None) is not None:
+        role.optimizer.reload_model_params()
+
+
+def _build_role(cfg, role: str):
+    from megatron_rlhf.models.roles import Actor, Critic, Reference, RewardModel
+
+    return {"actor": lambda: Actor(cfg, trainable=False), "reference": lambda: Reference(cfg),
+            "reward": lambda: RewardModel(cfg), "critic": lambda: Critic(cfg, trainable=False)}[role]()
+
+
+def import_hf(cfg, hf_dir: str | os.PathLike, out_dir: str | os.PathLike, role: str | None = None) -> Path:
+    """Collective. The HF model at `hf_dir` as our checkpoint under `out_dir` (a new stage
+    directory): out_dir/iter_0000000/<role> + commit.json + latest, loadable at any TP x PP.
+    `role` defaults to "actor" for *ForCausalLM and "reward" for *ForSequenceClassification
+    (so `ppo.sft_from`, `rm.init_from` and `ppo.rm_from` can point at out_dir). Starts
+    torch.distributed / megatron for `cfg` itself if the caller has not. Returns the
+    iter_0000000 directory."""
+    from megatron.core import parallel_state
+
+    from megatron_rlhf import parallel
+    from megatron_rlhf.checkpoint.manager import CheckpointManager
+    from megatron_rlhf.checkpoint.validate import LATEST, checkpoint_dirs
+
+    hf_dir, out_dir = Path(hf_dir), Path(out_dir)
+    hf = read_hf_config(hf_dir)
+    role = role or ("reward" if hf.is_value_model else "actor")
+    if role not in VALUE_ROLES + POLICY_ROLES:
+        raise ConvertError(f"role={role!r}: choose one of {POLICY_ROLES + VALUE_ROLES}")
+    if (role in VALUE_ROLES) != hf.is_value_model:
+        if role in VALUE_ROLES:
+            why = ("a *ForSequenceClassification (num_labels=1) model; to start a reward model from a "
+                   "policy, import it as the actor and point rm.init_from at out_dir")
+        else:
+            why = "a *ForCausalLM model; import this reward/value model as role 'reward' or 'critic'"
+        raise ConvertError(f"{hf_dir}/config.json: architectures=[{hf.architecture!r}]: role {role!r} needs {why}")
+    check_model_matches_hf(cfg, hf_dir)
+    done, unfinished = checkpoint_dirs(out_dir)
+    if done or unfinished or (out_dir / LATEST).exists():
+        raise ConvertError(f"{out_dir}: already holds checkpoints; import into a new directory")
+    started = not parallel_state.model_parallel_is_initialized()
+    if started:
+        parallel.initialize(cfg)
+    try:
+        model = _build_role(cfg, role)
+        load_hf_weights(model, hf_dir)
+        state = {"step": 0, "imported_from": str(hf_dir), "hf_architecture": hf.architecture,
+                 "model_config": dataclasses.asdict(cfg.model)}
+        return CheckpointManager(out_dir).save(0, {role: model}, state)
+    finally:
+        if started:
+            parallel.destroy()
+
+
+# ----------------------------------------------------------------------------- export
+
+
+def _resolve_role_dir(checkpoint: Path, role: str) -> tuple[Path, Path | None]:
+    """(role directory holding .metadata, its iter_* directory or None)."""
+    from megatron_rlhf.checkpoint.validate import COMMIT, find_checkpoint, read_commit
+
+    if (checkpoint / ".metadata").is_file():  # a role directory itself
+        return checkpoint, checkpoint.parent if (checkpoint.parent / "trainer_state").is_dir() else None
+    try:
+        iter_dir, warnings = find_checkpoint(checkpoint)
+    except FileNotFoundError as e:  # CheckpointError too
+        raise ConvertError(f"{checkpoint}: {e}; give a stage directory, an iter_* directory or a role "
+                           "directory of one of our checkpoints") from None
+    for line in warnings:
+        log.warning(line)
+    role_dir = iter_dir / role
+    if not (role_dir / ".metadata").is_file():
+        roles = read_commit(iter_dir).get("roles", []) if (iter_dir / COMMIT).is_file() else []
+        raise ConvertError(f"{iter_dir}: no role {role!r} in this checkpoint (it holds {roles}); "
+                           f"choose --role from {roles}")
+    return role_dir, iter_dir
+
+
+def _model_cfg(model_cfg, iter_dir: Path | None):
+    from megatron_rlhf.config import ModelConfig
+
+    def from_dict(values: dict) -> ModelConfig:
+        known = {f.name for f in dataclasses.fields(ModelConfig)}
+        return ModelConfig(**{k: v for k, v in values.items() if k in known})
+
+    if isinstance(model_cfg, dict):
+        return from_dict(model_cfg)
+    if model_cfg is not None:
+        return model_cfg
+    state_file = iter_dir / "trainer_state" / "rank_00000.pt" if iter_dir else None
+    if state_file is not None and state_file.is_file():
+        saved = torch.load(state_file, weights_only=False).get("model_config")
+        if saved:
+            return from_dict(saved)
+    raise ConvertError("this checkpoint does not record its model config (only import_hf checkpoints do): pass "
+                       "model_cfg, the cfg.model of the run that wrote it (same --config and model.* overrides)")
+
+
+class _Layers:
+    """Full tensors of one layer, from layer-stacked keys (decoder.layers.<name> [L, ...]) or
+    per-layer keys (decoder.layers.<i>.<name>, megatron's non-homogeneous format)."""
+
+    def __init__(self, ck: TorchDistCheckpoint):
+        self.ck = ck
+
+    def key(self, kind: str, layer: int) -> tuple[str, tuple[int, int] | None]:
+        for name in CKPT_LAYER_KEYS[kind]:
+            if f"decoder.layers.{name}" in self.ck:
+                return f"decoder.layers.{name}", (layer, layer + 1)
+            if f"decoder.layers.{layer}.{name}" in self.ck:
+                return f"decoder.layers.{layer}.{name}", None
+        raise ConvertError(f"{self.ck.path}: no tensor for decoder.layers.{CKPT_LAYER_KEYS[kind][0]} "
+                           f"(layer {layer}) in the checkpoint")
+
+    def read(self, layer: int) -> dict[str, torch.Tensor]:
+        keys = {kind: self.key(kind, layer) for kind in CKPT_LAYER_KEYS}
+        got = self.ck.read_many(dict(keys.values()))
+        return {kind: got[key][0] if span else got[key] for kind, (key, span) in keys.items()}
+
+
+def _check_checkpoint(ck: TorchDistCheckpoint, layers: _Layers, d: Dims, value_model: bool) -> None:
+    """The checkpoint's shapes against model_cfg, naming the model.* field that is off."""
+    emb = "embedding.word_embeddings.weight"
+    if emb not in ck:
+        raise ConvertError(f"{ck.path}: no {emb} (a checkpoint of a GPT model of ours?)")
+    rows, hidden = ck.shape(emb)
+    if hidden != d.hidden:
+        raise ConvertError(f"{ck.path}: hidden size {hidden}, but model.hidden_size={d.hidden}; "
+                           "pass the run's model config")
+    if rows != d.padded_vocab:
+        raise ConvertError(f"{ck.path}: {rows} embedding rows, but model.vocab_size={d.vocab} padded to "
+                           f"model.make_vocab_size_divisible_by gives {d.padded_vocab}; pass the run's model config")
+    hd = d.head_dim
+    checks = {"qkv": ((d.heads + 2 * d.kv_heads) * hd, "model.num_attention_heads / model.num_query_groups"),
+              "fc1": (2 * d.ffn, "model.ffn_hidden_size")}
+    for kind, (want, field) in checks.items():
+        key, span = layers.key(kind, 0)
+        shape = ck.shape(key)
+        got = shape[1] if span else shape[0]
+        if got != want:
+            raise ConvertError(f"{ck.path}: {key} has {got} rows, {field} give {want}; pass the run's model config")
+    key, span = layers.key("qkv", 0)
+    stored = ck.shape(key)[0] if span else sum(
+        1 for k in ck.tensors if k.startswith("decoder.layers.") and k.endswith(CKPT_LAYER_KEYS["qkv"][0]))
+    if stored != d.num_layers:
+        raise ConvertError(f"{ck.path}: {stored} layers, but model.num_layers={d.num_layers}; "
+                           "pass the run's model config")
+    head = ck.shape("output_layer.weight") if "output_layer.weight" in ck else None
+    is_value = head is not None and head[0] == 1 and "output_layer.bias" in ck
+    if is_value != value_model:
+        what = "a value model (scalar head)" if is_value else "a policy (vocabulary head)"
+        raise ConvertError(f"{ck.path}: this checkpoint is {what}; choose the role accordingly "
+                           f"(policies: {POLICY_ROLES}, value models: {VALUE_ROLES})")
+
+
+def _token_ids(tokenizer_dir: Path | None, vocab_size: int) -> dict[str, int | None]:
+    """bos/eos/pad ids named by a tokenizer directory's config files (best effort)."""
+    if tokenizer_dir is None:
+        return {}
+    if not tokenizer_dir.is_dir():
+        raise ConvertError(f"tokenizer directory not found: {tokenizer_dir}")
+    names: dict[str, str] = {}
+    for file in ("special_tokens_map.json", "tokenizer_config.json"):  # the latter wins
+        path = tokenizer_dir / file
+        if path.is_file():
+            try:
+                data = json.loads(path.read_text())
+            except ValueError as e:
+                raise ConvertError(f"{path}: not valid JSON ({e})") from None
+            for key in ("bos_token", "eos_token", "pad_token"):
+                value = data.get(key)
+                value = value.get("content") if isinstance(value, dict) else value
+                if isinstance(value, str) and value:
+                    names[key] = value
+    ids: dict[str, int | None] = {}
+    if (tokenizer_dir / "tokenizer.json").is_file():
+        import tokenizers
+
+        tok = tokenizers.Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
+        size = tok.get_vocab_size(with_added_tokens=True)
+        if size > vocab_size:
+            raise ConvertError(f"{tokenizer_dir}/tokenizer.json has {size} tokens, more than model.vocab_size="
+                               f"{vocab_size}: not the tokenizer this model was trained with")
+        for key, token in names.items():
+            ids[key.replace("_token", "_token_id")] = tok.token_to_id(token)
+    return ids
+
+
+def _value_head(ck: TorchDistCheckpoint, role: str, drop_bias: bool) -> tuple[torch.Tensor, dict[str, Any]]:
+    """score.weight (float32) and what was folded or dropped."""
+    w = ck.read("output_layer.weight").float()
+    b = float(ck.read("output_layer.bias").float()[0])
+    extra = ck.common_state().get("extra", {}) or {}
+    mean, std = float(extra.get("reward_mean", 0.0)), float(extra.get("reward_std", 1.0))
+    info: dict[str, Any] = {"role": role}
+    if (mean, std) != (0.0, 1.0):
+        info.update(reward_mean=mean, reward_std=std)
+        w = w / std
+    offset = (b - mean) / std
+    if offset != 0.0:
+        if not drop_bias:
+            normalised = (f", minus the stored reward_mean {mean:.6g}, over reward_std {std:.6g}"
+                          if (mean, std) != (0.0, 1.0) else "")
+            raise ConvertError(
+                f"{ck.path}: output_layer.bias (value-head bias {b:.6g}{normalised}"
+                f") gives scores a constant offset {offset:.6g}, which LlamaForSequenceClassification cannot "
+                "hold (its score has no bias); export with drop_score_bias=True to write scores shifted by "
+                f"{-offset:.6g} (rankings and pairwise preferences unchanged; the offset is recorded in "
+                "config.json as megatron_rlhf_export.score_offset)")
+        info["score_offset"] = offset
+        log.warning(f"{ck.path}: value-head offset {offset:.6g} dropped: exported scores = ours - ({offset:.6g})")
+    return w, info
+
+
+def export_hf(checkpoint: str | os.PathLike, role: str, out_dir: str | os.PathLike, model_cfg=None,
+              tokenizer_dir: str | os.PathLike | None = None, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+              dtype: str | None = None, drop_score_bias: bool = False,
+              special_token_ids: dict[str, int] | None = None) -> Path:
+    """Write role `role` of our checkpoint as a Hugging Face model directory `out_dir`.
+
+    `checkpoint`: a stage directory (its latest complete checkpoint), an iter_* directory or
+    a role directory; saved at any TP x PP x DP. One process, no torch.distributed; reads one
+    layer at a time. `model_cfg`: the ModelConfig (or its dict) of the run; optional for
+    import_hf checkpoints, which record it. Policies (actor, reference) become
+    LlamaForCausalLM, value models (reward, critic) LlamaForSequenceClassification with
+    num_labels=1 (see the module docstring for the value-head bias and drop_score_bias).
+    Vocabulary padding rows are dropped. `dtype` ("float32", "bfloat16", "float16"):
+    default the checkpoint's. `tokenizer_dir`: its tokenizer files are copied and its
+    bos/eos/pad tokens named in config.json and generation_config.json;
+    `special_token_ids` ({"eos_token_id": 1, "pad_token_id": 0, ...}) overrides them.
+    Weights go to safetensors shards of at most max_shard_bytes (model.safetensors when one
+    suffices, else model-0000X-of-0000N.safetensors + model.safetensors.index.json).
+    `out_dir` must not exist or be empty; it appears complete or not at all."""
+    checkpoint, out_dir = Path(checkpoint), Path(out_dir)
+    if role not in POLICY_ROLES + VALUE_ROLES:
+        raise ConvertError(f"role={role!r}: choose one of {POLICY_ROLES + VALUE_ROLES}")
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+        raise ConvertError(f"{out_dir}: exists and is not empty; export into a new directory")
+    role_dir, iter_dir = _resolve_role_dir(checkpoint, role)
+    m = _model_cfg(model_cfg, iter_dir)
+    ck = TorchDistCheckpoint(role_dir)
+    layers = _Layers(ck)
+    value_model = role in VALUE_ROLES
+    tied = not value_model and "output_layer.weight" not in ck  # megatron stores a tied head once
+    d = dataclasses.replace(Dims.of(m), tied=tied)
+    _check_checkpoint(ck, layers, d, value_model)
+    out_dtype = ck.dtype("embedding.word_embeddings.weight") if dtype is None else getattr(torch, dtype, None)
+    if out_dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ConvertError(f"dtype={dtype!r}: choose float32, bfloat16 or float16")
+    dtype_name = str(out_dtype).removeprefix("torch.")
+
+    export_info: dict[str, Any] = {"source": str(role_dir), "role": role}
+    score = None
+    if value_model:
+        score, info = _value_head(ck, role, drop_score_bias)
+        export_info.update(info)
+    token_ids = _token_ids(Path(tokenizer_dir) if tokenizer_dir else None, d.vocab)
+    token_ids.update(special_token_ids or {})
+
+    shapes = hf_expected_shapes(d, value_model)
+    element = torch.empty((), dtype=out_dtype).element_size()
+    groups = [("embed", group_bytes([shapes["model.embed_tokens.weight"]], element))]
+    layer_bytes = group_bytes([s for n, s in shapes.items() if n.startswith("model.layers.0.")], element)
+    groups += [(f"layer.{i}", layer_bytes) for i in range(d.num_layers)]
+    groups.append(("final", group_bytes([s for n, s in shapes.items() if n in ("model.norm.weight", "lm_head.weight",
+                                                                                 "score.weight")], element)))
+
+    def make_group(group: str) -> dict[str, torch.Tensor]:
+        if group == "embed":
+            out = {"model.embed_tokens.weight": ck.read("embedding.word_embeddings.weight")[: d.vocab]}
+        elif group.startswith("layer."):
+            layer = int(group.split(".")[1])
+            got = layers.read(layer)
+            out = hf_layer_tensors(layer, got.__getitem__, d)
+        else:
+            out = {"model.norm.weight": ck.read("decoder.final_layernorm.weight")}
+            if value_model:
+                out["score.weight"] = score
+            elif not tied:
+                out["lm_head.weight"] = ck.read("output_layer.weight")[: d.vocab]
+        for name, t in out.items():
+            if tuple(t.shape) != shapes[name]:
+                raise ConvertError(f"{ck.path}: {name} came out {list(t.shape)}, expected {list(shapes[name])}")
+        return {name: t.to(out_dtype) for name, t in out.items()}
+
+    tmp = out_dir.with_name(out_dir.name + ".tmp-export")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        write_shards(tmp, groups, make_group, max_shard_bytes)
+        config = hf_config_dict(m, value_model, dtype_name, token_ids, extra={"megatron_rlhf_export": export_info})
+        config["tie_word_embeddings"] = tied
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        gen = {k: v for k, v in token_ids.items() if v is not None}
+        if not value_model and gen:
+            (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+        if tokenizer_dir is not None:
+            copied = [f for f in TOKENIZER_FILES if (Path(tokenizer_dir) / f).is_file()]
+            if not {"tokenizer.json", "tokenizer.model"} & set(copied):
+                raise ConvertError(f"{tokenizer_dir}: no tokenizer.json or tokenizer.model to copy")
+            for f in copied:
+                shutil.copy2(Path(tokenizer_dir) / f, tmp / f)
+        if value_model and config.get("pad_token_id") is None:
+            log.warning(f"{out_dir}: no pad_token_id (pass tokenizer_dir or special_token_ids): transformers' "
+                        "sequence classification then reads the last position, so only unpadded batches score right")
+        if out_dir.exists():
+            out_dir.rmdir()
+        os.replace(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir

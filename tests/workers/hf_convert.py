@@ -1,0 +1,150 @@
+"""torchrun worker for tests/test_hf_convert.py: our side of the HF conversion checks.
+
+The test writes tiny random HF models under --root/hf/<variant> and a token batch to
+--root/batch.pt. At this launch's TP x PP layout the worker
+  1. loads every variant with load_hf_weights and records our full logits and log-probs
+     (policies) or rewards and per-token values (the reward model);
+  2. --import-train: import_hf of every variant (also a bfloat16 one) into
+     --root/import/<variant>; trains an actor loaded from HF (2 steps) and a reward model
+     and a critic loaded from the imported reward model (1 step each), saves them with
+     CheckpointManager under --root/trained and records their outputs (the reward model
+     with reward_std = 2, which the export folds in), and a bfloat16 actor (1 step);
+  3. --reload: loads the checkpoints import_hf wrote (at another layout), records outputs
+     and saves the tied policy again at this layout (--root/resaved_tied).
+Results go to --root/results_<layout>.pt (global rank 0).
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from megatron_rlhf import parallel  # first: it makes megatron.core importable next to nvrx 0.4.1
+from megatron_rlhf.checkpoint.dist import load_model_weights, load_role
+from megatron_rlhf.checkpoint.manager import CheckpointManager
+from megatron_rlhf.config import load_config
+from megatron_rlhf.convert import ConvertError, import_hf, load_hf_weights, model_config_from_hf
+from megatron_rlhf.models.roles import Actor, Critic, RewardModel
+
+POLICIES = ("untied", "tied")
+MBS = 2
+
+
+class LogitsActor(Actor):
+    """Actor that also returns the full (TP-gathered, unpadded) logits."""
+
+    def outputs(self, *, hidden_states, output_layer, output_weight, context, **kw):
+        out = super().outputs(hidden_states=hidden_states, output_layer=output_layer,
+                              output_weight=output_weight, context=context, **kw)
+        from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+        logits, _ = output_layer(hidden_states, weight=output_weight)
+        full = gather_from_tensor_model_parallel_region(logits.float())
+        out["logits"] = full.transpose(0, 1)[..., : self.cfg.model.vocab_size].contiguous()
+        return out
+
+    def output_shapes(self, batch_size, seq_len):
+        return {**super().output_shapes(batch_size, seq_len),
+                "logits": torch.Size([batch_size, seq_len, self.cfg.model.vocab_size])}
+
+
+class ValuesRewardModel(RewardModel):
+    """RewardModel that also returns the normalised per-token values."""
+
+    def outputs(self, *, hidden_states, output_layer, context, **_):
+        values = output_layer(hidden_states)
+        last = (context["lengths"] - 1).clamp(min=0).unsqueeze(1)
+        norm = lambda x: (x - self.reward_mean) / self.reward_std  # noqa: E731
+        return {"rewards": norm(values.gather(1, last).squeeze(1)), "values": norm(values)}
+
+    def output_shapes(self, batch_size, seq_len):
+        return {"rewards": torch.Size([batch_size]), "values": torch.Size([batch_size, seq_len])}
+
+
+def variant_cfg(args, variant):
+    fields = model_config_from_hf(args.root / "hf" / variant)
+    overrides = [f"model.{k}={v}" for k, v in fields.items()] + ["model.max_seq_length=64", "optimizer.lr=0.001",
+                                                                 "optimizer.adam_eps=1e-4"]
+    if variant == "bf16":
+        overrides.append("model.params_dtype=bfloat16")
+    return load_config(None, overrides + args.overrides)
+
+
+def outputs(role, batch):
+    return {k: v.detach().cpu() for k, v in role.forward(batch, MBS).items()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--root", type=Path, required=True)
+    ap.add_argument("--layout", required=True)
+    ap.add_argument("--import-train", action="store_true")
+    ap.add_argument("--reload", action="store_true")
+    ap.add_argument("overrides", nargs="*")
+    args = ap.parse_args()
+    cfgs = {v: variant_cfg(args, v) for v in (*POLICIES, "rm", "bf16")}
+    parallel.initialize(cfgs["untied"])
+    batch = torch.load(args.root / "batch.pt")
+    results = {"loaded": {}, "reloaded": {}, "trained": {}}
+
+    for variant in POLICIES:
+        actor = LogitsActor(cfgs[variant], trainable=False)
+        load_hf_weights(actor, args.root / "hf" / variant)
+        results["loaded"][variant] = outputs(actor, {"tokens": batch["tokens"]})
+    rm = ValuesRewardModel(cfgs["rm"])
+    load_hf_weights(rm, args.root / "hf" / "rm")
+    results["loaded"]["rm"] = outputs(rm, batch)
+    try:  # a reward model's directory into a policy: refused on every rank
+        load_hf_weights(Actor(cfgs["rm"], trainable=False), args.root / "hf" / "rm")
+    except ConvertError as e:
+        results["refused"] = str(e)
+
+    if args.import_train:
+        for variant in (*POLICIES, "rm", "bf16"):
+            import_hf(cfgs[variant], args.root / "hf" / variant, args.root / "import" / variant)
+        cfg = cfgs["untied"]
+        actor = LogitsActor(cfg, trainable=True)  # straight from HF: the optimizer must follow
+        load_hf_weights(actor, args.root / "hf" / "untied")
+        adv = torch.randn(batch["tokens"].shape, generator=torch.Generator().manual_seed(3))
+        for _ in range(2):
+            actor.train_step({"tokens": batch["tokens"], "adv": adv}, MBS,
+                             lambda o, mb: -(o["logprobs"] * mb["adv"]).mean())
+        rm_dir = args.root / "import" / "rm" / "iter_0000000" / "reward"
+        reward = ValuesRewardModel(cfgs["rm"], trainable=True)
+        load_model_weights(reward, rm_dir)
+        reward.train_step(batch, MBS, lambda o, mb: -F.logsigmoid(o["rewards"][0::2] - o["rewards"][1::2]).mean())
+        reward.reward_mean, reward.reward_std = 0.0, 2.0
+        critic = Critic(cfgs["rm"], trainable=True)
+        load_model_weights(critic, rm_dir)
+        returns = torch.randn(batch["tokens"].shape, generator=torch.Generator().manual_seed(4))
+        critic.train_step({**batch, "returns": returns}, MBS, lambda o, mb: ((o["values"] - mb["returns"]) ** 2).mean())
+        trained = {"actor": actor, "reward": reward, "critic": critic}
+        CheckpointManager(args.root / "trained").save(2, trained, {"step": 2})
+        # bfloat16 parameters: the optimizer's float32 main params must be reloaded from HF
+        bf16 = Actor(cfgs["bf16"], trainable=True)
+        load_hf_weights(bf16, args.root / "hf" / "bf16")
+        bf16.train_step({"tokens": batch["tokens"], "adv": adv}, MBS, lambda o, mb: -(o["logprobs"] * mb["adv"]).mean())
+        CheckpointManager(args.root / "trained_bf16").save(1, {"actor": bf16}, {"step": 1})
+        results["trained"] = {"actor": outputs(actor, {"tokens": batch["tokens"]}), "reward": outputs(reward, batch),
+                              "critic": outputs(critic, {"tokens": batch["tokens"]})}
+
+    if args.reload:
+        for variant in POLICIES:
+            actor = LogitsActor(cfgs[variant], trainable=False)
+            load_role(actor, args.root / "import" / variant / "iter_0000000" / "actor", with_optimizer=False)
+            results["reloaded"][variant] = outputs(actor, {"tokens": batch["tokens"]})
+            if variant == "tied":  # saved at this layout for the export test
+                CheckpointManager(args.root / "resaved_tied").save(0, {"actor": actor}, {"step": 0})
+        rm = ValuesRewardModel(cfgs["rm"])
+        load_role(rm, args.root / "import" / "rm" / "iter_0000000" / "reward", with_optimizer=False)
+        results["reloaded"]["rm"] = outputs(rm, batch)
+
+    if torch.distributed.get_rank() == 0:
+        torch.save(results, args.root / f"results_{args.layout}.pt")
+    parallel.destroy()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
