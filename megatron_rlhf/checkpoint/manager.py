@@ -51,7 +51,8 @@ from megatron_rlhf.checkpoint.validate import (  # noqa: F401  (re-exported API)
     COMMIT, LATEST, CheckpointError, checkpoint_dirs, find_checkpoint, iter_name, read_commit, validate,
 )
 from megatron_rlhf.resilience.faults import FAULTS
-from megatron_rlhf.resilience.nonfinite import any_rank, ensure_finite_weights
+from megatron_rlhf.parallel import any_rank
+from megatron_rlhf.resilience.nonfinite import ensure_finite_weights
 
 log = logging.getLogger(__name__)
 

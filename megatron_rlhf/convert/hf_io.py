@@ -110,7 +110,7 @@ def load_hf_weights(role, hf_dir: str | os.PathLike) -> None:
     everything but the value head, which is loaded (bias 0) only from a
     *ForSequenceClassification checkpoint's `score.weight`. A trainable role's optimizer
     copies the new weights into its main params. An error on any rank raises on all."""
-    from megatron_rlhf.resilience.nonfinite import any_rank
+    from megatron_rlhf.parallel import any_rank
 
     error: Exception | None = None
     try:

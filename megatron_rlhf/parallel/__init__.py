@@ -137,5 +137,13 @@ def destroy() -> None:
         dist.destroy_process_group()
 
 
+def any_rank(flag: bool) -> bool:
+    """Collective over the whole world: True on every rank if `flag` is True on any."""
+    t = torch.tensor([1.0 if flag else 0.0], device=device())
+    if dist.is_initialized():
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
 def device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")

@@ -5,21 +5,12 @@ A checkpoint is never written from non-finite weights."""
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
-from megatron_rlhf.parallel import device
+from megatron_rlhf.parallel import any_rank
 
 
 class NonFiniteError(RuntimeError):
     pass
-
-
-def any_rank(flag: bool) -> bool:
-    """Collective over the whole world: True on every rank if `flag` is True on any."""
-    t = torch.tensor([1.0 if flag else 0.0], device=device())
-    if dist.is_initialized():
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item())
 
 
 def all_finite(tensors) -> bool:

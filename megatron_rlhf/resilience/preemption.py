@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import signal
 
-import torch
-import torch.distributed as dist
+from megatron_rlhf.parallel import any_rank
 
 REQUEUE_EXIT_CODE = 42
 
@@ -27,12 +26,7 @@ class PreemptionHandler:
 
     def should_stop(self) -> bool:
         """Collective: True on every rank if any rank was signalled."""
-        flag = torch.tensor([1.0 if self.signalled else 0.0])
-        if dist.is_initialized():
-            if torch.cuda.is_available():
-                flag = flag.cuda()
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+        return any_rank(self.signalled)
 
 
 class Preempted(SystemExit):
