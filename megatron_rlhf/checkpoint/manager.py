@@ -186,6 +186,25 @@ class CheckpointManager:
         except FileNotFoundError:
             return None
 
+    def has_checkpoint(self) -> bool:
+        """Collective; rank 0 scans the (shared) stage directory for all. Whether there is a
+        complete checkpoint to resume from. Committed checkpoints that are all damaged raise
+        CheckpointError: starting over would silently throw away the training they hold."""
+
+        def scan() -> bool:
+            try:
+                find_checkpoint(self.stage_dir)
+            except CheckpointError as err:
+                if checkpoint_dirs(self.stage_dir)[0]:
+                    raise CheckpointError(f"{err}. Nothing was loaded or deleted: repair or move the damaged "
+                                          "checkpoints, or set checkpoint.resume=false to start over") from None
+                return False  # only an unfinished first save: nothing complete to resume from
+            except FileNotFoundError:
+                return False
+            return True
+
+        return _agreed(scan)
+
     def save(self, step: int, roles: dict, trainer_state: dict[str, Any]) -> Path:
         """Collective. `trainer_state` is this rank's (it may differ per rank, e.g. RNG).
         Sync: committed on return. Async: committed by a later poll()/wait()."""

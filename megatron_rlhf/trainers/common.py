@@ -102,24 +102,12 @@ def all_reduce_sum(*values: float) -> list[float]:
 
 def resume_source(cfg: Config, ckpt) -> Path | str | None:
     """Where to resume from: checkpoint.load, else the stage's own complete checkpoint, else
-    nothing (a fresh start). Committed checkpoints that are all damaged stop the run: a
-    fresh start would silently throw away the training they hold."""
-    from megatron_rlhf.checkpoint.manager import CheckpointError, checkpoint_dirs, find_checkpoint
-
+    nothing (a fresh start); see CheckpointManager.has_checkpoint for damaged ones."""
     if cfg.checkpoint.load:
         return cfg.checkpoint.load
-    if not cfg.checkpoint.resume:
-        return None
-    try:
-        find_checkpoint(ckpt.stage_dir)
-    except CheckpointError as err:
-        if checkpoint_dirs(ckpt.stage_dir)[0]:
-            raise CheckpointError(f"{err}. Nothing was loaded or deleted: repair or move the damaged checkpoints, "
-                                  "or set checkpoint.resume=false to start over") from None
-        return None  # only an unfinished first save: nothing complete to resume from
-    except FileNotFoundError:
-        return None
-    return ckpt.stage_dir
+    if cfg.checkpoint.resume and ckpt.has_checkpoint():
+        return ckpt.stage_dir
+    return None
 
 
 def resume(cfg: Config, ckpt, roles: dict, sampler) -> tuple[int, str | None, dict]:
