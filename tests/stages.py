@@ -2,13 +2,20 @@
 
 import json
 
-from distributed import torchrun
+import torch
+
+from distributed import read_global_tensors, torchrun
 
 RECIPE = ["--config", "pipelines/tiny_cpu.yaml"]
 # Smaller than the recipe so CI stays quick; still enough to learn the task.
 SIZES = ["data.task_sizes.sft_train=1024", "data.task_sizes.preference_train=1024",
          "data.task_sizes.sft_eval=128", "data.task_sizes.preference_eval=128"]
 SFT_STEPS, RM_STEPS = 60, 60
+# A short SFT run the failure tests interrupt: checkpoints at 2, 4, 6, 8; faults hit step 5.
+FAULT_SFT_STEPS = 8
+FAULT_SFT = [f"sft.steps={FAULT_SFT_STEPS}", "sft.save_interval=2", "sft.eval_interval=4", "sft.log_interval=1",
+             "sft.optimizer.warmup_steps=2", "data.task_sizes.sft_train=256", "data.task_sizes.sft_eval=64"]
+TIMING = ("_seconds", "tokens_per_s", "_peak_memory_bytes", "samples_per_second")  # wall-clock metrics
 
 
 def stage(nproc, command, root, run, *overrides, **torchrun_kwargs):
@@ -22,3 +29,18 @@ def summary(root, run, name):
 
 def metrics(root, run, name):
     return [json.loads(x) for x in (root / run / name / "metrics.jsonl").read_text().splitlines()]
+
+
+def deterministic_metrics(root, run, name) -> str:
+    """metrics.jsonl without wall-clock fields, as text (NaN compares equal to itself)."""
+    lines = [{k: v for k, v in x.items() if not k.endswith(TIMING)} for x in metrics(root, run, name)]
+    return json.dumps(lines)
+
+
+def assert_same_tensors(want_dir, got_dir):
+    """Two megatron checkpoints of a role hold bitwise equal weights and optimizer state."""
+    want, got = read_global_tensors(want_dir), read_global_tensors(got_dir)
+    assert want.keys() == got.keys()
+    assert any("optimizer" in k for k in want), "optimizer state missing from the comparison"
+    for key in want:
+        assert torch.equal(want[key], got[key]), key

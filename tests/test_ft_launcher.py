@@ -4,28 +4,24 @@ mid-step (found by the rank heartbeat timeout), make ft_launcher restart the wor
 same job; they resume from the latest checkpoint and end bit-identical to a run that was
 never interrupted."""
 
-import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-import torch
 
-from distributed import REPO, read_global_tensors
+from distributed import REPO
 from megatron_rlhf.resilience.heartbeat import Heartbeat
-from stages import RECIPE
+from stages import FAULT_SFT as TINY
+from stages import FAULT_SFT_STEPS as STEPS  # checkpoints at 2, 4, 6, 8; faults hit 5: resume at 4
+from stages import RECIPE, assert_same_tensors, deterministic_metrics, metrics
 
 FT_LAUNCHER = Path(sys.executable).with_name("ft_launcher")
-STEPS = 8  # checkpoints at 2, 4, 6, 8; the faults hit step 5, so the restart resumes at 4
-TINY = [f"sft.steps={STEPS}", "sft.save_interval=2", "sft.optimizer.warmup_steps=2", f"sft.eval_interval={STEPS}",
-        "sft.log_interval=1", "data.task_sizes.sft_train=256", "data.task_sizes.sft_eval=64"]
 # Start-up (imports, data, model, checkpoint load, first step) takes ~10 s on a loaded 2-core
 # machine, a step ~0.2 s, a save ~1-2 s. Hang detection needs a short timeout between beats;
 # the other runs get a generous one so that a slow moment never counts as a hang.
 INITIAL_TIMEOUT, TIMEOUT, HANG_TIMEOUT = 120, 60, 15
-TIMING_KEYS = {"tokens_per_s"}
 RESTARTED = "will restart worker group"
 
 
@@ -54,11 +50,6 @@ def ft_launcher(root: Path, run: str, fault: str | None = None, hb_timeout: floa
     out = log.read_text()
     assert rc == 0, f"{' '.join(cmd)} exited {rc}\n{out[-15000:]}"
     return out
-
-
-def metrics(root: Path, run: str) -> list[dict]:
-    lines = [json.loads(x) for x in (root / run / "sft" / "metrics.jsonl").read_text().splitlines()]
-    return [{k: v for k, v in line.items() if k not in TIMING_KEYS} for line in lines]
 
 
 @pytest.fixture(scope="module")
@@ -93,12 +84,7 @@ def test_failed_rank_is_restarted_in_job_and_resumes_bitwise(clean, kind):
 
     last = f"iter_{STEPS:07d}"
     assert (root / kind / "sft" / "latest").read_text().strip() == last
-    want = read_global_tensors(root / "clean" / "sft" / last / "actor")  # weights and optimizer state
-    got = read_global_tensors(root / kind / "sft" / last / "actor")
-    assert want.keys() == got.keys()
-    assert any("optimizer" in k for k in want), sorted(want)[:20]
-    for key in want:
-        assert torch.equal(want[key], got[key]), key
+    assert_same_tensors(root / "clean" / "sft" / last / "actor", root / kind / "sft" / last / "actor")
     # every step logged once (the restart dropped what it redid), with identical values
-    assert [x["step"] for x in metrics(root, kind)] == list(range(1, STEPS + 1))
-    assert metrics(root, kind) == metrics(root, "clean")
+    assert [x["step"] for x in metrics(root, kind, "sft")] == list(range(1, STEPS + 1))
+    assert deterministic_metrics(root, kind, "sft") == deterministic_metrics(root, "clean", "sft")

@@ -2,24 +2,21 @@
 judged against an uninterrupted run of the same configuration: the resumed run's final
 weights, optimizer state, trainer state and logged metrics must be bitwise equal."""
 
-import json
 import shutil
 
 import pytest
 import torch
 
 from distributed import read_global_tensors
-from stages import metrics, stage
+from stages import FAULT_SFT as SFT
+from stages import FAULT_SFT_STEPS as STEPS
+from stages import TIMING, assert_same_tensors, deterministic_metrics, metrics, stage
 
 pytestmark = pytest.mark.slow
 
-STEPS = 8
-SFT = [f"sft.steps={STEPS}", "sft.save_interval=2", "sft.eval_interval=4", "sft.log_interval=1",
-       "sft.optimizer.warmup_steps=2", "data.task_sizes.sft_train=256", "data.task_sizes.sft_eval=64"]
 PPO_STEPS = 4
 PPO = [f"ppo.steps={PPO_STEPS}", "ppo.save_interval=2", "ppo.eval_interval=4", "ppo.log_interval=1",
        "ppo.rollout_batch_size=16", "ppo.mini_batch_size=8", "ppo.micro_batch_size=4"]
-TIMING = ("_seconds", "tokens_per_s", "_peak_memory_bytes", "samples_per_second")
 
 
 def fault(spec: str) -> dict:
@@ -32,20 +29,6 @@ def iter_dir(root, run, name, step):
 
 def latest(root, run, name) -> str:
     return (root / run / name / "latest").read_text().strip()
-
-
-def deterministic_metrics(root, run, name) -> str:
-    """metrics.jsonl without wall-clock fields, as text (NaN compares equal to itself)."""
-    lines = [{k: v for k, v in x.items() if not k.endswith(TIMING)} for x in metrics(root, run, name)]
-    return json.dumps(lines)
-
-
-def assert_same_tensors(want_dir, got_dir):
-    want, got = read_global_tensors(want_dir), read_global_tensors(got_dir)
-    assert want.keys() == got.keys()
-    assert any("optimizer" in k for k in want), "optimizer state missing from the comparison"
-    for key in want:
-        assert torch.equal(want[key], got[key]), key
 
 
 def assert_same_trainer_state(want_dir, got_dir):
