@@ -50,6 +50,7 @@ sft rm ppo: setup
 bench: setup
 	$(PY) benchmarks/bench_roles.py
 	$(PY) benchmarks/ppo_step.py
+	$(PY) benchmarks/hf_import.py
 
 clean-venv:
 	rm -rf $(VENV)
