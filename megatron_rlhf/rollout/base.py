@@ -1,4 +1,4 @@
-"""The rollout interface the PPO loop talks to; engines differ in where generation runs."""
+"""The rollout interface the PPO loop talks to, and the sampling step every engine shares."""
 
 from __future__ import annotations
 
@@ -17,14 +17,50 @@ class SamplingParams:
     greedy: bool = False
 
 
+def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Top-k then nucleus filtering of [B, V] logits (filtered entries -> -inf)."""
+    if top_k > 0:
+        kth = torch.topk(logits, min(top_k, logits.size(-1)), dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        cumulative = sorted_logits.softmax(-1).cumsum(-1)
+        drop_sorted = cumulative - sorted_logits.softmax(-1) >= top_p  # keep the token crossing top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+def sample_next(logits: torch.Tensor, generator: torch.Generator,
+                sampling: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
+    """Next token ids [B] (long) and their log-probs [B] (fp32) from fp32 logits [B, V].
+
+    Runs where `logits` are (no host sync); `generator` must be on that device, seeded, so the
+    same seed gives the same tokens. The token is drawn from the temperature-scaled, top-k /
+    top-p filtered distribution (argmax when greedy); its log-prob is under the *unfiltered*
+    temperature-scaled softmax, which is what the trainer recomputes.
+    """
+    if generator.device != logits.device:
+        raise ValueError(f"sampling generator is on {generator.device} but the logits are on {logits.device}; "
+                         "create it with torch.Generator(device=logits.device)")
+    logits = logits / sampling.temperature
+    if sampling.greedy:
+        ids = logits.argmax(-1)
+    else:
+        probs = filter_logits(logits, sampling.top_k, sampling.top_p).softmax(-1)
+        ids = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    return ids, logits.log_softmax(-1).gather(-1, ids[:, None]).squeeze(-1)
+
+
 @dataclass
 class Rollout:
     """Prompt + response sequences, right-padded, in the training layout.
 
-    tokens [B, S]; prompt_lengths [B]; lengths [B] (prompt + response, incl. EOS when one
-    was generated); logprobs [B, S]: at position t, log p(tokens[t+1]) under the sampling
-    temperature (unfiltered softmax, as the trainer recomputes it), 0 outside the response;
-    finished [B]: True when the response ended with EOS.
+    All tensors are on the device generation ran on (the actor's; `.to("cpu")` for host copies).
+    tokens [B, S] long; prompt_lengths [B] long; lengths [B] long (prompt + response, incl. EOS
+    when one was generated); logprobs [B, S] fp32: at position t, log p(tokens[t+1]) under the
+    sampling temperature (unfiltered softmax, as the trainer recomputes it), 0 outside the
+    response; finished [B] bool: True when the response ended with EOS.
     """
 
     tokens: torch.Tensor
@@ -33,17 +69,21 @@ class Rollout:
     logprobs: torch.Tensor
     finished: torch.Tensor
 
+    def to(self, device: torch.device | str) -> Rollout:
+        return Rollout(**{name: t.to(device) for name, t in vars(self).items()})
+
     def response_lengths(self) -> torch.Tensor:
-        """[B] generated tokens per row (EOS included when one was generated)."""
+        """[B] generated tokens per row (EOS included when one was generated), on the tokens' device."""
         return self.lengths - self.prompt_lengths
 
     def response_ids(self) -> list[list[int]]:
-        """Each row's generated token ids, without prompt or padding."""
-        return [row[int(p):int(n)] for row, p, n in zip(self.tokens.tolist(), self.prompt_lengths, self.lengths)]
+        """Each row's generated token ids, without prompt or padding (host lists)."""
+        rows, starts, ends = self.tokens.tolist(), self.prompt_lengths.tolist(), self.lengths.tolist()
+        return [row[p:n] for row, p, n in zip(rows, starts, ends)]
 
     def response_mask(self) -> torch.Tensor:
-        """[B, S] float: 1 at positions t whose next token t+1 is a response token."""
-        pos = torch.arange(self.tokens.size(1))
+        """[B, S] float on the tokens' device: 1 at positions t whose next token t+1 is a response token."""
+        pos = torch.arange(self.tokens.size(1), device=self.tokens.device)
         return ((pos >= self.prompt_lengths[:, None] - 1) & (pos < self.lengths[:, None] - 1)).float()
 
 

@@ -7,15 +7,22 @@ is fed its own prompt tokens until the prompt ends. No sequence ever contains pa
 attention mask is needed and RoPE positions are the true ones; the output is right-padded,
 which is the layout the trainer uses.
 
-Works at any TP x PP: hidden states travel between pipeline stages with megatron's inference
-p2p helpers, the last stage's next-token logits (one position, gathered over TP) are
-broadcast to every rank, and every rank samples with the same seeded generator.
+Everything stays on the actor's device. Per decoded token, at any TP x PP:
+- hidden states [B, L, H] go stage to stage with megatron's inference p2p helpers;
+- the last stage gathers its next-token logits over TP ([B, V] fp32 on each of its TP ranks)
+  and samples there (`sample_next`, a seeded device generator);
+- only the chosen ids [B] (int64) cross ranks: from TP rank 0 of the last stage to its TP
+  group (so TP ranks agree even with nondeterministic kernels), then from the last stage to
+  the other stages. The log-probs stay on the last stage until generation ends, when the
+  [B, S] block crosses the same two groups once.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
-from megatron.core import parallel_state
+from megatron.core import parallel_state as ps
 from megatron.core.inference.communication_utils import (
     broadcast_from_last_pipeline_stage, recv_from_prev_pipeline_rank_, send_to_next_pipeline_rank,
 )
@@ -23,89 +30,110 @@ from megatron.core.inference.contexts import StaticInferenceContext
 from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
 
 from megatron_rlhf.parallel import device
-from megatron_rlhf.rollout.base import Rollout, RolloutEngine, SamplingParams
+from megatron_rlhf.rollout.base import Rollout, RolloutEngine, SamplingParams, sample_next
 
 
-def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """Top-k then nucleus filtering of [B, V] logits (filtered entries -> -inf)."""
-    if top_k > 0:
-        kth = torch.topk(logits, min(top_k, logits.size(-1)), dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        cumulative = sorted_logits.softmax(-1).cumsum(-1)
-        drop_sorted = cumulative - sorted_logits.softmax(-1) >= top_p  # keep the token crossing top_p
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
-    return logits
+def from_last_stage_tp0(x: torch.Tensor | None, shape: list[int], dtype: torch.dtype) -> torch.Tensor:
+    """`x` as TP rank 0 of the last pipeline stage holds it, on every model-parallel rank
+    (`x` is only read on the last stage)."""
+    if ps.is_pipeline_last_stage(ignore_virtual=True) and ps.get_tensor_model_parallel_world_size() > 1:
+        torch.distributed.broadcast(x, ps.get_tensor_model_parallel_src_rank(),
+                                    group=ps.get_tensor_model_parallel_group())
+    if ps.get_pipeline_model_parallel_world_size() > 1:
+        x = broadcast_from_last_pipeline_stage(shape, dtype, x)
+    return x
+
+
+@dataclass
+class Decoding:
+    """Per-row state of one generate() call, on one device: tokens [B, S] (prompts, then the
+    response, pad elsewhere), prompt_lengths / lengths [B], logprobs [B, S] (sequence layout,
+    as in Rollout), finished [B] (ended with EOS), done [B] (no more tokens: EOS or budget)."""
+
+    tokens: torch.Tensor
+    prompt_lengths: torch.Tensor
+    lengths: torch.Tensor
+    logprobs: torch.Tensor
+    finished: torch.Tensor
+    done: torch.Tensor
+
+    @classmethod
+    def start(cls, prompts: list[list[int]], total: int, pad_id: int, dev: torch.device) -> Decoding:
+        tokens = torch.full((len(prompts), total), pad_id, dtype=torch.long)
+        for row, prompt in enumerate(prompts):
+            tokens[row, : len(prompt)] = torch.tensor(prompt)
+        prompt_lengths = torch.tensor([len(p) for p in prompts], device=dev)
+        flags = torch.zeros(len(prompts), dtype=torch.bool, device=dev)
+        return cls(tokens.to(dev), prompt_lengths, prompt_lengths.clone(),
+                   torch.zeros(len(prompts), total, device=dev), flags, flags.clone())
+
+    def record(self, pos: int, sampled: torch.Tensor, logprob: torch.Tensor | None, eos_id: int, pad_id: int,
+               max_new_tokens: int) -> None:
+        """Write position `pos`: rows still in their prompt keep the prompt token, done rows get
+        pad, the others take `sampled` ([B]) and, when given, its log-prob ([B]) at pos - 1."""
+        in_prompt = pos < self.prompt_lengths
+        generating = ~in_prompt & ~self.done
+        token = torch.where(in_prompt, self.tokens[:, pos], sampled).masked_fill(self.done, pad_id)
+        self.tokens[:, pos] = token
+        if logprob is not None:
+            self.logprobs[:, pos - 1] = torch.where(generating, logprob, 0.0)
+        self.lengths.masked_fill_(generating, pos + 1)
+        is_eos = generating & (token == eos_id)
+        self.finished |= is_eos
+        self.done |= is_eos | (generating & (pos + 1 - self.prompt_lengths >= max_new_tokens))
 
 
 class MegatronRolloutEngine(RolloutEngine):
     def __init__(self, actor, eos_id: int, pad_id: int):
         self.actor, self.eos_id, self.pad_id = actor, eos_id, pad_id
 
-    def _next_token_logits(self, chunk: torch.Tensor, start: int, context) -> torch.Tensor:
-        """Full-vocabulary fp32 logits [B, V] for the position after `chunk`, on every rank."""
+    def _next_token_logits(self, chunk: torch.Tensor, start: int, context) -> torch.Tensor | None:
+        """Last stage: full-vocabulary fp32 logits [B, V] for the position after `chunk`
+        (gathered over TP, padded vocabulary rows -inf). Other stages: None."""
         model = self.actor.module
         batch, length = chunk.shape
         position_ids = torch.arange(start, start + length, device=chunk.device).expand(batch, -1)
-        if not parallel_state.is_pipeline_first_stage(ignore_virtual=True):
+        if not ps.is_pipeline_first_stage(ignore_virtual=True):
             hidden = torch.empty(length, batch, model.config.hidden_size,
                                  dtype=model.config.params_dtype, device=chunk.device)
             recv_from_prev_pipeline_rank_(hidden)
             model.set_input_tensor(hidden)
         out = model(chunk, position_ids, None, inference_context=context)
         context.sequence_len_offset += length
-        vocab = self.actor.cfg.model.padded_vocab_size
-        if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+        if not ps.is_pipeline_last_stage(ignore_virtual=True):
             send_to_next_pipeline_rank(out.contiguous())
-            logits = None
-        else:
-            logits = gather_from_tensor_model_parallel_region(out[:, -1, :].float()).contiguous()
-        logits = broadcast_from_last_pipeline_stage([batch, vocab], torch.float32, logits)
+            return None
+        logits = gather_from_tensor_model_parallel_region(out[:, -1, :].float())
         logits[:, self.actor.cfg.model.vocab_size :] = float("-inf")  # padding rows are not tokens
         return logits
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], sampling: SamplingParams, seed: int) -> Rollout:
+        """Rollout tensors on the actor's device. Collective over the model-parallel group."""
         self.actor.model.eval()
-        batch = len(prompts)
-        prompt_lengths = torch.tensor([len(p) for p in prompts])
-        total = int(prompt_lengths.max()) + sampling.max_new_tokens
+        batch, shortest = len(prompts), min(len(p) for p in prompts)
+        total = max(len(p) for p in prompts) + sampling.max_new_tokens
         if total > self.actor.cfg.model.max_seq_length:
             raise ValueError(f"longest prompt + max_new_tokens = {total} exceeds model.max_seq_length="
                              f"{self.actor.cfg.model.max_seq_length}")
-        tokens = torch.full((batch, total), self.pad_id, dtype=torch.long)
-        for row, prompt in enumerate(prompts):
-            tokens[row, : len(prompt)] = torch.tensor(prompt)
-        tokens = tokens.to(device())
-        logprobs = torch.zeros(batch, total)
-        lengths = prompt_lengths.clone()
-        done = torch.zeros(batch, dtype=torch.bool)
-        finished = torch.zeros(batch, dtype=torch.bool)
-        generator = torch.Generator().manual_seed(seed)
+        last_stage = ps.is_pipeline_last_stage(ignore_virtual=True)
+        state = Decoding.start(prompts, total, self.pad_id, device())
+        generator = torch.Generator(device=device()).manual_seed(seed)
         context = StaticInferenceContext(batch, total)
 
-        prev, pos = 0, int(prompt_lengths.min())
-        while pos < total and not bool(done.all()):
-            logits = self._next_token_logits(tokens[:, prev:pos], prev, context).cpu() / sampling.temperature
-            if sampling.greedy:
-                sampled = logits.argmax(-1)
-            else:
-                probs = filter_logits(logits, sampling.top_k, sampling.top_p).softmax(-1)
-                sampled = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
-            in_prompt = pos < prompt_lengths
-            generating = ~in_prompt & ~done
-            token = torch.where(in_prompt, tokens[:, pos].cpu(), sampled)
-            token = torch.where(done, torch.full_like(token, self.pad_id), token)
-            tokens[:, pos] = token.to(tokens.device)
-            chosen_logprob = logits.log_softmax(-1).gather(-1, token[:, None]).squeeze(-1)
-            logprobs[:, pos - 1] = torch.where(generating, chosen_logprob, 0.0)
-            lengths = torch.where(generating, torch.full_like(lengths, pos + 1), lengths)
-            is_eos = generating & (token == self.eos_id)
-            finished |= is_eos
-            done |= is_eos | (generating & (pos + 1 - prompt_lengths >= sampling.max_new_tokens))
+        prev, pos = 0, shortest
+        # `done.all()` is the one host sync per token, kept so a batch that has finished stops
+        # at once: at PP > 1 megatron's p2p helpers synchronise every step anyway, and at PP = 1
+        # decoding is launch-bound, so the sync costs about a kernel launch, far less than the
+        # extra forward steps that checking only every k tokens could run.
+        while pos < total and not bool(state.done.all()):
+            logits = self._next_token_logits(state.tokens[:, prev:pos], prev, context)
+            ids, logprob = sample_next(logits, generator, sampling) if last_stage else (None, None)
+            ids = from_last_stage_tp0(ids, [batch], torch.long)
+            state.record(pos, ids, logprob, self.eos_id, self.pad_id, sampling.max_new_tokens)
             prev, pos = pos, pos + 1
 
-        width = int(lengths.max())
-        return Rollout(tokens[:, :width].cpu(), prompt_lengths, lengths, logprobs[:, :width], finished)
+        width = int(state.lengths.max())
+        logprobs = state.logprobs[:, :width].contiguous() if last_stage else None
+        logprobs = from_last_stage_tp0(logprobs, [batch, width], torch.float32)
+        return Rollout(state.tokens[:, :width], state.prompt_lengths, state.lengths, logprobs, state.finished)

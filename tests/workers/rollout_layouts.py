@@ -41,16 +41,17 @@ def main() -> None:
     res = {}
     greedy = engine.generate(PROMPTS, SamplingParams(temperature=0.8, max_new_tokens=NEW, greedy=True), seed=0)
     sampled = engine.generate(PROMPTS, SamplingParams(temperature=0.8, top_k=20, top_p=0.9, max_new_tokens=NEW), seed=3)
-    res["greedy"], res["sampled"] = vars(greedy), vars(sampled)
+    assert {t.device for t in vars(sampled).values()} == {parallel.device()}  # rollouts stay on the device
+    res["greedy"], res["sampled"] = vars(greedy.to("cpu")), vars(sampled.to("cpu"))
     recomputed = actor.forward({"tokens": sampled.tokens}, micro_batch_size=2)["logprobs"]
-    res["recomputed_logprobs"] = recomputed * sampled.response_mask()
-    res["response_mask"] = sampled.response_mask()
+    res["recomputed_logprobs"] = (recomputed * sampled.response_mask()).cpu()
+    res["response_mask"] = sampled.response_mask().cpu()
 
     # EOS: make row 0's third generated token the EOS id; row 0 must stop right there.
     eos = int(greedy.tokens[0, len(PROMPTS[0]) + 2])
     stop = MegatronRolloutEngine(actor, eos_id=eos, pad_id=PAD).generate(
         PROMPTS, SamplingParams(temperature=0.8, max_new_tokens=NEW, greedy=True), seed=0)
-    res["eos_id"], res["eos_run"] = eos, vars(stop)
+    res["eos_id"], res["eos_run"] = eos, vars(stop.to("cpu"))
     if args.layout == "tp1pp1":
         res["no_cache_greedy"] = [no_cache_greedy(actor, p) for p in PROMPTS]
     if torch.distributed.get_rank() == 0:
