@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import ast
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -39,7 +42,8 @@ from megatron_rlhf.data.tokenizers import (
     load_tokenizer,
 )
 
-DATA_DIR = Path(__file__).resolve().parent.parent / "megatron_rlhf" / "data"
+REPO = Path(__file__).resolve().parent.parent
+DATA_DIR = REPO / "megatron_rlhf" / "data"
 SMALL = TaskSizes(
     sft_train=60, sft_eval=10, preference_train=60, preference_eval=10, ppo_prompts=30,
     eval_prompts=10,
@@ -312,6 +316,45 @@ def test_bad_overflow_and_nothing_left_are_errors():
         encode_sft([SFTExample("a b c", "d")], TOK, 3, "truncate")
     with pytest.raises(ValueError, match="seq_len=3"):
         collate_sft([EncodedSFT([3, 4, 5, 1], 1)], TOK.pad_id, 3)
+
+
+def test_nothing_left_is_a_data_error_naming_the_length_field_and_the_fix():
+    too_long = [SFTExample("a b", "c d e")]  # 6 tokens with EOS
+    with pytest.raises(DataError) as info:
+        encode_sft(too_long, TOK, 4, "drop", max_len_field="sft.seq_length")
+    assert str(info.value) == (
+        "no SFT examples left after encoding (1 examples: 0 kept (0 truncated), 1 dropped): "
+        "none fits in sft.seq_length=4 tokens and data.overflow=drop leaves out longer ones; "
+        "raise sft.seq_length or set data.overflow=truncate"
+    )
+    # With truncate, only prompts that fill max_len on their own are left out: truncating
+    # cannot help, so it is not suggested.
+    with pytest.raises(DataError, match=r"sft.seq_length=4 .*; raise sft.seq_length$"):
+        encode_sft([SFTExample("a b c d", "e")], TOK, 4, "truncate", max_len_field="sft.seq_length")
+    pair = PreferenceExample("a b", "c d e", "c")
+    with pytest.raises(DataError, match=r"no preference pairs .* rm.seq_length=4 .*truncate"):
+        encode_preferences([pair], TOK, 4, "drop", max_len_field="rm.seq_length")
+    with pytest.raises(DataError, match=r"no prompts .* longer than 3 tokens \(ppo.prompt_len=4"):
+        encode_prompts([PromptExample("a b c d")], TOK, 4, max_len_field="ppo.prompt_len")
+    with pytest.raises(DataError, match="example 0: prompt '' encodes to no tokens"):
+        encode_sft([SFTExample("", "a")], TOK, 4, "drop")
+
+
+def test_cli_reports_data_that_never_fits_as_a_data_error(tmp_path):
+    """One bare process (rank 0 of 1); it fails while encoding, before any model is built."""
+    train = tmp_path / "sft_train.jsonl"
+    write_jsonl(train, [SFTExample(" ".join(["good"] * 40), "great")])
+    command = [
+        sys.executable, "-m", "megatron_rlhf", "sft", "--config", "pipelines/tiny_cpu.yaml",
+        f"data.sft_train={train}", "data.overflow=drop", f"checkpoint.root={tmp_path}",
+        "data.task_sizes.sft_eval=8",
+    ]
+    env = {k: v for k, v in os.environ.items() if k != "MEGATRON_RLHF_FAULT"}
+    proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "data error: no SFT examples left after encoding (1 examples: 0 kept" in proc.stderr
+    assert "seq_length=32 tokens" in proc.stderr and "data.overflow=truncate" in proc.stderr
+    assert "Traceback" not in proc.stderr
 
 
 def test_preference_pairs_encode_truncate_drop_and_interleave():

@@ -1,7 +1,8 @@
 """Save and load one role (model + optimizer) as a megatron-core dist checkpoint (torch_dist).
 
 The format is megatron-core's own: a checkpoint written at one TP x PP (x DP) layout loads at
-any other. Commit markers, retention and trainer state build on this in `checkpoint/`.
+any other. Commit markers, retention and trainer state build on this in `checkpoint/`. Loading
+unpickles only what such checkpoints hold (safe_load.restricted_dcp_unpickling).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.strategies import filesystem_async
 
+from megatron_rlhf.checkpoint.safe_load import restricted_dcp_unpickling
 from megatron_rlhf.models.optimizer import load_optimizer_state, optimizer_sharded_state_dict
 
 _writer_queue_manager = None  # keeps the queue's server process alive
@@ -87,7 +89,8 @@ def load_role(role, path: str | Path, with_optimizer: bool = True) -> None:
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"checkpoint directory not found: {path}")
-    state = dist_checkpointing.load(role_sharded_state_dict(role, with_optimizer, is_loading=True), str(path))
+    with restricted_dcp_unpickling(path):
+        state = dist_checkpointing.load(role_sharded_state_dict(role, with_optimizer, is_loading=True), str(path))
     role.module.load_state_dict(state["model"])
     role.load_extra_state(state["extra"])
     if role.optimizer is None:
@@ -110,7 +113,8 @@ def load_model_weights(role, path: str | Path, skip_prefixes: tuple[str, ...] = 
     sharded = role.module.sharded_state_dict()
     skipped = [k for k in sharded if k.startswith(skip_prefixes)]
     wanted = {k: v for k, v in sharded.items() if k not in skipped}
-    loaded = dist_checkpointing.load(wanted, str(path))
+    with restricted_dcp_unpickling(path):
+        loaded = dist_checkpointing.load(wanted, str(path))
     loaded = {k: v for k, v in loaded.items() if k in wanted}  # drop the checkpoint's common state
     missing, unexpected = role.module.load_state_dict(loaded, strict=False)
     missing = [k for k in missing if not k.startswith(skip_prefixes) and not k.endswith("_extra_state")]

@@ -20,6 +20,9 @@ Guarantees:
 - Nothing is written from NaN/Inf weights (NonFiniteError on every rank, no directory).
 - RNG states are restored only at the layout (TP, PP, DP) they were saved at; model and
   optimizer state reshard to any layout (megatron dist checkpointing).
+- Loading runs no code from the checkpoint (safe_load.py): trainer states hold only plain
+  values (RNG states included) and load with weights_only=True, role checkpoints load under
+  restricted_dcp_unpickling; a file holding anything else is a CheckpointError naming it.
 - Retention keeps the newest `keep_last` complete checkpoints and never the one just
   committed; `.tmp` debris of steps up to the committed one is removed after the commit.
 - async_save: the role files are written by a forked process per save (megatron-core's
@@ -47,6 +50,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rlhf.checkpoint.dist import load_role, save_role
+from megatron_rlhf.checkpoint.safe_load import load_pt
 from megatron_rlhf.checkpoint.validate import (  # noqa: F401  (re-exported API)
     COMMIT, LATEST, CheckpointError, checkpoint_dirs, find_checkpoint, iter_name, read_commit, validate,
 )
@@ -58,10 +62,12 @@ log = logging.getLogger(__name__)
 
 
 def rng_state() -> dict[str, Any]:
+    """Every RNG stream of this process as plain values (tensors, ints, floats, strings,
+    tuples, dicts), so trainer states load with torch.load(weights_only=True)."""
     from megatron.core import tensor_parallel
 
     return {
-        "python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+        "python": random.getstate(), "numpy": _numpy_state(), "torch": torch.get_rng_state(),
         "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
         "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
     }
@@ -71,11 +77,22 @@ def set_rng_state(state: dict[str, Any]) -> None:
     from megatron.core import tensor_parallel
 
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    _set_numpy_state(state["numpy"])
     torch.set_rng_state(state["torch"])
     if state["cuda"] is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
     tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+def _numpy_state() -> tuple:
+    # numpy's (legacy) state tuple with its uint32 ndarray key as an int64 tensor
+    kind, key, *rest = np.random.get_state()
+    return (kind, torch.from_numpy(key.astype(np.int64)), *rest)
+
+
+def _set_numpy_state(saved: tuple) -> None:
+    kind, key, *rest = saved  # key: a tensor; an ndarray in trainer states written before
+    np.random.set_state((kind, np.asarray(key, dtype=np.uint32), *rest))
 
 
 def current_layout() -> dict[str, int]:
@@ -160,6 +177,21 @@ def _merge_requests(requests: list, commit) -> Any:
             calls.append((req.async_fn, tuple(args), req.async_fn_kwargs))
         finalize_fns += req.finalize_fns
     return AsyncRequest(_run_in_order if calls else None, (calls,), [*finalize_fns, commit])
+
+
+def _agreed_trainer_state(path: Path) -> dict[str, Any]:
+    """Collective. This rank's trainer state (rank 0's when the checkpoint has fewer ranks),
+    or the refusal (safe_load.load_pt) raised on every rank: the ranks that could read
+    theirs would otherwise go on to train and wait for the refused one forever."""
+    rank_file = path / "trainer_state" / f"rank_{dist.get_rank():05d}.pt"
+    error = None
+    try:
+        state = load_pt(rank_file if rank_file.exists() else path / "trainer_state" / "rank_00000.pt")
+    except CheckpointError as e:
+        error = e
+    if any_rank(error is not None):
+        raise error or CheckpointError(f"{path}/trainer_state: a file was refused on another rank (see its error)")
+    return state
 
 
 class CheckpointManager:
@@ -283,9 +315,7 @@ class CheckpointManager:
             raise CheckpointError(f"checkpoint {path} holds {record['roles']}, not {missing}")
         for name, role in roles.items():
             load_role(role, path / name)
-        rank_file = path / "trainer_state" / f"rank_{dist.get_rank():05d}.pt"
-        state = torch.load(rank_file if rank_file.exists() else path / "trainer_state" / "rank_00000.pt",
-                           weights_only=False)
+        state = _agreed_trainer_state(path)
         rng = state.pop("rng")
         saved, now = record["layout"], current_layout()
         # The per-rank RNG streams only mean the same thing at the same layout.

@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from megatron_rlhf.checkpoint.safe_load import load_pt, restricted_dcp_unpickling
 from megatron_rlhf.convert.hf_config import (
     ConvertError, check_model_matches_hf, hf_config_dict, read_hf_config,
 )
@@ -212,7 +213,7 @@ def _model_cfg(model_cfg, iter_dir: Path | None):
         return model_cfg
     state_file = iter_dir / "trainer_state" / "rank_00000.pt" if iter_dir else None
     if state_file is not None and state_file.is_file():
-        saved = torch.load(state_file, weights_only=False).get("model_config")
+        saved = load_pt(state_file).get("model_config")
         if saved:
             return from_dict(saved)
     raise ConvertError("this checkpoint does not record its model config (only import_hf checkpoints do): pass "
@@ -313,7 +314,8 @@ def _value_head(ck: TorchDistCheckpoint, role: str, drop_bias: bool) -> tuple[to
     """score.weight (float32) and what was folded or dropped."""
     w = ck.read("output_layer.weight").float()
     b = float(ck.read("output_layer.bias").float()[0])
-    extra = ck.common_state().get("extra", {}) or {}
+    with restricted_dcp_unpickling(ck.path):
+        extra = ck.common_state().get("extra", {}) or {}
     mean, std = float(extra.get("reward_mean", 0.0)), float(extra.get("reward_std", 1.0))
     info: dict[str, Any] = {"role": role}
     if (mean, std) != (0.0, 1.0):
@@ -361,7 +363,8 @@ def export_hf(checkpoint: str | os.PathLike, role: str, out_dir: str | os.PathLi
         raise ConvertError(f"{out_dir}: exists and is not empty; export into a new directory")
     role_dir, iter_dir = _resolve_role_dir(checkpoint, role)
     m = _model_cfg(model_cfg, iter_dir)
-    ck = TorchDistCheckpoint(role_dir)
+    with restricted_dcp_unpickling(role_dir):
+        ck = TorchDistCheckpoint(role_dir)
     layers = _Layers(ck)
     value_model = role in VALUE_ROLES
     tied = not value_model and "output_layer.weight" not in ck  # megatron stores a tied head once

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_rlhf.data.jsonl import PreferenceExample, PromptExample, SFTExample
+from megatron_rlhf.data.jsonl import DataError, PreferenceExample, PromptExample, SFTExample
 from megatron_rlhf.data.tokenizers import Tokenizer
 
 OVERFLOW_MODES = ("truncate", "drop")
@@ -59,9 +59,11 @@ class EncodedPair:
 
 
 def encode_sft(
-    examples: Sequence[SFTExample], tokenizer: Tokenizer, max_len: int, overflow: str
+    examples: Sequence[SFTExample], tokenizer: Tokenizer, max_len: int, overflow: str,
+    max_len_field: str = "seq_length",
 ) -> tuple[list[EncodedSFT], LengthReport]:
-    """Encode SFT examples to at most `max_len` tokens, truncating or dropping the rest."""
+    """Encode SFT examples to at most `max_len` tokens, truncating or dropping the rest.
+    `max_len_field`: the config field max_len comes from (e.g. "sft.seq_length"), for errors."""
     _check_overflow(overflow)
     _check_max_len(max_len)
     encoded, truncated, dropped = [], 0, 0
@@ -75,14 +77,16 @@ def encode_sft(
         truncated += was_cut
         encoded.append(EncodedSFT(tokens, len(prompt)))
     report = LengthReport(len(examples), truncated, dropped)
-    _check_not_empty(report, max_len, "SFT examples")
+    _check_not_empty(report, "SFT examples", _too_long(max_len, max_len_field, overflow))
     return encoded, report
 
 
 def encode_preferences(
-    examples: Sequence[PreferenceExample], tokenizer: Tokenizer, max_len: int, overflow: str
+    examples: Sequence[PreferenceExample], tokenizer: Tokenizer, max_len: int, overflow: str,
+    max_len_field: str = "seq_length",
 ) -> tuple[list[EncodedPair], LengthReport]:
-    """Encode preference pairs; a pair is dropped if either side is, or if both sides are equal."""
+    """Encode preference pairs; a pair is dropped if either side is, or if both sides are equal.
+    `max_len_field`: the config field max_len comes from (e.g. "rm.seq_length"), for errors."""
     _check_overflow(overflow)
     _check_max_len(max_len)
     encoded, truncated, dropped = [], 0, 0
@@ -101,14 +105,16 @@ def encode_preferences(
         truncated += chosen_cut or rejected_cut
         encoded.append(EncodedPair(chosen, rejected, len(prompt)))
     report = LengthReport(len(examples), truncated, dropped)
-    _check_not_empty(report, max_len, "preference pairs")
+    _check_not_empty(report, "preference pairs", _too_long(max_len, max_len_field, overflow))
     return encoded, report
 
 
 def encode_prompts(
-    examples: Sequence[PromptExample], tokenizer: Tokenizer, max_len: int
+    examples: Sequence[PromptExample], tokenizer: Tokenizer, max_len: int,
+    max_len_field: str = "model.max_seq_length - ppo.max_new_tokens",
 ) -> tuple[list[list[int]], LengthReport]:
-    """Encode prompts, dropping those that leave no room (over `max_len - 1`) to generate."""
+    """Encode prompts, dropping those that leave no room (over `max_len - 1`) to generate.
+    `max_len_field`: the config fields max_len comes from, for errors."""
     _check_max_len(max_len)
     encoded, dropped = [], 0
     for index, example in enumerate(examples):
@@ -118,7 +124,11 @@ def encode_prompts(
             continue
         encoded.append(prompt)
     report = LengthReport(len(examples), 0, dropped)
-    _check_not_empty(report, max_len, "prompts")
+    why = (
+        f"every prompt is longer than {max_len - 1} tokens ({max_len_field}={max_len}, less one "
+        f"token to generate); raise {max_len_field}"
+    )
+    _check_not_empty(report, "prompts", why)
     return encoded, report
 
 
@@ -179,7 +189,7 @@ def _check_max_len(max_len: int) -> None:
 def _encode_prompt(tokenizer: Tokenizer, text: str, index: int) -> list[int]:
     prompt = tokenizer.encode(text)
     if not prompt:
-        raise ValueError(f"example {index}: prompt {text!r} encodes to no tokens")
+        raise DataError(f"example {index}: prompt {text!r} encodes to no tokens")
     return prompt
 
 
@@ -196,12 +206,25 @@ def _fit(
     return tokens[:max_len], True
 
 
-def _check_not_empty(report: LengthReport, max_len: int, what: str) -> None:
-    if report.kept == 0:
-        raise ValueError(
-            f"no {what} left after encoding ({report}); max_len={max_len} is too short for "
-            "this data, or the data is empty"
+def _too_long(max_len: int, field: str, overflow: str) -> str:
+    """Why nothing fits, and the fix. With truncate, only examples whose prompt alone fills
+    max_len are left out (nothing left to learn), so only a longer max_len helps."""
+    if overflow == "drop":
+        return (
+            f"none fits in {field}={max_len} tokens and data.overflow=drop leaves out longer ones; "
+            f"raise {field} or set data.overflow=truncate"
         )
+    return (
+        f"cut to {field}={max_len} tokens, none has a response left to train on (its prompt "
+        f"fills them); raise {field}"
+    )
+
+
+def _check_not_empty(report: LengthReport, what: str, why: str) -> None:
+    # A DataError (not a ValueError) so the CLI reports it like every other data problem.
+    if report.kept == 0:
+        reason = why if report.total else "there were none"
+        raise DataError(f"no {what} left after encoding ({report}): {reason}")
 
 
 def _collate_rows(

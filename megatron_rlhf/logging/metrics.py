@@ -2,16 +2,32 @@
 TensorBoard scalars `<stage>/<name>`, one JSON line per logged step, a console progress line.
 
 On resume from step k, lines and events after k are dropped first (they are about to be
-recomputed), so a resumed run's logs equal an uninterrupted run's.
+recomputed), so a resumed run's logs equal an uninterrupted run's. NaN/Inf values are written
+to metrics.jsonl as null (JSON has no NaN; jq and most parsers refuse it), to TensorBoard and
+the console as they are.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import time
 from pathlib import Path
+from typing import Any
 
 import torch.distributed as dist
+
+
+def nonfinite_to_null(value: Any) -> Any:
+    """`value` with every NaN/Inf float, in nested dicts, lists and tuples too, replaced by
+    None: json.dumps would write NaN/Infinity, which is not JSON."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: nonfinite_to_null(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [nonfinite_to_null(v) for v in value]
+    return value
 
 
 class MetricsLogger:
@@ -48,7 +64,7 @@ class MetricsLogger:
             return
         clean = {k: float(v) for k, v in metrics.items()}
         with self.jsonl.open("a") as f:
-            f.write(json.dumps({"step": step, **clean}) + "\n")
+            f.write(json.dumps(nonfinite_to_null({"step": step, **clean}), allow_nan=False) + "\n")
         if self.writer is not None:
             for key, value in clean.items():
                 self.writer.add_scalar(f"{self.stage}/{key}", value, step)
