@@ -1,0 +1,628 @@
+#!/usr/bin/env python3
+"""GPU check: the whole tiny pipeline SFT -> RM -> PPO on one GPU in bf16, and a table.
+
+    python3 benchmarks/gpu_check.py [--out DIR] [--wheels DIR] [-- key=value ...]  # make gpu-check
+    python3 benchmarks/gpu_check.py --report-only RUN_DIR [--out DIR]                # table of a finished run
+    .venv/bin/python benchmarks/gpu_check.py --build-wheels .whl                      # make wheels (needs network)
+
+The full check is meant for a machine with one GPU and no network whose Python already has a
+CUDA-enabled torch (it never installs torch):
+
+1. pre-flight: finds an interpreter whose torch sees a GPU (GPU_CHECK_PYTHON / --python, else
+   this interpreter, python3, python3.12, python on PATH, .venv/bin/python); stops with one
+   line and exit code 2 on no torch, a CPU-only torch, no CUDA device, Python < 3.12 or a
+   missing wheel;
+2. a throw-away venv that sees that interpreter's packages (its torch, Transformer Engine if
+   present), our dependencies installed from the wheels of `make wheels` for what is missing
+   (never torch), and megatron_rlhf from this working tree (so the code checked is the code here);
+3. `torchrun --nproc-per-node 1 -m megatron_rlhf pipeline` on pipelines/tiny_cpu.yaml with
+   model.params_dtype=bfloat16 in a temporary run root (TE layer spec when TE imports; offload
+   between PPO phases, which colocation.py does whenever CUDA is available);
+4. a table and <out>/gpu_check.json from what the stages wrote: per-stage and per-PPO-phase
+   seconds and peak memory, gold score before/after PPO, logprob_mismatch at the first and
+   last PPO step. <out> also gets the table, the pipeline log, the summaries and PPO metrics.
+
+Up to step 2 this file runs under any Python >= 3.8 with the standard library only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_OUT = os.environ.get("GPU_CHECK_OUT") or str(REPO / "benchmarks" / "results")
+DEFAULT_WHEELS = os.environ.get("GPU_CHECK_WHEELS") or str(REPO / ".whl")
+RECIPE = "pipelines/tiny_cpu.yaml"
+MIN_PYTHON = (3, 12)  # megatron-core >= 0.17 requires Python >= 3.12 (0.19.2: cp312/cp313 wheels only)
+PPO_PHASES = ("generate", "score", "train", "eval")
+EXIT_PREFLIGHT, EXIT_RUN = 2, 1
+
+# Wheels a CUDA image with torch is likely to lack (~5 MiB): megatron-core and
+# nvidia-resiliency-ext with their small dependencies. `--all-deps` adds the whole closure of
+# our dependencies except torch's (~72 MiB: too big to carry to the device machine in one call).
+SMALL_WHEELS = ("megatron-core", "nvidia-resiliency-ext", "defusedxml", "pynvml", "nvidia-ml-py",
+                "packaging", "psutil", "pyyaml", "tqdm", "safetensors")
+PLATFORMS = ("manylinux1_x86_64", "manylinux2010_x86_64", "manylinux2014_x86_64",
+             *(f"manylinux_2_{n}_x86_64" for n in (5, 12, 17, 24, 27, 28, 31, 34, 35)))
+
+
+class CheckError(Exception):
+    """A pre-flight failure: printed as one line, exit code 2."""
+
+
+def say(msg: str) -> None:
+    print(f"[gpu-check] {msg}", flush=True)
+
+
+# ----------------------------------------------------------------------------- pre-flight
+
+PROBE = r"""
+import json, sys
+info = {"executable": sys.executable, "version": list(sys.version_info[:3]), "prefix": sys.prefix}
+try:
+    import torch
+except BaseException as e:
+    info["torch_error"] = "%s: %s" % (type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+else:
+    info["torch"] = torch.__version__
+    info["torch_cuda"] = torch.version.cuda
+    try:
+        info["cuda_available"] = bool(torch.cuda.is_available())
+        if info["cuda_available"]:
+            props = torch.cuda.get_device_properties(0)
+            info.update(device_count=torch.cuda.device_count(), device_name=props.name,
+                        device_memory_bytes=int(props.total_memory))
+    except BaseException as e:
+        info["cuda_available"] = False
+        info["cuda_error"] = "%s: %s" % (type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+print("GPU_CHECK_PROBE " + json.dumps(info))
+"""
+
+
+def candidate_pythons(explicit: str | None) -> list[str]:
+    if explicit:
+        return [explicit]
+    names = [sys.executable] + [shutil.which(n) for n in ("python3", "python3.12", "python")]
+    names.append(str(REPO / ".venv" / "bin" / "python"))  # `make setup`'s (PyPI's torch is a CUDA build)
+    names = [n for n in names if n and os.path.exists(n)]
+    seen, out = set(), []
+    for n in names:
+        if n and os.path.abspath(n) not in seen:  # not realpath: venvs share their base's binary
+            seen.add(os.path.abspath(n))
+            out.append(os.path.abspath(n))
+    return out
+
+
+def probe(python: str, timeout: float = 180) -> dict:
+    try:
+        proc = subprocess.run([python, "-c", PROBE], capture_output=True, text=True, timeout=timeout)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return {"executable": python, "error": f"{type(e).__name__}: {e}"}
+    for line in proc.stdout.splitlines():
+        if line.startswith("GPU_CHECK_PROBE "):
+            return json.loads(line[len("GPU_CHECK_PROBE "):])
+    tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+    return {"executable": python, "error": f"exit code {proc.returncode}: {tail}"}
+
+
+def _ver(p: dict) -> str:
+    return ".".join(str(x) for x in p.get("version", [])) or "?"
+
+
+def diagnose(probes: list[dict], allow_cpu: bool = False) -> dict:
+    """The interpreter to use, or CheckError with one line saying what is missing."""
+    if not probes:
+        raise CheckError("no python: no python3, python3.12 or python on PATH (set GPU_CHECK_PYTHON)")
+    tried = ", ".join(p["executable"] for p in probes)
+    with_torch = [p for p in probes if "torch" in p]
+    if not with_torch:
+        why = next((p.get("torch_error") or p.get("error") for p in probes), "")
+        raise CheckError(f"no torch: none of {tried} imports torch ({why}); this check uses the machine's "
+                         "preinstalled CUDA torch and installs none (set GPU_CHECK_PYTHON to one that has it)")
+    usable = [p for p in with_torch if p.get("cuda_available")]
+    if allow_cpu:
+        usable = with_torch
+    if not usable:
+        cuda_builds = [p for p in with_torch if p.get("torch_cuda")]
+        if cuda_builds:
+            p = cuda_builds[0]
+            extra = f"; {p['cuda_error']}" if p.get("cuda_error") else ""
+            raise CheckError(f"no CUDA device: torch {p['torch']} (CUDA {p['torch_cuda']}) at {p['executable']} "
+                             f"sees no GPU (torch.cuda.is_available() is False{extra})")
+        p = with_torch[0]
+        raise CheckError(f"torch without CUDA: torch {p['torch']} at {p['executable']} is a CPU-only build "
+                         "(torch.version.cuda is None); a CUDA build of torch is needed")
+    good = [p for p in usable if tuple(p["version"][:2]) >= MIN_PYTHON]
+    if not good:
+        p = usable[0]
+        raise CheckError(f"wrong python: {p['executable']} is Python {_ver(p)} (torch {p['torch']}); megatron-core "
+                         f"0.19.2 needs Python >= {MIN_PYTHON[0]}.{MIN_PYTHON[1]} and `make wheels` builds cp312 "
+                         "wheels (set GPU_CHECK_PYTHON to a 3.12 interpreter with a CUDA torch)")
+    return good[0]
+
+
+def find_python(explicit: str | None, allow_cpu: bool) -> dict:
+    probes = []
+    for python in candidate_pythons(explicit):
+        p = probe(python)
+        probes.append(p)
+        if p.get("cuda_available") and tuple(p["version"][:2]) >= MIN_PYTHON:
+            break  # the first good one: skip probing the rest (each imports torch)
+    return diagnose(probes, allow_cpu)
+
+
+def requirements(pyproject: Path = REPO / "pyproject.toml") -> list[str]:
+    """[project] dependencies of pyproject.toml, without torch (the machine's own is used)."""
+    text = pyproject.read_text()
+    block = re.search(r"^dependencies\s*=\s*\[(.*?)^\]", text, re.S | re.M)
+    if not block:
+        raise CheckError(f"cannot read [project] dependencies from {pyproject}")
+    reqs = [m.group(1) for line in block.group(1).splitlines()
+            for m in [re.match(r'\s*"([^"]+)"', line)] if m]
+    return [r for r in reqs if re.split(r"[\s<>=!~;\[]", r, maxsplit=1)[0].lower() != "torch"]
+
+
+def make_venv(parent: dict, venv: Path) -> Path:
+    """A venv that sees exactly the packages `parent` sees (its site dirs, their .pth files
+    included) after its own, plus this working tree. Not `--system-site-packages`: when the
+    parent is itself a venv (an image's /opt/.../.venv), that would expose the base
+    interpreter's packages instead of the parent's torch."""
+    shutil.rmtree(venv, ignore_errors=True)
+    run = subprocess.run([parent["executable"], "-m", "venv", "--without-pip", str(venv)],
+                         capture_output=True, text=True)
+    if run.returncode != 0:
+        raise CheckError(f"cannot create a venv with {parent['executable']}: "
+                         f"{(run.stderr.strip().splitlines() or ['?'])[-1]}")
+    py = venv / "bin" / "python"
+    site_dirs = subprocess.run(
+        [parent["executable"], "-c", "import os, sys; print('\\n'.join(p for p in sys.path if os.path.isdir(p) "
+                                     "and os.path.basename(p) in ('site-packages', 'dist-packages')))"],
+        capture_output=True, text=True, check=True).stdout.split()
+    purelib = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                             capture_output=True, text=True, check=True).stdout.strip()
+    Path(purelib).mkdir(parents=True, exist_ok=True)
+    # .pth files run in name order: the repo first (megatron_rlhf from this tree), then the parent's packages
+    (Path(purelib) / "_gpu_check_0_repo.pth").write_text(f"{REPO}\n")
+    (Path(purelib) / "_gpu_check_1_parent.pth").write_text(
+        "".join(f"import site; site.addsitedir({d!r})\n" for d in site_dirs))
+    return py
+
+
+def plan_install(wheels: Path, reqs: list[str]) -> list[str]:
+    """Run inside the venv: the wheels in `wheels` that satisfy `reqs` and their dependencies where
+    the installed packages do not. Unlike pip's resolver, it does not re-check the dependencies of
+    what is installed already (an image's torch may not list its CUDA libraries as pip expects)."""
+    import zipfile
+    from email.parser import HeaderParser
+    from importlib import metadata
+
+    try:  # pip's own copy first: pip is needed anyway, an image's `packaging` may be old
+        from pip._vendor.packaging.requirements import Requirement
+        from pip._vendor.packaging.tags import sys_tags
+        from pip._vendor.packaging.utils import canonicalize_name, parse_wheel_filename
+    except ImportError:
+        from packaging.requirements import Requirement
+        from packaging.tags import sys_tags
+        from packaging.utils import canonicalize_name, parse_wheel_filename
+
+    supported = set(sys_tags())
+    available = {}  # name -> [(version, path)] of the wheels this interpreter can install
+    for whl in sorted(wheels.glob("*.whl")):
+        try:
+            name, version, _, tags = parse_wheel_filename(whl.name)
+        except Exception:  # not a wheel name pip would accept either
+            continue
+        if tags & supported:
+            available.setdefault(name, []).append((version, whl))
+
+    def requires(whl: Path) -> list[str]:
+        with zipfile.ZipFile(whl) as z:
+            meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA") and n.count("/") == 1)
+            return HeaderParser().parsestr(z.read(meta).decode()).get_all("Requires-Dist") or []
+
+    chosen, todo = {}, [(r, "megatron_rlhf") for r in reqs]
+    while todo:
+        text, by = todo.pop(0)
+        req = Requirement(text)
+        if req.marker and not req.marker.evaluate({"extra": ""}):
+            continue
+        name = canonicalize_name(req.name)
+        if name in chosen:
+            if not req.specifier.contains(chosen[name][0], prereleases=True):
+                raise CheckError(f"wheel conflict: {by} needs {text}, {chosen[name][1].name} was chosen")
+            continue
+        try:
+            have = metadata.version(req.name)
+        except metadata.PackageNotFoundError:
+            have = None
+        if have is not None and req.specifier.contains(have, prereleases=True):
+            continue
+        fits = sorted(((v, w) for v, w in available.get(name, []) if req.specifier.contains(v, prereleases=True)),
+                      reverse=True)
+        if not fits:
+            state = f"{req.name} {have} is installed" if have else "it is not installed"
+            raise CheckError(f"missing wheel: {by} needs {text}; {state} under {sys.executable} and {wheels} "
+                             "has no wheel for it for this Python (`make wheels` on a machine with network; "
+                             "WHEELS_ALL=1 brings every dependency)")
+        chosen[name] = fits[0]
+        todo += [(r, req.name) for r in requires(fits[0][1])]
+    return [str(w) for _, w in chosen.values()]
+
+
+def install(py: Path, wheels: Path) -> str:
+    """pip-install from `wheels` (never from an index) what the venv lacks; never torch."""
+    if subprocess.run([str(py), "-c", "import pip"], capture_output=True).returncode != 0:
+        raise CheckError(f"no pip: the interpreter behind {py} has no pip module to install the wheels with")
+    proc = subprocess.run([str(py), str(Path(__file__).resolve()), "--plan-install", str(wheels), "--",
+                           *requirements()], capture_output=True, text=True)
+    plan = [json.loads(line[len("GPU_CHECK_PLAN "):]) for line in proc.stdout.splitlines()
+            if line.startswith("GPU_CHECK_PLAN ")]
+    if proc.returncode != 0 or not plan:
+        last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        raise CheckError(last[len("gpu-check: "):] if last.startswith("gpu-check: ")
+                         else f"install plan failed: {last}")
+    if not plan[0]:
+        return "nothing to install (every requirement is already installed)"
+    cmd = [str(py), "-m", "pip", "install", "--no-index", "--no-deps", "--no-cache-dir", "--no-compile",
+           "--disable-pip-version-check", "--no-input", "--progress-bar", "off", *plan[0]]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    out = proc.stdout + proc.stderr
+    if proc.returncode != 0:
+        raise CheckError(f"pip install from {wheels} failed: {(out.strip().splitlines() or ['?'])[-1]}")
+    done = [line for line in out.splitlines() if line.startswith("Successfully installed")]
+    return done[-1] if done else "installed " + " ".join(Path(w).name for w in plan[0])
+
+
+VERIFY = r"""
+import json, sys
+from importlib import metadata
+import megatron_rlhf  # first: it hides nvidia-resiliency-ext 0.4.1's async checkpointing from megatron-core
+import torch, megatron.core
+from megatron_rlhf.models.gpt import transformer_engine_available
+print("GPU_CHECK_ENV " + json.dumps({
+    "python": "%d.%d.%d" % sys.version_info[:3], "torch": torch.__version__, "cuda": torch.version.cuda,
+    "megatron_core": metadata.version("megatron-core"), "megatron_rlhf": megatron_rlhf.__file__,
+    "transformer_engine": bool(transformer_engine_available()),
+    "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+    "device_memory_bytes": torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None,
+}))
+"""
+
+
+def verify(py: Path) -> dict:
+    proc = subprocess.run([str(py), "-c", VERIFY], capture_output=True, text=True, cwd=REPO,
+                          env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    for line in proc.stdout.splitlines():
+        if line.startswith("GPU_CHECK_ENV "):
+            env = json.loads(line[len("GPU_CHECK_ENV "):])
+            if Path(env["megatron_rlhf"]).resolve().parent.parent != REPO:
+                say(f"warning: megatron_rlhf imports from {env['megatron_rlhf']}, not from {REPO}")
+            return env
+    tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+    raise CheckError(f"import check failed in the venv: {tail}")
+
+
+# ----------------------------------------------------------------------------- the run
+
+def run_pipeline(py: Path, overrides: list[str], log_path: Path, timeout: float) -> tuple[int, float]:
+    """torchrun (1 process) of the pipeline, its output to the console and log_path; stopped
+    (SIGTERM: the stages checkpoint and exit, then SIGKILL) after `timeout` seconds."""
+    cmd = [str(py), "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
+           "-m", "megatron_rlhf", "pipeline", "--config", RECIPE, *overrides]
+    say("running: " + " ".join(cmd))
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    start = time.perf_counter()
+    timed_out = threading.Event()
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, start_new_session=True)
+
+        def stop():
+            timed_out.set()
+            print(f"[gpu-check] timeout after {timeout:.0f} s: stopping the pipeline", flush=True)
+            for sig, wait in ((signal.SIGTERM, 15), (signal.SIGKILL, 0)):
+                try:
+                    os.killpg(proc.pid, sig)
+                except ProcessLookupError:
+                    return
+                try:
+                    proc.wait(wait)
+                    return
+                except subprocess.TimeoutExpired:
+                    pass
+
+        timer = threading.Timer(timeout, stop)
+        timer.start()
+        try:
+            for line in proc.stdout:
+                sys.stdout.write(line)
+                log.write(line)
+            rc = proc.wait()
+        finally:
+            timer.cancel()
+    return (124 if timed_out.is_set() else rc), time.perf_counter() - start
+
+
+# ----------------------------------------------------------------------------- the report
+
+def _finite(x):
+    return x if isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) else None
+
+
+def _read_json(path: Path, missing: list) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        missing.append(str(path))
+        return {}
+
+
+def collect(run_dir: str | Path) -> dict:
+    """The numbers of one run, read from <run>/{sft,rm,ppo}/summary.json and
+    <run>/ppo/metrics.jsonl; None where a number is absent or not finite."""
+    run_dir, missing = Path(run_dir), []
+    sums = {s: _read_json(run_dir / s / "summary.json", missing) for s in ("sft", "rm", "ppo")}
+    ppo = sums["ppo"]
+    phase_s, phase_mem = ppo.get("phase_seconds") or {}, ppo.get("phase_peak_memory_bytes") or {}
+    phases = {p: {"seconds": _finite(phase_s.get(p)), "peak_memory_bytes": _finite(phase_mem.get(p))}
+              for p in (*PPO_PHASES, *sorted(set(phase_s) - set(PPO_PHASES)))}
+    mems = [v["peak_memory_bytes"] for v in phases.values() if v["peak_memory_bytes"] is not None]
+    stages = {s: {"seconds": _finite(sums[s].get("wall_seconds")),
+                  "peak_memory_bytes": _finite(sums[s].get("peak_memory_bytes"))} for s in ("sft", "rm")}
+    stages["ppo"] = {"seconds": _finite(ppo.get("wall_seconds")),
+                     "peak_memory_bytes": _finite(ppo.get("peak_memory_bytes")) or (max(mems) if mems else None)}
+    mismatch = {}
+    metrics_path = run_dir / "ppo" / "metrics.jsonl"
+    if metrics_path.exists():
+        by_step = {}
+        for line in metrics_path.read_text().splitlines():
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            if "logprob_mismatch" in rec and "step" in rec:
+                by_step[rec["step"]] = rec["logprob_mismatch"]  # a resumed run re-logs steps: keep the last
+        if by_step:
+            first, last = min(by_step), max(by_step)
+            mismatch = {"first": {"step": first, "value": _finite(by_step[first])},
+                        "last": {"step": last, "value": _finite(by_step[last])}}
+    else:
+        missing.append(str(metrics_path))
+    return {
+        "run_dir": str(run_dir), "complete": not missing, "missing": missing,
+        "stages": stages, "ppo_phases": phases, "ppo_steps": ppo.get("steps"),
+        "gold_score": {"before": _finite(ppo.get("gold_score_eval_before")),
+                       "after": _finite(ppo.get("gold_score_eval_after"))},
+        "rm_score": {"before": _finite(ppo.get("rm_score_eval_before")),
+                     "after": _finite(ppo.get("rm_score_eval_after"))},
+        "kl_mean_final": _finite(ppo.get("kl_mean_final")),
+        "logprob_mismatch": mismatch or {"first": None, "last": None},
+    }
+
+
+def _s(x, fmt="{:.1f}") -> str:
+    return "n/a" if x is None else fmt.format(x)
+
+
+def _mib(x) -> str:
+    return "n/a" if x is None else f"{x / 2**20:.1f} MiB"
+
+
+def format_table(res: dict) -> str:
+    env = res.get("environment") or {}
+    lines = []
+    if env:
+        dev = env.get("device", "?")
+        if env.get("device_memory_bytes"):
+            dev += f" ({env['device_memory_bytes'] / 2**30:.0f} GiB)"
+        lines.append(f"GPU check: {dev}, torch {env.get('torch')} (CUDA {env.get('cuda')}), megatron-core "
+                     f"{env.get('megatron_core')}, Python {env.get('python')}, {env.get('params_dtype', '?')}, "
+                     f"TE layer spec: {'yes' if env.get('transformer_engine') else 'no (local spec)'}, "
+                     f"offload between PPO phases: {'on' if env.get('offload_between_phases') else 'off'}")
+    lines.append(f"run: {res['run_dir']}" + (f"   pipeline incl. start-up: {_s(res['total_seconds'])} s"
+                                             if res.get("total_seconds") is not None else ""))
+    mem_head = "peak GPU memory" if env.get("device", "cpu") != "cpu" and env else "peak memory"
+    lines += ["", f"{'phase':<20}{'seconds':>10}  {mem_head:>16}", "-" * 48]
+    rows = [("SFT stage", res["stages"]["sft"]), ("RM stage", res["stages"]["rm"])]
+    rows += [(f"PPO {p}", v) for p, v in res["ppo_phases"].items()]
+    rows.append(("PPO stage (wall)", res["stages"]["ppo"]))
+    for name, v in rows:
+        lines.append(f"{name:<20}{_s(v['seconds']):>10}  {_mib(v['peak_memory_bytes']):>16}")
+    g, r, m = res["gold_score"], res["rm_score"], res["logprob_mismatch"]
+    change = (f"   change {g['after'] - g['before']:+.3f}" if None not in (g["before"], g["after"]) else "")
+    lines += ["",
+              f"{'gold score (eval)':<20}before {_s(g['before'], '{:.3f}')}   after {_s(g['after'], '{:.3f}')}{change}",
+              f"{'RM score (eval)':<20}before {_s(r['before'], '{:.3f}')}   after {_s(r['after'], '{:.3f}')}"]
+
+    def mm(x):
+        return "n/a" if not x else f"{_s(x['value'], '{:.3e}')} (step {x['step']})"
+    lines.append(f"{'logprob_mismatch':<20}first {mm(m['first'])}   last {mm(m['last'])}")
+    lines.append(f"{'KL (final step)':<20}{_s(res['kl_mean_final'], '{:.3f}')}")
+    if res.get("missing"):
+        lines.append("missing: " + ", ".join(res["missing"]))
+    if not env or env.get("device") == "cpu":
+        lines.append("(peak memory: GPU runs report torch.cuda.max_memory_allocated per phase, CPU runs the "
+                     "process's peak RSS; 'n/a' where the stage's summary has no number)")
+    return "\n".join(lines)
+
+
+def write_outputs(res: dict, out_dir: str | Path, run_dir: Path | None = None) -> Path:
+    """<out>/gpu_check.json and gpu_check.txt; with run_dir, copies of the stage summaries and the
+    PPO metrics as flat files (the device tool brings back at most 8 files)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    table = format_table(res)
+    (out / "gpu_check.json").write_text(json.dumps(res, indent=2) + "\n")
+    (out / "gpu_check.txt").write_text(table + "\n")
+    if run_dir is not None:
+        for src, name in [(run_dir / s / "summary.json", f"{s}_summary.json") for s in ("sft", "rm", "ppo")] + \
+                         [(run_dir / "ppo" / "metrics.jsonl", "ppo_metrics.jsonl")]:
+            if src.exists():
+                shutil.copyfile(src, out / name)
+    return out / "gpu_check.json"
+
+
+# ----------------------------------------------------------------------------- make wheels
+
+def build_wheels(dest: Path, pythons: list[str], all_deps: bool) -> None:
+    """On a machine with network, in the project's venv (versions are the venv's, the ones the
+    tests ran with): cp3XY manylinux wheels of our dependencies except torch, and ours."""
+    from importlib import metadata
+
+    def closure(roots, skip=()):
+        from packaging.requirements import Requirement
+        from packaging.utils import canonicalize_name
+        seen, stack = set(), list(roots)
+        while stack:
+            name = canonicalize_name(stack.pop())
+            if name in seen or name in skip:
+                continue
+            seen.add(name)
+            for r in metadata.distribution(name).requires or []:
+                req = Requirement(r)
+                if not req.marker or req.marker.evaluate({"extra": ""}):
+                    stack.append(req.name)
+        return seen
+
+    names = list(SMALL_WHEELS)
+    if all_deps:
+        roots = [re.split(r"[\s<>=!~;\[]", r, maxsplit=1)[0] for r in requirements()]
+        names = sorted(closure(roots, skip=closure(["torch"])))
+    try:
+        pins = [f"{n}=={metadata.version(n)}" for n in names]
+    except metadata.PackageNotFoundError as e:
+        raise CheckError(f"{e} is not installed in {sys.executable}: run `make setup` first") from None
+    # Replace earlier wheels of these packages (and ours); leave other wheels in `dest` alone.
+    dest.mkdir(parents=True, exist_ok=True)
+    stems = {re.sub(r"[-_.]+", "_", n).lower() for n in [*names, "megatron_rlhf"]}
+    for old in dest.glob("*.whl"):
+        if old.name.split("-")[0].lower() in stems:
+            old.unlink()
+    for version in pythons:
+        cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
+               "--python-version", version, "--implementation", "cp", "-d", str(dest)]
+        for plat in PLATFORMS:
+            cmd += ["--platform", plat]
+        say(f"downloading {len(pins)} wheels for CPython {version}: {' '.join(pins)}")
+        if subprocess.run(cmd + pins).returncode != 0:
+            raise CheckError(f"pip download for Python {version} failed (see above; megatron-core 0.19.2 has "
+                             "wheels for 3.12 and 3.13 only, nvidia-resiliency-ext 0.4.1 for 3.12 only)")
+    say("building the megatron_rlhf wheel (pip wheel --no-deps, from a clean copy of the sources)")
+    with tempfile.TemporaryDirectory() as tmp:  # no build/ or stale modules from the working tree
+        src = Path(tmp) / "src"
+        shutil.copytree(REPO / "megatron_rlhf", src / "megatron_rlhf",
+                        ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+        for name in ("pyproject.toml", "README.md"):
+            shutil.copy(REPO / name, src / name)
+        if subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
+                           "-w", str(dest.resolve()), str(src)]).returncode != 0:
+            raise CheckError("pip wheel of megatron_rlhf failed (see above)")
+    files = sorted(dest.glob("*.whl"))
+    total = sum(f.stat().st_size for f in files)
+    for f in files:
+        print(f"  {f.stat().st_size / 2**20:7.2f} MiB  {f.name}")
+    say(f"{len(files)} wheels, {total / 2**20:.1f} MiB in {dest}")
+    if total > 56 * 2**20:
+        say("warning: over ~56 MiB: with the working tree this does not fit the device tool's 64 MiB per call")
+
+
+# ----------------------------------------------------------------------------- main
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("overrides", nargs="*", help="extra config overrides (key=value), after `--`")
+    ap.add_argument("--out", default=DEFAULT_OUT, help="where gpu_check.json etc. go (env GPU_CHECK_OUT; "
+                    "default benchmarks/results; on the device machine $OUT)")
+    ap.add_argument("--wheels", default=DEFAULT_WHEELS,
+                    help="folder of `make wheels` (env GPU_CHECK_WHEELS; default .whl)")
+    ap.add_argument("--python", default=os.environ.get("GPU_CHECK_PYTHON"),
+                    help="interpreter with a CUDA torch (env GPU_CHECK_PYTHON; default: searched)")
+    ap.add_argument("--venv", default=os.environ.get("GPU_CHECK_VENV") or
+                    os.path.join(tempfile.gettempdir(), "megatron_rlhf_gpu_check_venv"))
+    ap.add_argument("--no-install", action="store_true",
+                    help="run under the interpreter as it is (its packages already installed): no venv, no wheels")
+    ap.add_argument("--timeout", type=float, default=float(os.environ.get("GPU_CHECK_TIMEOUT", 300)),
+                    help="seconds for the pipeline before it is stopped (default 300)")
+    ap.add_argument("--run-root", default=None, help="run root (default: a new temporary folder, removed after)")
+    ap.add_argument("--keep-run", action="store_true", help="keep the temporary run root")
+    ap.add_argument("--cpu", action="store_true", help="accept a torch without a GPU (tests this script on CPU)")
+    ap.add_argument("--report-only", metavar="RUN_DIR", help="only the table and JSON of an existing run <root>/<name>")
+    ap.add_argument("--plan-install", metavar="DIR", help=argparse.SUPPRESS)
+    ap.add_argument("--build-wheels", metavar="DIR", help="download/build the wheels into DIR (make wheels)")
+    ap.add_argument("--wheel-python", default="3.12", help="CPython versions for --build-wheels (space-separated)")
+    ap.add_argument("--all-deps", action="store_true", help="--build-wheels: every dependency except torch's (~72 MiB)")
+    args = ap.parse_args(argv)
+
+    try:
+        if args.plan_install:  # internal: run by install() under the venv's python
+            print("GPU_CHECK_PLAN " + json.dumps(plan_install(Path(args.plan_install), args.overrides)))
+            return 0
+        if args.build_wheels:
+            build_wheels(Path(args.build_wheels), args.wheel_python.split(), args.all_deps)
+            return 0
+        if args.report_only:
+            run_dir = Path(args.report_only)
+            if not run_dir.is_dir():
+                raise CheckError(f"no run directory {run_dir}")
+            res = collect(run_dir)
+            print(format_table(res))
+            say(f"wrote {write_outputs(res, args.out)}")
+            return 0 if res["complete"] else EXIT_RUN
+
+        parent = find_python(args.python, args.cpu)
+        say(f"python: {parent['executable']} (Python {_ver(parent)}), torch {parent['torch']} "
+            f"(CUDA {parent.get('torch_cuda')}), device: {parent.get('device_name', 'none')}")
+        if args.no_install:
+            py = Path(parent["executable"])
+        else:
+            wheels = Path(args.wheels)
+            if not wheels.is_dir() or not any(wheels.glob("*.whl")):
+                raise CheckError(f"missing wheels: {wheels} has none (run `make wheels` on a machine with "
+                                 "network and bring the folder along)")
+            py = make_venv(parent, Path(args.venv))
+            say(f"venv {args.venv}: {install(py, wheels)}")
+        env = verify(py)
+        say(f"environment: {json.dumps(env)}")
+    except CheckError as e:
+        print(f"gpu-check: {e}", file=sys.stderr, flush=True)
+        return EXIT_PREFLIGHT
+
+    root = Path(args.run_root) if args.run_root else Path(tempfile.mkdtemp(prefix="gpu_check_"))
+    overrides = [f"checkpoint.root={root}", "checkpoint.run_name=gpu_check", "model.params_dtype=bfloat16",
+                 *args.overrides]
+    env["params_dtype"] = next(o.split("=", 1)[1] for o in reversed(overrides) if o.startswith("model.params_dtype="))
+    env["offload_between_phases"] = env.get("device") != "cpu"  # colocation.py moves memory only on CUDA
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rc, seconds = run_pipeline(py, overrides, out / "gpu_check.log", args.timeout)
+    run_dir = root / "gpu_check"
+    res = collect(run_dir)
+    res.update(environment=env, overrides=overrides, total_seconds=seconds, exit_code=rc,
+               command="torchrun --standalone --nproc-per-node 1 -m megatron_rlhf pipeline --config " + RECIPE)
+    path = write_outputs(res, out, run_dir)
+    print("\n" + format_table(res), flush=True)
+    say(f"wrote {path} (and gpu_check.txt, gpu_check.log, the summaries) in {out}")
+    if not args.run_root and not args.keep_run:
+        shutil.rmtree(root, ignore_errors=True)
+    if rc != 0 or not res["complete"]:
+        print(f"gpu-check: the pipeline {'timed out' if rc == 124 else f'exited {rc}'}"
+              f"{'' if res['complete'] else '; missing ' + ', '.join(res['missing'])} "
+              f"(log: {out / 'gpu_check.log'})", file=sys.stderr, flush=True)
+        return EXIT_RUN
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
