@@ -27,7 +27,7 @@ $(STAMP): pyproject.toml
 	@touch $(STAMP)
 
 test: setup
-	$(PY) -m pytest -ra
+	$(PY) -m pytest -ra --durations=25
 
 test-fast: setup
 	$(PY) -m pytest -ra -m "not slow"
@@ -51,6 +51,28 @@ bench: setup
 	$(PY) benchmarks/bench_roles.py
 	$(PY) benchmarks/ppo_step.py
 	$(PY) benchmarks/hf_import.py
+	$(PY) benchmarks/split_invariance.py
 
 clean-venv:
 	rm -rf $(VENV)
+
+# GPU check (issue 11). `make wheels` (here, with network): cp312 wheels of what a CUDA image
+# with torch usually lacks (megatron-core, nvidia-resiliency-ext and small dependencies; with
+# WHEELS_ALL=1 every dependency except torch's, ~72 MiB) at this venv's versions, plus ours,
+# into $(WHEELS_DIR). `make gpu-check` (on a machine with one GPU; no network, no `make setup`):
+# SFT -> RM -> PPO in bf16 on the machine's own CUDA torch, dependencies from $(WHEELS_DIR);
+# a table and $(GPU_CHECK_OUT)/gpu_check.json. benchmarks/gpu_check.py says more.
+WHEELS_DIR       ?= .whl
+WHEEL_PYTHONS    ?= 3.12
+WHEELS_ALL       ?=
+GPU_CHECK_OUT    ?= benchmarks/results
+GPU_CHECK_PYTHON ?=
+GPU_CHECK_ARGS   ?=
+.PHONY: wheels gpu-check
+
+wheels: setup
+	$(PY) benchmarks/gpu_check.py --build-wheels $(WHEELS_DIR) --wheel-python "$(WHEEL_PYTHONS)" $(if $(WHEELS_ALL),--all-deps)
+
+gpu-check:
+	python3 benchmarks/gpu_check.py --wheels $(WHEELS_DIR) --out $(GPU_CHECK_OUT) \
+	  $(if $(GPU_CHECK_PYTHON),--python $(GPU_CHECK_PYTHON)) $(GPU_CHECK_ARGS)

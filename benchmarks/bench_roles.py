@@ -32,7 +32,7 @@ def worker(size: str, steps: int, out: Path) -> None:
 
     from megatron_rlhf import parallel
     from megatron_rlhf.config import load_config
-    from megatron_rlhf.models.roles import Actor
+    from megatron_rlhf.models.roles import Actor, summed
 
     s = SIZES[size]
     tp, pp = int(os.environ["BENCH_TP"]), int(os.environ["BENCH_PP"])
@@ -45,7 +45,7 @@ def worker(size: str, steps: int, out: Path) -> None:
     parallel.initialize(cfg)
     actor = Actor(cfg)
     batch = {"tokens": torch.randint(0, 128, (s["batch"], s["seq"]))}
-    loss_fn = lambda o, mb: -o["logprobs"].mean() - 0.01 * o["entropy"].mean()  # noqa: E731
+    loss_fn = lambda o, mb: (*summed(-o["logprobs"] - 0.01 * o["entropy"]), {})  # noqa: E731
     times = []
     for i in range(steps + 2):
         torch.distributed.barrier()

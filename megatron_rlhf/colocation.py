@@ -53,8 +53,7 @@ class ColocationScheduler:
             self.exit()
         for name, role in self.roles.items():
             self._place(name, role, self.phases[phase].get(name, "host"))
-        if torch.cuda.is_available():
-            torch.cuda.reset_peak_memory_stats()
+        reset_peak_memory()
         self._current, self._start = phase, time.perf_counter()
 
     def exit(self, tokens: int = 0) -> None:
@@ -77,6 +76,13 @@ class ColocationScheduler:
         return {p: {"seconds": s.seconds, "calls": s.calls, "peak_memory_bytes": s.peak_memory_bytes,
                     "tokens_per_s": s.tokens / s.seconds if s.seconds else 0.0}
                 for p, s in self.stats.items()}
+
+
+def reset_peak_memory() -> None:
+    """Start a new device-memory peak (a process's peak RSS cannot be reset: on CPU the
+    peak is the process's so far)."""
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
 
 
 def peak_memory_bytes() -> int:

@@ -143,6 +143,8 @@ class PPOConfig:
     # Sampling (also the temperature of the recomputed log-probs).
     max_new_tokens: int = 12
     temperature: float = 1.0
+    # Must stay 0 / 1.0 for PPO: every log-prob (rollout, old, new, reference) is computed
+    # under the full softmax, so a filtered sampler would make the rollout off-policy.
     top_k: int = 0
     top_p: float = 1.0
     # Reward: r_t = -kl_coef * KL_t (kl_in_reward), RM score added at the last response token.
@@ -150,8 +152,15 @@ class PPOConfig:
     kl_controller: str = "fixed"     # fixed | adaptive (Ziegler et al.)
     kl_target: float = 6.0
     kl_horizon: float = 10000.0
-    kl_estimator: str = "k1"         # k1 | k2 | k3
+    # k1 | k2 | k3 (algorithms/ppo.py: kl_estimate). In the reward only k1 gives an unbiased
+    # policy gradient (k2, k3 are biased there: a warning says so); in the loss k1 has zero
+    # expected gradient and is refused, k2 is the gradient of KL(pi||ref), k3 of KL(ref||pi) (GRPO).
+    kl_estimator: str = "k1"
     kl_in_reward: bool = True        # False: the KL penalty goes into the actor loss instead
+    kl_clip: float | None = 10.0     # bound on each token's KL estimate (null: none)
+    # How the actor and critic losses average over the global batch (every microbatch and
+    # data-parallel rank): token_mean | seq_mean_token_mean | seq_mean_token_sum.
+    loss_aggregation: str = "token_mean"
     missing_eos_penalty: float | None = None  # score given to responses without EOS
     reward_clip: float = 10.0        # clip RM scores to [-reward_clip, reward_clip]
     gamma: float = 1.0
@@ -426,6 +435,8 @@ def _validate_stage(name: str, st: StageConfig, m: ModelConfig, dp: int) -> None
             raise ConfigError(f"{name}.{key}={getattr(st, key)}: must be >= 1")
     if st.save_interval < 0:
         raise ConfigError(f"{name}.save_interval={st.save_interval}: must be >= 0 (0 = only at the end)")
+    if st.seq_length < 2:
+        raise ConfigError(f"{name}.seq_length={st.seq_length}: must be >= 2 (a prompt token and one to learn)")
     if st.seq_length > m.max_seq_length:
         raise ConfigError(
             f"{name}.seq_length={st.seq_length}: longer than model.max_seq_length={m.max_seq_length}"
@@ -450,20 +461,47 @@ def _validate_ppo(p: PPOConfig, m: ModelConfig, dp: int) -> None:
     if p.mini_batch_size % (p.micro_batch_size * dp):
         raise ConfigError(f"ppo.mini_batch_size={p.mini_batch_size}: must be a multiple of "
                           f"ppo.micro_batch_size={p.micro_batch_size} x data-parallel size {dp}")
-    if p.max_new_tokens >= m.max_seq_length:
+    if p.max_new_tokens > m.max_seq_length - 2:  # encode_prompts needs room for >= 2 prompt tokens
         raise ConfigError(f"ppo.max_new_tokens={p.max_new_tokens}: leaves no room for a prompt in "
-                          f"model.max_seq_length={m.max_seq_length}")
+                          f"model.max_seq_length={m.max_seq_length}; at most {m.max_seq_length - 2}")
     if p.temperature <= 0:
         raise ConfigError(f"ppo.temperature={p.temperature}: must be > 0")
     if not 0 < p.top_p <= 1 or p.top_k < 0:
         raise ConfigError(f"ppo.top_p={p.top_p}, ppo.top_k={p.top_k}: need 0 < top_p <= 1 and top_k >= 0")
-    choices = {"kl_estimator": ("k1", "k2", "k3"), "kl_controller": ("fixed", "adaptive")}
+    if p.top_k != 0 or p.top_p != 1.0:
+        raise ConfigError(
+            f"ppo.top_k={p.top_k}, ppo.top_p={p.top_p}: PPO computes every log-prob (rollout, old, new, "
+            "reference) under the full softmax, so sampling from a top-k/top-p filtered distribution would "
+            "make the rollout off-policy and bias the KL; set ppo.top_k=0 and ppo.top_p=1.0 (use "
+            "ppo.temperature to sharpen or flatten sampling)")
+    choices = {"kl_estimator": ("k1", "k2", "k3"), "kl_controller": ("fixed", "adaptive"),
+               "loss_aggregation": ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum")}
     for key, allowed in choices.items():
         if getattr(p, key) not in allowed:
             raise ConfigError(f"ppo.{key}={getattr(p, key)!r}: choose one of {allowed}")
+    if not p.kl_in_reward and p.kl_estimator == "k1":
+        raise ConfigError(
+            "ppo.kl_estimator='k1' with ppo.kl_in_reward=false: in the loss the k1 estimator has zero "
+            "expected gradient (E_pi[grad log pi] = 0), so it adds noise and no regularisation; set "
+            "ppo.kl_estimator=k2 (gradient of KL(pi||ref)) or k3 (GRPO's convention, gradient of KL(ref||pi)), "
+            "or keep k1 in the reward (ppo.kl_in_reward=true)")
+    if p.kl_clip is not None and p.kl_clip <= 0:
+        raise ConfigError(f"ppo.kl_clip={p.kl_clip}: must be > 0, or null for no bound")
     if p.kl_target <= 0 or p.kl_horizon <= 0:
         raise ConfigError(f"ppo.kl_target={p.kl_target}, ppo.kl_horizon={p.kl_horizon}: must be > 0")
     if not (0 <= p.gamma <= 1 and 0 <= p.lam <= 1):
         raise ConfigError(f"ppo.gamma={p.gamma}, ppo.lam={p.lam}: must be in [0, 1]")
     if p.clip_eps <= 0 or p.value_clip <= 0 or p.reward_clip <= 0:
         raise ConfigError("ppo.clip_eps, ppo.value_clip and ppo.reward_clip must be > 0")
+
+
+def warnings_for(cfg: Config) -> list[str]:
+    """Settings that run but are probably not what the user wants; stages log them at start-up."""
+    notes = []
+    p = cfg.ppo
+    if p.kl_in_reward and p.kl_estimator in ("k2", "k3"):
+        notes.append(
+            f"ppo.kl_estimator={p.kl_estimator} with ppo.kl_in_reward=true: a reward cannot carry the gradient of "
+            f"an estimator that depends on the policy, so the policy gradient of the KL penalty is biased; k1 is "
+            f"the unbiased choice in the reward ({p.kl_estimator} belongs in the loss: ppo.kl_in_reward=false)")
+    return notes

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from megatron_rlhf import parallel
 from megatron_rlhf.config import Config
-from megatron_rlhf.models.roles import Actor, Critic, Reference, RewardModel
+from megatron_rlhf.models.roles import Actor, Critic, Reference, RewardModel, summed
 
 
 def run(cfg: Config, batch_size: int = 8, micro_batch_size: int = 2, seq_len: int = 32) -> dict:
@@ -25,10 +25,10 @@ def run(cfg: Config, batch_size: int = 8, micro_batch_size: int = 2, seq_len: in
         "tokens": torch.randint(0, cfg.model.vocab_size, (batch_size, seq_len), generator=g),
         "lengths": torch.full((batch_size,), seq_len),
     }
-    losses = {
-        Actor: lambda o, mb: -o["logprobs"].mean() - 0.01 * o["entropy"].mean(),
-        Critic: lambda o, mb: (o["values"] ** 2).mean(),
-        RewardModel: lambda o, mb: -F.logsigmoid(o["rewards"][0::2] - o["rewards"][1::2]).mean(),
+    losses = {  # LossFn: (sum, units, stats); the step takes the global-batch mean
+        Actor: lambda o, mb: (*summed(-o["logprobs"] - 0.01 * o["entropy"]), {}),
+        Critic: lambda o, mb: (*summed(o["values"] ** 2), {}),
+        RewardModel: lambda o, mb: (*summed(-F.logsigmoid(o["rewards"][0::2] - o["rewards"][1::2])), {}),
     }
     report = {}
     for cls in (Actor, Reference, Critic, RewardModel):

@@ -32,7 +32,7 @@ def metrics(root, run, name):
 
 
 def deterministic_metrics(root, run, name) -> str:
-    """metrics.jsonl without wall-clock fields, as text (NaN compares equal to itself)."""
+    """metrics.jsonl without wall-clock fields, as text (a non-finite value is written as null)."""
     lines = [{k: v for k, v in x.items() if not k.endswith(TIMING)} for x in metrics(root, run, name)]
     return json.dumps(lines)
 

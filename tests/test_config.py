@@ -112,3 +112,27 @@ def test_recipes_directory_is_fully_covered():
 
     recipes = {p.name for p in (Path(__file__).resolve().parent.parent / "pipelines").glob("*.yaml")}
     assert recipes == {"tiny_cpu.yaml", "llama3_8b.yaml", "llama3_70b.yaml"}
+
+
+def test_ppo_refuses_what_would_bend_its_gradient():
+    # k1 in the loss: zero expected gradient (tests/test_ppo_math.py shows it numerically)
+    msg = assert_error_names("ppo.kl_estimator", "ppo.kl_in_reward=false", "ppo.kl_estimator=k1")
+    assert "ppo.kl_estimator=k2" in msg
+    validate(cfg_with("ppo.kl_in_reward=false", "ppo.kl_estimator=k2"), world_size=1)
+    # a filtered sampler with log-probs of the full softmax: off-policy rollouts, biased KL
+    assert "ppo.top_k=0 and ppo.top_p=1.0" in assert_error_names("ppo.top_k", "ppo.top_k=20")
+    assert_error_names("ppo.top_p", "ppo.top_p=0.9")
+    assert_error_names("ppo.kl_clip", "ppo.kl_clip=0")
+    assert validate(cfg_with("ppo.kl_clip=null"), world_size=1).ppo.kl_clip is None
+    assert_error_names("ppo.loss_aggregation", "ppo.loss_aggregation=sum")
+    for mode in ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum"):
+        validate(cfg_with(f"ppo.loss_aggregation={mode}"), world_size=1)
+
+
+def test_biased_kl_in_the_reward_is_warned_about():
+    from megatron_rlhf.config import warnings_for
+
+    assert warnings_for(cfg_with()) == []  # k1 in the reward: unbiased
+    assert warnings_for(cfg_with("ppo.kl_in_reward=false", "ppo.kl_estimator=k3")) == []
+    (warning,) = warnings_for(cfg_with("ppo.kl_estimator=k3"))
+    assert "ppo.kl_estimator=k3" in warning and "biased" in warning

@@ -24,12 +24,17 @@ CHECKLIST_METRICS = {  # PPO_CHECKLIST item 18 (+ repetition rate, tokens/s per 
 }
 
 
+# The DP2 run: an adaptive KL controller that moves visibly, and one critic warm-up iteration.
+KL_HORIZON, INIT_KL_COEF = 100.0, 0.05
+ADAPTIVE_WARMUP = ["ppo.kl_controller=adaptive", f"ppo.kl_horizon={KL_HORIZON}", "ppo.critic_warmup_steps=1"]
+
+
 @pytest.fixture(scope="module")
 def root(sft_rm_root):
     stage(1, "ppo", sft_rm_root, "main", f"ppo.kl_target={KL_TARGET}")
     inputs = [f"ppo.sft_from={sft_rm_root}/main/sft", f"ppo.rm_from={sft_rm_root}/main/rm"]
     stage(2, "ppo", sft_rm_root, "tp2", "parallel.tensor_parallel=2", "ppo.steps=3", "ppo.eval_interval=3", *inputs)
-    stage(2, "ppo", sft_rm_root, "dp2", "ppo.steps=3", "ppo.eval_interval=3", *inputs)
+    stage(2, "ppo", sft_rm_root, "dp2", "ppo.steps=3", "ppo.eval_interval=3", *inputs, *ADAPTIVE_WARMUP)
     return sft_rm_root
 
 
@@ -113,3 +118,15 @@ def test_dp2_run_shards_rollouts_and_eval(root):
     for line in lines[1:]:
         assert line["logprob_mismatch"] < 1e-5
         assert line["response_length"] > 0 and -1 <= line["gold_score"] <= 1
+
+
+def test_kl_coefficient_logged_is_the_one_used_and_frozen_during_critic_warmup(root):
+    steps = metrics(root, "dp2", "ppo")[1:]
+    used = [x["kl_coef"] for x in steps]
+    assert "actor_loss" not in steps[0] and "actor_loss" in steps[1]  # step 1 trained the critic only
+    # step 1 used the initial value and, the actor not having moved, did not update it
+    assert used[0] == used[1] == INIT_KL_COEF
+    # step 2 trained the actor: the adaptive rule (Ziegler et al.) on its KL sets step 3's value
+    error = min(max(steps[1]["kl_mean"] / KL_TARGET - 1, -0.2), 0.2)
+    assert used[2] == pytest.approx(INIT_KL_COEF * (1 + error * 32 / KL_HORIZON), rel=1e-9)
+    assert used[2] != INIT_KL_COEF

@@ -63,3 +63,9 @@ def test_saving_a_fresh_optimizer_leaves_the_first_step_unchanged(res):
 
 def test_data_parallel_whitening_matches_the_pure_formula(res):
     assert res["whiten_diff"] < 1e-6
+
+
+def test_ddp_and_optimizer_follow_the_stage_optimizer_section(res):
+    """wrap_ddp once read the top-level `optimizer` section and the optimizer the stage's:
+    a DistributedOptimizer over all-reduced buffers, or the reverse."""
+    assert res["optimizer_sections"] == {False: (False, False), True: (True, True)}

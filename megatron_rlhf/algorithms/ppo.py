@@ -4,8 +4,9 @@ Conventions shared by every function below:
   * per-token tensors are [B, T] float32 over the *response* positions, already sliced and
     aligned by the caller: position t holds the log-prob / value / reward of response token t;
   * ``mask`` is [B, T] float, 1 for a real response token and 0 for padding (right padding);
-  * "mean over tokens" is the masked mean sum(x * mask) / max(sum(mask), 1) over the whole
-    batch (token-level averaging, not per-sequence);
+  * losses are returned per token; `aggregate` turns them into (sum, units) for one
+    microbatch, and the trainer divides by the units of the whole global batch (all
+    microbatches, all data-parallel ranks), so no split of the batch changes the objective;
   * ``logprobs``, ``old_logprobs``, ``ref_logprobs`` are log-probs of the *sampled* tokens.
 
 References: Ziegler et al. 2019 (adaptive KL, per-token KL reward), Schulman et al. 2017 (PPO
@@ -21,59 +22,77 @@ from torch import Tensor
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
 KL_CONTROLLERS = ("fixed", "adaptive")
+LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum")
 
 
 # ----------------------------------------------------------------------------- masked statistics
 
 
+def _masked(x: Tensor, mask: Tensor) -> Tensor:
+    # where() rather than x * mask alone: a NaN/inf in a padded slot must not poison a sum.
+    return torch.where(mask != 0, x, torch.zeros((), dtype=x.dtype, device=x.device))
+
+
 def masked_mean(x: Tensor, mask: Tensor) -> Tensor:
     """Mean of x over tokens with mask 1. x, mask: [B, T] -> 0-dim tensor."""
-    # where() rather than x * mask alone: a NaN/inf in a padded slot must not poison the sum.
-    total = torch.where(mask != 0, x * mask, torch.zeros_like(x)).sum()
-    return total / mask.sum().clamp(min=1.0)
+    return _masked(x * mask, mask).sum() / mask.sum().clamp(min=1.0)
 
 
 def masked_var(x: Tensor, mask: Tensor, unbiased: bool = True) -> Tensor:
-    """Variance of x over tokens with mask 1. x, mask: [B, T] -> 0-dim tensor."""
-    mean = masked_mean(x, mask)
-    var = masked_mean((x - mean) ** 2, mask)
-    if unbiased:
-        n = mask.sum()
-        # Bessel's correction is undefined for a single token; its biased variance (0) is kept.
-        var = var * torch.where(n > 1, n / (n - 1).clamp(min=1.0), torch.ones_like(n))
-    return var
+    """Variance of x over tokens with mask 1, in float64: mean first, then squared deviations
+    (E[x^2] - mean^2 cancels catastrophically for near-constant x). [B, T] -> 0-dim float64."""
+    x64, n = x.to(torch.float64), mask.to(torch.float64).sum()
+    deviation = _masked(x64 - masked_mean(x64, mask), mask)
+    # Bessel's correction is undefined for a single token; its biased variance (0) is kept.
+    return (deviation * deviation).sum() / ((n - 1).clamp(min=1.0) if unbiased else n.clamp(min=1.0))
+
+
+def whiten(x: Tensor, mask: Tensor, mean: Tensor, var: Tensor, shift_mean: bool = True) -> Tensor:
+    """(x - mean) / sqrt(var + 1e-8) given the moments (of the global batch, when the caller
+    reduced them over data-parallel ranks); padded positions are 0. [B, T] -> [B, T] in x's dtype.
+
+    shift_mean=False adds the mean back (TRL's choice for rewards: rescale, keep the sign)."""
+    x64 = x.to(torch.float64)
+    whitened = (x64 - mean) * torch.rsqrt(var.clamp(min=0.0) + 1e-8)
+    if not shift_mean:
+        whitened = whitened + mean
+    return _masked(whitened, mask).to(x.dtype)
 
 
 def masked_whiten(x: Tensor, mask: Tensor, shift_mean: bool = True) -> Tensor:
-    """(x - mean) / sqrt(var + 1e-8) over valid tokens; padded positions are 0. [B, T] -> [B, T].
-
-    shift_mean=False adds the mean back (TRL's choice for rewards: rescale, keep the sign)."""
-    mean, var = masked_mean(x, mask), masked_var(x, mask)
-    whitened = (x - mean) * torch.rsqrt(var + 1e-8)
-    if not shift_mean:
-        whitened = whitened + mean
-    return torch.where(mask != 0, whitened, torch.zeros_like(whitened))
+    """`whiten` with the moments of this batch alone."""
+    return whiten(x, mask, masked_mean(x.to(torch.float64), mask), masked_var(x, mask), shift_mean)
 
 
 # ----------------------------------------------------------------------------- KL and rewards
 
 
-def kl_estimate(logprobs: Tensor, ref_logprobs: Tensor, estimator: str) -> Tensor:
-    """Per-token estimate of KL(pi || pi_ref) from samples of pi. [B, T] -> [B, T].
+def kl_estimate(logprobs: Tensor, ref_logprobs: Tensor, estimator: str, clip: float | None = None) -> Tensor:
+    """Per-token estimate of KL(pi || pi_ref) from samples of pi, clamped to [-clip, clip] so
+    that one tail token cannot dominate the reward, the whitening or the KL controller. [B, T].
 
     With log_ratio = log pi(a) - log pi_ref(a):
       k1 = log_ratio                          unbiased, can be negative per token
       k2 = 0.5 * log_ratio**2                 biased, non-negative, low variance
       k3 = exp(-log_ratio) - 1 + log_ratio    unbiased and non-negative ((r - 1) - log r, r = pi_ref/pi)
+
+    In the reward (no gradient through the estimate) only k1 gives an unbiased policy
+    gradient of KL(pi || pi_ref): k2 and k3 depend on pi themselves, which a reward ignores.
+    In the loss (gradient through log pi, samples from pi_old = pi) the expected gradients are
+      k1: E_pi[grad log pi] = 0            no regularisation at all (config refuses it),
+      k2: grad KL(pi || pi_ref)             the KL we mean,
+      k3: grad KL(pi_ref || pi)             the reverse KL: GRPO's convention.
     """
     log_ratio = logprobs - ref_logprobs
     if estimator == "k1":
-        return log_ratio
-    if estimator == "k2":
-        return 0.5 * log_ratio**2
-    if estimator == "k3":
-        return torch.exp(-log_ratio) - 1.0 + log_ratio
-    raise ValueError(f"ppo.kl_estimator must be one of {', '.join(KL_ESTIMATORS)}; got {estimator!r}")
+        kl = log_ratio
+    elif estimator == "k2":
+        kl = 0.5 * log_ratio**2
+    elif estimator == "k3":
+        kl = torch.exp(-log_ratio) - 1.0 + log_ratio
+    else:
+        raise ValueError(f"ppo.kl_estimator must be one of {', '.join(KL_ESTIMATORS)}; got {estimator!r}")
+    return kl if clip is None else kl.clamp(-clip, clip)
 
 
 def token_rewards(kl: Tensor, scores: Tensor, mask: Tensor, kl_coef: float) -> Tensor:
@@ -82,7 +101,7 @@ def token_rewards(kl: Tensor, scores: Tensor, mask: Tensor, kl_coef: float) -> T
     kl, mask: [B, T]; scores: [B] -> [B, T], zero where mask is 0. Assumes right padding, so the
     last valid token of row b is at index mask[b].sum() - 1. Pass kl = zeros for KL-in-loss mode.
     """
-    rewards = torch.where(mask != 0, -kl_coef * kl, torch.zeros_like(kl))
+    rewards = _masked(-kl_coef * kl, mask)
     lengths = mask.sum(dim=1).long()
     last = (lengths - 1).clamp(min=0).unsqueeze(1)
     # An all-padding row has no token to carry its score, so it gets none.
@@ -115,69 +134,57 @@ def gae(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float)
     return advantages, returns
 
 
-# ----------------------------------------------------------------------------- losses
+# ----------------------------------------------------------------------------- losses (per token)
 
 
-def policy_loss(
-    logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor, clip_eps: float
-) -> tuple[Tensor, dict[str, Tensor]]:
-    """Clipped surrogate loss -min(rho * A, clip(rho, 1-eps, 1+eps) * A), masked mean. [B, T] inputs.
-
-    Returns (0-dim loss, stats of detached 0-dim tensors: clip_fraction, approx_kl, ratio_mean).
-    """
-    log_ratio = logprobs - old_logprobs
-    ratio = torch.exp(log_ratio)
+def policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, clip_eps: float) -> tuple[Tensor, Tensor]:
+    """Clipped surrogate -min(rho * A, clip(rho, 1-eps, 1+eps) * A) per token, and where the
+    clipped term was the active one (its gradient is cut to zero). [B, T] -> ([B, T], [B, T] bool)."""
+    ratio = torch.exp(logprobs - old_logprobs)
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_eps)
     # max of the negated terms = the pessimistic (lower) bound of the objective.
-    loss = masked_mean(torch.maximum(unclipped, clipped), mask)
-    with torch.no_grad():
-        stats = {
-            # Tokens where clipping was active, i.e. whose gradient is cut to zero.
-            "clip_fraction": masked_mean((clipped > unclipped).float(), mask),
-            "approx_kl": masked_mean(0.5 * log_ratio**2, mask),
-            "ratio_mean": masked_mean(ratio, mask),
-        }
-    return loss, stats
+    return torch.maximum(unclipped, clipped), (clipped > unclipped).detach()
 
 
-def value_loss(
-    values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor, clip_range: float
-) -> tuple[Tensor, dict[str, Tensor]]:
-    """Clipped value loss 0.5 * masked_mean(max((V - R)^2, (V_clip - R)^2)). [B, T] inputs.
-
-    V_clip = V_old + clamp(V - V_old, -c, c). Returns (0-dim loss, {"value_clip_fraction"}).
-    """
+def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, clip_range: float) -> tuple[Tensor, Tensor]:
+    """Clipped value loss 0.5 * max((V - R)^2, (V_clip - R)^2) per token, V_clip = V_old +
+    clamp(V - V_old, -c, c), and where the clipped error was the larger. [B, T] -> ([B, T], bool)."""
     clipped = old_values + torch.clamp(values - old_values, -clip_range, clip_range)
     err_unclipped = (values - returns) ** 2
     err_clipped = (clipped - returns) ** 2
     # The larger error is taken so that moving V far from V_old can never lower the loss.
-    loss = 0.5 * masked_mean(torch.maximum(err_unclipped, err_clipped), mask)
-    with torch.no_grad():
-        stats = {"value_clip_fraction": masked_mean((err_clipped > err_unclipped).float(), mask)}
-    return loss, stats
+    return 0.5 * torch.maximum(err_unclipped, err_clipped), (err_clipped > err_unclipped).detach()
 
 
-def entropy_bonus(entropy: Tensor, mask: Tensor) -> Tensor:
-    """Masked mean of per-token policy entropy. [B, T] -> 0-dim. The caller subtracts c2 * it."""
-    return masked_mean(entropy, mask)
-
-
-def kl_penalty_loss(logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor, estimator: str) -> Tensor:
-    """Masked mean of kl_estimate, for KL-in-loss mode (differentiable in logprobs). [B, T] -> 0-dim."""
-    return masked_mean(kl_estimate(logprobs, ref_logprobs, estimator), mask)
+def aggregate(x: Tensor, mask: Tensor, mode: str) -> tuple[Tensor, Tensor]:
+    """A per-token loss as (sum over this microbatch's units, number of units, int32). The loss
+    is the sum of the whole global batch over its unit count, whatever the split:
+      token_mean            every token weighs the same (unit: token);
+      seq_mean_token_mean   every sequence weighs the same, its tokens averaged (unit: sequence);
+      seq_mean_token_sum    every sequence weighs the same, its tokens summed (unit: sequence).
+    Rows without a valid token are not units."""
+    masked = _masked(x * mask, mask)
+    if mode == "token_mean":
+        return masked.sum(), (mask != 0).sum().to(torch.int32)
+    tokens = (mask != 0).sum(dim=1)
+    per_sequence = masked.sum(dim=1)
+    if mode == "seq_mean_token_mean":
+        per_sequence = per_sequence / tokens.clamp(min=1)
+    elif mode != "seq_mean_token_sum":
+        raise ValueError(f"ppo.loss_aggregation must be one of {', '.join(LOSS_AGGREGATIONS)}; got {mode!r}")
+    return per_sequence.sum(), (tokens > 0).sum().to(torch.int32)
 
 
 # ----------------------------------------------------------------------------- diagnostics
 
 
 @torch.no_grad()
-def explained_variance(values: Tensor, returns: Tensor, mask: Tensor) -> float:
-    """1 - Var[returns - values] / Var[returns] over valid tokens; nan if Var[returns] == 0. [B, T]."""
-    var_returns = masked_var(returns, mask, unbiased=False)
-    if var_returns.item() == 0.0:
-        return float("nan")
-    return 1.0 - (masked_var(returns - values, mask, unbiased=False) / var_returns).item()
+def explained_variance(var_residual: Tensor, var_returns: Tensor) -> Tensor:
+    """1 - Var[returns - values] / Var[returns] (variances of the same tokens); NaN when
+    Var[returns] is 0. 0-dim tensors in, 0-dim tensor out (no host sync)."""
+    return torch.where(var_returns > 0, 1.0 - var_residual / var_returns.clamp(min=1e-30),
+                       torch.full_like(var_returns, float("nan")))
 
 
 def response_repetition_rate(tokens: list[list[int]]) -> float:

@@ -36,7 +36,7 @@ def plot_stage(stage_dir: Path, names: list[str], out: Path) -> Path | None:
     for ax in axes.flat[len(names):]:
         ax.set_visible(False)
     for ax, name in zip(axes.flat, names):
-        points = [(r["step"], r[name]) for r in rows if name in r]
+        points = [(r["step"], r[name]) for r in rows if r.get(name) is not None]  # null: not finite
         ax.plot([p[0] for p in points], [p[1] for p in points], marker="." if len(points) < 20 else None)
         ax.set_title(name, fontsize=9)
         ax.set_xlabel("step", fontsize=8)

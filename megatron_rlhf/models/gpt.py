@@ -118,6 +118,12 @@ def build_model(cfg: Config, value_head: bool = False) -> GPTModel:
         position_embedding_type="rope",
         rotary_base=int(m.rotary_base),
     )
+    dtype = getattr(torch, m.params_dtype)
+    if dtype != torch.float32:
+        # The local spec's torch RMSNorm ignores params_dtype and stays float32; megatron's
+        # DistributedOptimizer groups parameters by dtype and its checkpoint code then pairs
+        # mismatched shapes. One dtype for every parameter, as megatron's Float16Module does.
+        model.to(dtype)
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
     return model

@@ -13,18 +13,20 @@ from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
 from megatron.core.optimizer import get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-from megatron_rlhf.config import Config, OptimizerConfig
+from megatron_rlhf.config import OptimizerConfig
 
 # Reshardable across TP, PP and DP. ("fully_sharded_model_space" raises on flattened ranges;
 # "dp_reshardable" only allows DP changes.)
 OPTIMIZER_CKPT_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
 
 
-def wrap_ddp(model: torch.nn.Module, cfg: Config) -> DistributedDataParallel:
+def wrap_ddp(model: torch.nn.Module, o: OptimizerConfig) -> DistributedDataParallel:
+    """DDP for the optimizer `build_optimizer` makes from the same `o`: a DistributedOptimizer
+    needs DDP's sharded (reduce-scatter) gradient buffers, a plain one all-reduced ones."""
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
         overlap_grad_reduce=False,
-        use_distributed_optimizer=cfg.optimizer.use_distributed_optimizer,
+        use_distributed_optimizer=o.use_distributed_optimizer,
     )
     return DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)
 

@@ -8,6 +8,12 @@ every rank returns the same full-batch tensors.
 A batch is a dict of tensors with batch dimension first: `tokens` [B, S] (long) and,
 optionally, `attention_mask` [B, 1, S, S] (bool, True = masked; default causal) plus whatever
 the role's outputs or the caller's loss function read.
+
+Losses are true means over the whole global batch (megatron-core's per-token loss path): a
+loss function returns the *sum* of its loss over a microbatch and how many units (tokens,
+sequences, pairs) that sum covers; megatron sums both over microbatches and data-parallel
+ranks and divides the gradient by the global count. So micro batch size, DP, TP and PP do
+not change the objective.
 """
 
 from __future__ import annotations
@@ -27,11 +33,14 @@ from megatron_rlhf.models.vocab_parallel import (
     mask_padded_vocab, vocab_parallel_entropy, vocab_parallel_logprobs,
 )
 from megatron_rlhf.parallel import device
+from megatron_rlhf.parallel.collectives import dp_sum
 from megatron_rlhf.resilience.faults import FAULTS
 from megatron_rlhf.resilience.nonfinite import NonFiniteGuard
 
 Batch = dict[str, torch.Tensor]
-LossFn = Callable[[dict[str, torch.Tensor], Batch], torch.Tensor]
+# loss_fn(outputs, microbatch) -> (loss summed over the microbatch's units, number of units as
+# an integer tensor, {statistic: its sum over the same units}); see the module docstring.
+LossFn = Callable[[dict[str, torch.Tensor], Batch], tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]]
 
 
 def split_microbatches(batch: Batch, micro_batch_size: int) -> list[Batch]:
@@ -59,15 +68,29 @@ def broadcast_from_last_stage(tensors: dict[str, torch.Tensor], like: dict[str, 
     return out
 
 
-def average_over_data_parallel(values: dict[str, float]) -> dict[str, float]:
-    """The data-parallel mean of per-rank statistics (a NaN on any rank shows in the mean)."""
-    size = parallel_state.get_data_parallel_world_size()
-    if size == 1 or not values:
-        return values
-    keys = sorted(values)
-    t = torch.tensor([values[k] for k in keys], dtype=torch.float64, device=device())
-    torch.distributed.all_reduce(t, group=parallel_state.get_data_parallel_group())
-    return dict(zip(keys, (t / size).tolist()))
+def summed(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum, element count) of x: a LossFn's loss and units for a mean over every element."""
+    return x.sum(), torch.ones_like(x, dtype=torch.int32).sum()
+
+
+def global_means(store: list[dict[str, torch.Tensor]]) -> dict[str, float]:
+    """Each statistic summed over microbatches and data-parallel ranks, divided by the summed
+    units: the global-batch means, on every rank. One host read per step."""
+    keys = [sorted(store[0])] if store else [None]  # only the last pipeline stage computed losses
+    pp_group = parallel_state.get_pipeline_model_parallel_group()
+    last = parallel_state.get_pipeline_model_parallel_last_rank()
+    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+        torch.distributed.broadcast_object_list(keys, src=last, group=pp_group)
+    keys = keys[0]
+    if store:
+        totals = torch.stack([torch.stack([d[k] for d in store]).to(torch.float64).sum() for k in keys])
+    else:
+        totals = torch.empty(len(keys), dtype=torch.float64, device=device())
+    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+        torch.distributed.broadcast(totals, src=last, group=pp_group)
+    totals = dp_sum(totals)
+    means = (totals / totals[keys.index("units")].clamp(min=1)).tolist()
+    return {k: v for k, v in zip(keys, means) if k != "units"}
 
 
 class Role:
@@ -84,7 +107,10 @@ class Role:
         module = build_model(cfg, value_head=self.value_head)
         if trainable:
             optimizer = optimizer or cfg.optimizer
-            self.model = wrap_ddp(module, cfg)
+            # Before DDP is built: DDP then sums gradients over data-parallel ranks instead of
+            # averaging them, and finalize_model_grads divides by the global unit count.
+            module.config.calculate_per_token_loss = True
+            self.model = wrap_ddp(module, optimizer)
             self.optimizer = build_optimizer(self.model, optimizer, cfg.model.params_dtype)
             self.scheduler = build_scheduler(self.optimizer, optimizer, total_steps)
             config = module.config
@@ -129,15 +155,17 @@ class Role:
             return out, lambda o: (torch.zeros((), device=tokens.device), {k: v.detach() for k, v in o.items()})
 
         def loss_func(o):
-            loss = loss_fn(o, mb)
-            loss, stats = loss if isinstance(loss, tuple) else (loss, {})
+            loss, units, stats = loss_fn(o, mb)
             loss = FAULTS.corrupt_loss(loss)
-            # clone: the schedule divides `loss` in place by the number of microbatches
-            return loss, {"loss": loss.detach().clone(), **{k: v.detach() for k, v in stats.items()}}
+            # int32: megatron adds it in place to its own int32 counter (a float raises there).
+            units = units.to(torch.int32)
+            stats = {k: v.detach().clone() for k, v in {"loss": loss, **stats}.items()}  # clone: kept past backward
+            return loss, units, {**stats, "units": units}
 
         return out, loss_func
 
-    def _run(self, batch: Batch, micro_batch_size: int, loss_fn: LossFn | None) -> list[dict]:
+    def _run(self, batch: Batch, micro_batch_size: int, loss_fn: LossFn | None,
+             force_all_reduce: bool = False) -> list[dict]:
         microbatches = split_microbatches({k: v.to(device()) for k, v in batch.items()}, micro_batch_size)
         return get_forward_backward_func()(
             forward_step_func=partial(self._forward_step, loss_fn),
@@ -147,6 +175,7 @@ class Role:
             seq_length=batch["tokens"].size(1),
             micro_batch_size=micro_batch_size,
             forward_only=loss_fn is None,
+            force_all_reduce=force_all_reduce,
         )
 
     def forward(self, batch: Batch, micro_batch_size: int) -> dict[str, torch.Tensor]:
@@ -157,20 +186,30 @@ class Role:
         merged = {k: torch.cat([d[k] for d in store]) for k in store[0]} if store else {}
         return broadcast_from_last_stage(merged, self.output_shapes(*batch["tokens"].shape))
 
-    def train_step(self, batch: Batch, micro_batch_size: int, loss_fn: LossFn) -> dict[str, float]:
-        """One optimizer step on `batch`: gradient accumulation over its microbatches.
-
-        `loss_fn(outputs, microbatch)` returns the microbatch's mean loss, or (loss, stats)
-        with 0-dim tensors to report; the step minimises the mean over microbatches (and over
-        data-parallel ranks). Returns the microbatch means of loss and stats, averaged over
-        data-parallel ranks, on every rank. A step with a non-finite loss or gradient on any
-        rank is skipped (`skipped`: True): no optimizer or LR-schedule update.
-        """
+    def _forward_backward(self, batch: Batch, micro_batch_size: int, loss_fn: LossFn,
+                          force_all_reduce: bool = False) -> list[dict]:
         assert self.trainable, f"{type(self).__name__} is frozen"
         self.model.train()
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
-        store = self._run(batch, micro_batch_size, loss_fn=loss_fn)
+        return self._run(batch, micro_batch_size, loss_fn, force_all_reduce)
+
+    def gradients(self, batch: Batch, micro_batch_size: int, loss_fn: LossFn) -> dict[str, float]:
+        """Forward and backward only (checks and tests): afterwards each parameter's
+        `main_grad` holds the gradient of the global-batch loss, complete on every
+        data-parallel rank (all-reduced even under the DistributedOptimizer). Returns the
+        global means of the loss and its statistics."""
+        return global_means(self._forward_backward(batch, micro_batch_size, loss_fn, force_all_reduce=True))
+
+    def train_step(self, batch: Batch, micro_batch_size: int, loss_fn: LossFn) -> dict[str, float]:
+        """One optimizer step on `batch` (this rank's share of the global batch): gradient
+        accumulation over its microbatches of the global-batch mean loss (see LossFn).
+
+        Returns the global means of the loss and its statistics on every rank, the gradient
+        norm and the learning rate. A step with a non-finite loss or gradient on any rank is
+        skipped (`skipped`: True): no optimizer or LR-schedule update.
+        """
+        store = self._forward_backward(batch, micro_batch_size, loss_fn)
         FAULTS.at("train")  # between backward and the optimizer step: the middle of a step
         grads = [b.grad_data for b in self.model.buffers + self.model.expert_parallel_buffers]
         skipped = self.guard.should_skip([d["loss"] for d in store], grads)
@@ -179,14 +218,7 @@ class Role:
             update_ok, grad_norm, _ = self.optimizer.step()
         if update_ok:
             self.scheduler.step(increment=1)
-        means = [{k: float(torch.stack([d[k] for d in store]).float().mean()) for k in store[0]}] if store else [None]
-        if parallel_state.get_pipeline_model_parallel_world_size() > 1:
-            torch.distributed.broadcast_object_list(
-                means, src=parallel_state.get_pipeline_model_parallel_last_rank(),
-                group=parallel_state.get_pipeline_model_parallel_group(),
-            )
-        means = average_over_data_parallel(means[0])
-        return {**means, "grad_norm": float(grad_norm or 0.0), "update_ok": bool(update_ok),
+        return {**global_means(store), "grad_norm": float(grad_norm or 0.0), "update_ok": bool(update_ok),
                 "skipped": skipped, "lr": self.optimizer.param_groups[0]["lr"]}
 
 

@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from megatron_rlhf.config import Config, ConfigError, validate
 from megatron_rlhf.parallel import cpu
+from megatron_rlhf.parallel.collectives import any_rank  # noqa: F401  (re-exported: one 'any rank' for all)
 
 
 @dataclass(frozen=True)
@@ -135,14 +136,6 @@ def destroy() -> None:
         parallel_state.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
-
-
-def any_rank(flag: bool) -> bool:
-    """Collective over the whole world: True on every rank if `flag` is True on any."""
-    t = torch.tensor([1.0 if flag else 0.0], device=device())
-    if dist.is_initialized():
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item())
 
 
 def device() -> torch.device:

@@ -91,15 +91,6 @@ def padded_forward(role, batch: dict[str, torch.Tensor], micro_batch_size: int) 
     return {k: v[:rows] for k, v in role.forward(batch, micro_batch_size).items()}
 
 
-def all_reduce_sum(*values: float) -> list[float]:
-    """Sum over data-parallel ranks (each rank evaluated its own shard)."""
-    from megatron.core import parallel_state
-
-    t = torch.tensor(values, dtype=torch.float64)
-    dist.all_reduce(t, group=parallel_state.get_data_parallel_group())
-    return t.tolist()
-
-
 def resume_source(cfg: Config, ckpt) -> Path | str | None:
     """Where to resume from: checkpoint.load, else the stage's own complete checkpoint, else
     nothing (a fresh start); see CheckpointManager.has_checkpoint for damaged ones."""
@@ -140,9 +131,13 @@ def skipped_steps(roles: dict) -> dict[str, int]:
 
 
 def write_summary(directory: Path, summary: dict[str, Any]) -> None:
+    """summary.json (rank 0); NaN/Inf (e.g. gold scores without a gold scorer) are written as
+    null, so that jq and strict JSON parsers can read it."""
+    from megatron_rlhf.logging.metrics import nonfinite_to_null
+
     if dist.get_rank() == 0:
         tmp = directory / "summary.json.tmp"
-        tmp.write_text(json.dumps(summary, indent=2) + "\n")
+        tmp.write_text(json.dumps(nonfinite_to_null(summary), indent=2, allow_nan=False) + "\n")
         tmp.replace(directory / "summary.json")
 
 

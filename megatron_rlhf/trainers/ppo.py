@@ -20,17 +20,18 @@ from megatron_rlhf.algorithms import ppo as alg
 from megatron_rlhf.checkpoint.dist import load_model_weights, load_role
 from megatron_rlhf.checkpoint.manager import CheckpointManager, resolve_checkpoint
 from megatron_rlhf.colocation import ColocationScheduler
-from megatron_rlhf.config import Config, PPOConfig
+from megatron_rlhf.config import Config, PPOConfig, warnings_for
 from megatron_rlhf.data.encode import encode_prompts
 from megatron_rlhf.data.sampler import EpochSampler
 from megatron_rlhf.logging import MetricsLogger
 from megatron_rlhf.models.roles import Actor, Critic, Reference, RewardModel
+from megatron_rlhf.parallel.collectives import dp_sums, masked_moments
 from megatron_rlhf.resilience.faults import FAULTS
 from megatron_rlhf.resilience.heartbeat import Heartbeat
 from megatron_rlhf.resilience.preemption import PreemptionHandler
 from megatron_rlhf.rollout import MegatronRolloutEngine, Rollout, SamplingParams
 from megatron_rlhf.trainers.common import (
-    all_reduce_sum, checkpoint_if_due, data_parallel, dp_slice, load_stage_data, padded_forward, resume,
+    checkpoint_if_due, data_parallel, dp_slice, load_stage_data, padded_forward, resume,
     skipped_steps, stage_dir, trainer_state, write_summary,
 )
 
@@ -39,13 +40,13 @@ from megatron_rlhf.trainers.common import (
 def response_slice(x: torch.Tensor, prompt_lengths: torch.Tensor, width: int) -> torch.Tensor:
     """[B, S] in sequence layout (position t predicts token t+1) -> [B, width] response layout
     (column j is response token j)."""
-    idx = (prompt_lengths[:, None] - 1 + torch.arange(width)).clamp(max=x.size(1) - 1)
+    idx = (prompt_lengths[:, None] - 1 + torch.arange(width, device=x.device)).clamp(max=x.size(1) - 1)
     return x.gather(1, idx)
 
 
 def response_unslice(y: torch.Tensor, prompt_lengths: torch.Tensor, seq_len: int) -> torch.Tensor:
-    out = torch.zeros(y.size(0), seq_len + y.size(1), dtype=y.dtype)
-    idx = prompt_lengths[:, None] - 1 + torch.arange(y.size(1))
+    out = torch.zeros(y.size(0), seq_len + y.size(1), dtype=y.dtype, device=y.device)
+    idx = prompt_lengths[:, None] - 1 + torch.arange(y.size(1), device=y.device)
     return out.scatter(1, idx, y)[:, :seq_len]
 
 
@@ -53,59 +54,71 @@ def response_unslice(y: torch.Tensor, prompt_lengths: torch.Tensor, seq_len: int
 def score(rollout: Rollout, roles: dict, ppo: PPOConfig, micro: int) -> dict[str, torch.Tensor]:
     """Everything the train phase needs, in sequence layout, from one forward of each role."""
     seqs = {"tokens": rollout.tokens, "lengths": rollout.lengths}
-    actor_out = padded_forward(roles["actor"], seqs, micro)
-    scores = padded_forward(roles["reward"], seqs, micro)["rewards"]
+    return assemble_batch(
+        rollout, padded_forward(roles["actor"], seqs, micro),
+        ref_logprobs=padded_forward(roles["reference"], seqs, micro)["logprobs"],
+        values=padded_forward(roles["critic"], seqs, micro)["values"],
+        scores=padded_forward(roles["reward"], seqs, micro)["rewards"], ppo=ppo)
+
+
+def assemble_batch(rollout: Rollout, actor_out: dict, ref_logprobs: torch.Tensor, values: torch.Tensor,
+                   scores: torch.Tensor, ppo: PPOConfig) -> dict[str, torch.Tensor]:
+    """The role outputs and the rollout as the train phase's batch (all on the roles' device)."""
+    mask = rollout.response_mask()
     if ppo.missing_eos_penalty is not None:
         scores = torch.where(rollout.finished, scores, torch.full_like(scores, ppo.missing_eos_penalty))
-    mask = rollout.response_mask()
     return {
-        **seqs, "prompt_lengths": rollout.prompt_lengths, "mask": mask,
-        "old_logprobs": actor_out["logprobs"] * mask, "entropy": actor_out["entropy"],
-        "ref_logprobs": padded_forward(roles["reference"], seqs, micro)["logprobs"] * mask,
-        "old_values": padded_forward(roles["critic"], seqs, micro)["values"] * mask,
+        "tokens": rollout.tokens, "lengths": rollout.lengths, "prompt_lengths": rollout.prompt_lengths,
+        "mask": mask, "old_logprobs": actor_out["logprobs"] * mask, "entropy": actor_out["entropy"],
+        "ref_logprobs": ref_logprobs * mask, "old_values": values * mask,
         "scores": scores.clamp(-ppo.reward_clip, ppo.reward_clip),
     }
 
 
-def add_advantages(batch: dict, ppo: PPOConfig, kl_coef: float) -> dict[str, float]:
-    """Token rewards -> GAE -> (whitened) advantages and returns, added to `batch`."""
+def add_advantages(batch: dict, ppo: PPOConfig, kl_coef: float) -> dict[str, torch.Tensor]:
+    """Token rewards -> GAE -> (whitened) advantages and returns, added to `batch`. Returns
+    this rank's KL sums and the explained variance of the values over all data-parallel ranks."""
     plen, seq_len = batch["prompt_lengths"], batch["tokens"].size(1)
-    width = int((batch["lengths"] - plen).max())
-    mask = (torch.arange(width) < (batch["lengths"] - plen)[:, None]).float()
+    width = ppo.max_new_tokens  # the longest response possible: no host sync for the real one
+    mask = (torch.arange(width, device=plen.device) < (batch["lengths"] - plen)[:, None]).float()
     resp = partial(response_slice, prompt_lengths=plen, width=width)
-    kl = alg.kl_estimate(resp(batch["old_logprobs"]), resp(batch["ref_logprobs"]), ppo.kl_estimator) * mask
+    kl = alg.kl_estimate(resp(batch["old_logprobs"]), resp(batch["ref_logprobs"]), ppo.kl_estimator, ppo.kl_clip) * mask
     rewards = alg.token_rewards(kl if ppo.kl_in_reward else torch.zeros_like(kl), batch["scores"], mask, kl_coef)
     values = resp(batch["old_values"]) * mask
     advantages, returns = alg.gae(rewards, values, mask, ppo.gamma, ppo.lam)
-    if ppo.whiten_advantages:
-        advantages = whiten_over_data_parallel(advantages, mask)
+    if ppo.whiten_advantages:  # over the global batch: moments of every data-parallel rank
+        _, mean, var = masked_moments(advantages, mask)
+        advantages = alg.whiten(advantages, mask, mean, var)
     batch["advantages"] = response_unslice(advantages, plen, seq_len)
     batch["returns"] = response_unslice(returns, plen, seq_len)
-    return {"kl_per_token": alg.masked_mean(kl, mask).item(), "kl_mean": (kl.sum(1)).mean().item(),
-            "explained_variance": alg.explained_variance(values, returns, mask)}
-
-
-def whiten_over_data_parallel(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """alg.masked_whiten over the global batch: moments summed over data-parallel ranks."""
-    n, total, total_sq = all_reduce_sum(mask.sum().item(), (x * mask).sum().item(), (x * x * mask).sum().item())
-    mean = total / n
-    var = (total_sq / n - mean * mean) * n / max(n - 1, 1)  # unbiased, as alg.masked_var
-    return (x - mean) * torch.rsqrt(torch.tensor(var + 1e-8)) * mask
+    _, _, var_returns = masked_moments(returns, mask)
+    _, _, var_residual = masked_moments(returns - values, mask)
+    return {"kl": kl.sum(), "kl_tokens": mask.sum(),
+            "explained_variance": alg.explained_variance(var_residual, var_returns)}
 
 
 def actor_loss(outputs: dict, mb: dict, ppo: PPOConfig, kl_coef: float):
-    mask = mb["mask"]
-    loss, stats = alg.policy_loss(outputs["logprobs"], mb["old_logprobs"], mb["advantages"], mask, ppo.clip_eps)
-    entropy = alg.entropy_bonus(outputs["entropy"], mask)
-    loss = loss - ppo.entropy_coef * entropy
+    """Clipped policy loss - c2 * entropy (+ kl_coef * KL when the KL is in the loss), as
+    (sum, units, stats) over ppo.loss_aggregation's unit (see models/roles.py: LossFn)."""
+    mask, logprobs = mb["mask"], outputs["logprobs"]
+    agg = partial(alg.aggregate, mask=mask, mode=ppo.loss_aggregation)
+    policy, clipped = alg.policy_loss(logprobs, mb["old_logprobs"], mb["advantages"], ppo.clip_eps)
+    objective = policy - ppo.entropy_coef * outputs["entropy"]
     if not ppo.kl_in_reward:
-        loss = loss + kl_coef * alg.kl_penalty_loss(outputs["logprobs"], mb["ref_logprobs"], mask, ppo.kl_estimator)
-    return loss, {**stats, "entropy": entropy.detach()}
+        objective = objective + kl_coef * alg.kl_estimate(logprobs, mb["ref_logprobs"], ppo.kl_estimator, ppo.kl_clip)
+    loss, units = agg(objective)
+    log_ratio = (logprobs - mb["old_logprobs"]).detach()
+    stats = {"policy_loss": agg(policy.detach())[0], "entropy": agg(outputs["entropy"].detach())[0],
+             "clip_fraction": agg(clipped.float())[0], "approx_kl": agg(0.5 * log_ratio**2)[0],
+             "ratio_mean": agg(log_ratio.exp())[0]}
+    return loss, units, stats
 
 
 def critic_loss(outputs: dict, mb: dict, ppo: PPOConfig):
-    loss, stats = alg.value_loss(outputs["values"], mb["old_values"], mb["returns"], mb["mask"], ppo.value_clip)
-    return ppo.vf_coef * loss, stats
+    per_token, clipped = alg.value_loss(outputs["values"], mb["old_values"], mb["returns"], ppo.value_clip)
+    agg = partial(alg.aggregate, mask=mb["mask"], mode=ppo.loss_aggregation)
+    loss, units = agg(ppo.vf_coef * per_token)
+    return loss, units, {"value_loss": agg(per_token.detach())[0], "value_clip_fraction": agg(clipped.float())[0]}
 
 
 def train_on_rollout(actor, critic, batch: dict, ppo: PPOConfig, kl_coef: float, train_actor: bool,
@@ -116,7 +129,7 @@ def train_on_rollout(actor, critic, batch: dict, ppo: PPOConfig, kl_coef: float,
     generator = torch.Generator().manual_seed(seed)
     trained: dict[str, list[float]] = {}
     for _ in range(ppo.ppo_epochs):
-        order = torch.randperm(rows, generator=generator)
+        order = torch.randperm(rows, generator=generator).to(batch["tokens"].device)
         for start in range(0, rows, mini):
             mb = {k: v[order[start : start + mini]] for k, v in batch.items()}
             results = {}
@@ -125,12 +138,22 @@ def train_on_rollout(actor, critic, batch: dict, ppo: PPOConfig, kl_coef: float,
             results["critic"] = critic.train_step(mb, ppo.micro_batch_size, partial(critic_loss, ppo=ppo))
             for role, r in results.items():
                 for k, v in r.items():
-                    name = {"loss": f"{'policy' if role == 'actor' else 'value'}_loss"}.get(k, k)
-                    if k in ("grad_norm", "lr"):
-                        name = f"{role}_{k}"
+                    name = f"{role}_{k}" if k in ("loss", "grad_norm", "lr") else k
                     if k not in ("update_ok", "skipped"):
                         trained.setdefault(name, []).append(float(v))
     return {k: sum(v) / len(v) for k, v in trained.items()}
+
+
+def iteration_sums(rollout: Rollout, batch: dict, kl_stats: dict, gold: float, repetition: float) -> dict:
+    """This rank's sums of the per-iteration metrics (device tensors, host numbers for the
+    text-based ones); `dp_sums` adds them over data-parallel ranks."""
+    n = rollout.tokens.size(0)
+    return {
+        "responses": n, "rm_score": batch["scores"].sum(), "gold_score": gold,
+        "response_length": rollout.response_lengths().sum(), "kl": kl_stats["kl"], "kl_tokens": kl_stats["kl_tokens"],
+        "logprob_mismatch": ((rollout.logprobs - batch["old_logprobs"]).abs() * batch["mask"]).sum(),
+        "scored_tokens": batch["mask"].sum(), "repetition_rate": repetition * n,
+    }
 
 
 # ----------------------------------------------------------------------------- evaluation
@@ -141,14 +164,14 @@ def evaluate(engine, reward, tokenizer, task, prompts, sampling, micro, seed) ->
     rm = padded_forward(reward, {"tokens": rollout.tokens, "lengths": rollout.lengths}, micro)["rewards"]
     texts = decode_responses(rollout, tokenizer)
     gold = [task.gold_score(p, r) for p, r in texts] if task else []
-    n, rm_sum, gold_sum = all_reduce_sum(len(texts), rm.sum().item(), sum(gold))
+    sums = dp_sums({"n": len(texts), "rm": rm.sum(), "gold": sum(gold)}, rm.device)
     samples = [f"{p} || {r}" for p, r in texts]
-    scores = {"eval_rm_score": rm_sum / n, "eval_gold_score": gold_sum / n if task else float("nan")}
+    scores = {"eval_rm_score": sums["rm"] / sums["n"], **({"eval_gold_score": sums["gold"] / sums["n"]} if task else {})}
     return scores, samples, int(rollout.response_lengths().sum())
 
 
 def decode_responses(rollout: Rollout, tokenizer) -> list[tuple[str, str]]:
-    prompts = [row[: int(p)] for row, p in zip(rollout.tokens.tolist(), rollout.prompt_lengths)]
+    prompts = [row[:p] for row, p in zip(rollout.tokens.tolist(), rollout.prompt_lengths.tolist())]  # one host copy
     return [(tokenizer.decode(p), tokenizer.decode(r)) for p, r in zip(prompts, rollout.response_ids())]
 
 
@@ -221,6 +244,8 @@ def train(cfg: Config) -> dict:
     if resumed:
         log.info(resumed)
     log.info(f"prompts: {train_report}")
+    for warning in warnings_for(cfg):
+        log.info(f"warning: {warning}")
     sampling = SamplingParams(ppo.temperature, ppo.top_k, ppo.top_p, ppo.max_new_tokens)
     dp_rank, dp = data_parallel()
     run_eval = partial(evaluate, engine, reward, tok, data.task, eval_prompts, sampling, ppo.micro_batch_size,
@@ -253,27 +278,26 @@ def train(cfg: Config) -> dict:
         heartbeat.beat()
 
         sched.enter("train")
-        kl_stats = add_advantages(batch, ppo, kl_ctl.value)
-        train_stats = train_on_rollout(actor, critic, batch, ppo, kl_ctl.value,
-                                       train_actor=step > ppo.critic_warmup_steps, seed=seed)
+        kl_coef, train_actor = kl_ctl.value, step > ppo.critic_warmup_steps
+        kl_stats = add_advantages(batch, ppo, kl_coef)
+        train_stats = train_on_rollout(actor, critic, batch, ppo, kl_coef, train_actor, seed=seed)
         sched.exit(tokens=int(rollout.lengths.sum()) * ppo.ppo_epochs)
 
         texts = decode_responses(rollout, tok)
-        n, rm_sum, gold_sum, len_sum, kl_sum, mismatch_sum, tokens_sum, rep_sum = all_reduce_sum(
-            len(texts), batch["scores"].sum().item(),
-            sum(data.task.gold_score(p, r) for p, r in texts) if data.task else 0.0,
-            rollout.response_lengths().sum().item(), kl_stats["kl_mean"] * len(texts),
-            ((rollout.logprobs - batch["old_logprobs"]).abs() * batch["mask"]).sum().item(), batch["mask"].sum().item(),
-            alg.response_repetition_rate(rollout.response_ids()) * len(texts),
-        )
+        gold = sum(data.task.gold_score(p, r) for p, r in texts) if data.task else 0.0
+        repetition = alg.response_repetition_rate(rollout.response_ids())
+        sums = dp_sums(iteration_sums(rollout, batch, kl_stats, gold, repetition), parallel.device())
+        n = sums["responses"]
         samples_seen += int(n)
-        kl_ctl.update(kl_sum / n, int(n))
+        if train_actor:  # the actor does not move during critic warm-up: nothing to steer yet
+            kl_ctl.update(sums["kl"] / n, int(n))
         metrics = {
-            "rm_score": rm_sum / n, "gold_score": gold_sum / n if data.task else float("nan"),
-            "kl_mean": kl_sum / n, "kl_per_token": kl_stats["kl_per_token"], "kl_coef": kl_ctl.value,
-            "response_length": len_sum / n, "repetition_rate": rep_sum / n,
-            "logprob_mismatch": mismatch_sum / max(tokens_sum, 1.0),
-            "explained_variance": kl_stats["explained_variance"], **train_stats, **skipped_steps(trained),
+            "rm_score": sums["rm_score"] / n, **({"gold_score": sums["gold_score"] / n} if data.task else {}),
+            "kl_mean": sums["kl"] / n, "kl_per_token": sums["kl"] / max(sums["kl_tokens"], 1.0),
+            "kl_coef": kl_coef,  # the coefficient this iteration used
+            "response_length": sums["response_length"] / n, "repetition_rate": sums["repetition_rate"] / n,
+            "logprob_mismatch": sums["logprob_mismatch"] / max(sums["scored_tokens"], 1.0),
+            "explained_variance": float(kl_stats["explained_variance"]), **train_stats, **skipped_steps(trained),
             **{f"{p}_seconds": s.seconds / s.calls for p, s in sched.stats.items()},
             **{f"{p}_tokens_per_s": v["tokens_per_s"] for p, v in sched.summary().items()},
             **{f"{p}_peak_memory_bytes": s.peak_memory_bytes for p, s in sched.stats.items()},
@@ -284,7 +308,7 @@ def train(cfg: Config) -> dict:
             sched.exit(tokens=eval_tokens)
             metrics.update(eval_metrics)
             log.info(f"step {step} samples: {samples[: ppo.eval_samples_logged]}")
-        if step % ppo.log_interval == 0 or "eval_gold_score" in metrics:
+        if step % ppo.log_interval == 0 or "eval_rm_score" in metrics:
             log.log(step, metrics)
         checkpoint_if_due(ckpt, log, preemption, step, ppo.steps, ppo.save_interval, trained,
                           trainer_state(step, samples_seen, sampler, trained, kl_controller=kl_ctl.state_dict(),
@@ -297,7 +321,9 @@ def train(cfg: Config) -> dict:
     phases = sched.summary()
     summary = {
         "stage": "ppo", "steps": step,
-        "gold_score_eval_before": eval_before["eval_gold_score"], "gold_score_eval_after": eval_metrics["eval_gold_score"],
+        # null without a gold scorer (data.task: null)
+        "gold_score_eval_before": eval_before.get("eval_gold_score"),
+        "gold_score_eval_after": eval_metrics.get("eval_gold_score"),
         "rm_score_eval_before": eval_before["eval_rm_score"], "rm_score_eval_after": eval_metrics["eval_rm_score"],
         "kl_mean_final": metrics.get("kl_mean"), "kl_coef_final": kl_ctl.value,
         "samples_per_second": samples_seen / max(sum(v["seconds"] for p, v in phases.items() if p != "eval"), 1e-9),
@@ -308,8 +334,9 @@ def train(cfg: Config) -> dict:
         "samples_before": samples_before, "samples_after": samples[: ppo.eval_samples_logged],
     }
     write_summary(out, summary)
-    log.info(f"done: gold {summary['gold_score_eval_before']:.3f} -> {summary['gold_score_eval_after']:.3f}, "
-             f"RM {summary['rm_score_eval_before']:.3f} -> {summary['rm_score_eval_after']:.3f}")
+    gold = ("no gold scorer" if summary["gold_score_eval_after"] is None else
+            f"gold {summary['gold_score_eval_before']:.3f} -> {summary['gold_score_eval_after']:.3f}")
+    log.info(f"done: {gold}, RM {summary['rm_score_eval_before']:.3f} -> {summary['rm_score_eval_after']:.3f}")
     heartbeat.close()
     log.close()
     return summary

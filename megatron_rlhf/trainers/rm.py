@@ -10,7 +10,6 @@ normalisation is stored in the checkpoint. Writes <run>/rm/ like the SFT stage.
 
 from __future__ import annotations
 
-import math
 import time
 
 import torch
@@ -19,6 +18,7 @@ import torch.nn.functional as F
 from megatron_rlhf import parallel
 from megatron_rlhf.checkpoint.dist import load_model_weights
 from megatron_rlhf.checkpoint.manager import CheckpointManager, resolve_checkpoint
+from megatron_rlhf.colocation import peak_memory_bytes, reset_peak_memory
 from megatron_rlhf.config import Config
 from megatron_rlhf.data.encode import collate_preferences, collate_sft, encode_preferences, encode_sft
 from megatron_rlhf.data.sampler import EpochSampler
@@ -27,49 +27,62 @@ from megatron_rlhf.resilience.faults import FAULTS
 from megatron_rlhf.resilience.heartbeat import Heartbeat
 from megatron_rlhf.resilience.preemption import PreemptionHandler
 from megatron_rlhf.models.roles import RewardModel
+from megatron_rlhf.parallel.collectives import dp_sums, masked_moments
 from megatron_rlhf.trainers.common import (
-    all_reduce_sum, checkpoint_if_due, data_parallel, dp_slice, load_stage_data, padded_forward, resume,
+    checkpoint_if_due, data_parallel, dp_slice, load_stage_data, padded_forward, resume,
     skipped_steps, stage_dir, trainer_state, write_summary,
 )
 
 
-def bradley_terry_loss(outputs: dict, microbatch: dict) -> torch.Tensor:
-    """Rows alternate chosen, rejected (collate_preferences)."""
-    rewards = outputs["rewards"]
-    return -F.logsigmoid(rewards[0::2] - rewards[1::2]).mean()
+def bradley_terry_loss(outputs: dict, microbatch: dict):
+    """-log sigmoid(r_chosen - r_rejected) summed over the microbatch's pairs (rows alternate
+    chosen, rejected: collate_preferences); the step divides by the global batch's pairs.
+    Accuracy and margin are reported as global means too."""
+    margin = outputs["rewards"][0::2] - outputs["rewards"][1::2]
+    stats = {"accuracy": (margin > 0).sum(), "margin": margin.sum()}
+    return -F.logsigmoid(margin).sum(), torch.ones_like(margin, dtype=torch.int32).sum(), stats
+
+
+def eval_sums(rm: RewardModel, pairs: list, pad_id: int, seq_len: int, micro_pairs: int) -> dict:
+    """This rank's share of the held-out pairs: correct pairs, pairs, summed margin (device)."""
+    rank, size = data_parallel()
+    batch = collate_preferences(pairs[rank::size], pad_id, seq_len)
+    rewards = padded_forward(rm, {"tokens": batch["tokens"], "lengths": batch["lengths"]}, 2 * micro_pairs)["rewards"]
+    _, pair_count, stats = bradley_terry_loss({"rewards": rewards}, {})
+    return {"correct": stats["accuracy"], "pairs": pair_count, "margin": stats["margin"]}
 
 
 def evaluate(rm: RewardModel, pairs: list, pad_id: int, seq_len: int, micro_pairs: int) -> dict:
     """Held-out accuracy (r_chosen > r_rejected) and mean margin, over data-parallel shards."""
-    rank, size = data_parallel()
-    batch = collate_preferences(pairs[rank::size], pad_id, seq_len)
-    rewards = padded_forward(rm, {"tokens": batch["tokens"], "lengths": batch["lengths"]}, 2 * micro_pairs)["rewards"]
-    margin = rewards[0::2] - rewards[1::2]
-    correct, total, margin_sum = all_reduce_sum((margin > 0).sum().item(), margin.numel(), margin.sum().item())
-    return {"eval_accuracy": correct / total, "eval_margin": margin_sum / total}
+    sums = dp_sums(eval_sums(rm, pairs, pad_id, seq_len, micro_pairs), parallel.device())
+    return {"eval_accuracy": sums["correct"] / sums["pairs"], "eval_margin": sums["margin"] / sums["pairs"]}
 
 
 def reward_statistics(rm: RewardModel, examples: list, pad_id: int, seq_len: int, micro: int) -> tuple[float, float]:
-    """Mean and std of the RM's scores on prompt+response sequences (SFT data)."""
+    """Mean and std of the RM's scores on prompt+response sequences (SFT data), over all
+    data-parallel ranks; two passes (mean, then deviations) in float64."""
     rank, size = data_parallel()
     batch = collate_sft(examples[rank::size], pad_id, seq_len)
-    r = padded_forward(rm, {"tokens": batch["tokens"], "lengths": batch["lengths"]}, micro)["rewards"].double()
-    n, s, s2 = all_reduce_sum(r.numel(), r.sum().item(), (r * r).sum().item())
-    mean = s / n
-    return mean, math.sqrt(max(s2 / n - mean * mean, 1e-12))
+    r = padded_forward(rm, {"tokens": batch["tokens"], "lengths": batch["lengths"]}, micro)["rewards"]
+    count, mean, var = masked_moments(r, torch.ones_like(r))
+    # Population std (as before): the normalisation maps these scores to mean 0, std 1.
+    std = (var * (count - 1).clamp(min=0) / count.clamp(min=1)).sqrt()
+    return float(mean), max(float(std), 1e-6)
 
 
 def train(cfg: Config) -> dict:
     start = time.perf_counter()
     preemption = PreemptionHandler()
     parallel.initialize(cfg)
+    reset_peak_memory()  # this stage's own peak, also after an earlier stage in the same process
     heartbeat = Heartbeat.from_env()
     st, out = cfg.rm, stage_dir(cfg, "rm")
     data = load_stage_data(cfg, ("preference_train", "preference_eval", "sft_eval"))
     pad, ovf = data.tokenizer.pad_id, cfg.data.overflow
-    train_set, train_report = encode_preferences(data.splits["preference_train"], data.tokenizer, st.seq_length, ovf)
-    eval_set, eval_report = encode_preferences(data.splits["preference_eval"], data.tokenizer, st.seq_length, ovf)
-    sft_samples, _ = encode_sft(data.splits["sft_eval"], data.tokenizer, st.seq_length, ovf)
+    fit = {"tokenizer": data.tokenizer, "max_len": st.seq_length, "overflow": ovf, "max_len_field": "rm.seq_length"}
+    train_set, train_report = encode_preferences(data.splits["preference_train"], **fit)
+    eval_set, eval_report = encode_preferences(data.splits["preference_eval"], **fit)
+    sft_samples, _ = encode_sft(data.splits["sft_eval"], **fit)
 
     rm = RewardModel(cfg, trainable=True, optimizer=st.optimizer, total_steps=st.steps)
     roles = {"reward": rm}
@@ -95,8 +108,9 @@ def train(cfg: Config) -> dict:
         result = rm.train_step({k: batch[k] for k in ("tokens", "lengths")}, 2 * st.micro_batch_size,
                                bradley_terry_loss)
         step += 1
-        (tokens,) = all_reduce_sum(batch["lengths"].sum().item())
-        metrics = {"loss": result["loss"], "lr": result["lr"], "grad_norm": result["grad_norm"],
+        tokens = dp_sums({"tokens": int(batch["lengths"].sum())}, parallel.device())["tokens"]
+        metrics = {"loss": result["loss"], "accuracy": result["accuracy"], "margin": result["margin"],
+                   "lr": result["lr"], "grad_norm": result["grad_norm"],
                    **skipped_steps(roles), "tokens_per_s": tokens / (time.perf_counter() - t0)}
         if step % st.eval_interval == 0 or step == st.steps:
             metrics.update(evaluate(rm, eval_set, *eval_args))
@@ -119,7 +133,7 @@ def train(cfg: Config) -> dict:
         **final,
         "reward_mean": rm.reward_mean, "reward_std": rm.reward_std,
         "train_data": vars(train_report), "eval_data": vars(eval_report),
-        "wall_seconds": time.perf_counter() - start,
+        "wall_seconds": time.perf_counter() - start, "peak_memory_bytes": peak_memory_bytes(),
         "checkpoint": str(ckpt.latest()),
     }
     write_summary(out, summary)

@@ -9,11 +9,13 @@ summary.json. Resumes from the stage's latest complete checkpoint.
 from __future__ import annotations
 
 import time
+from functools import partial
 
 import torch
 
 from megatron_rlhf import parallel
 from megatron_rlhf.checkpoint.manager import CheckpointManager
+from megatron_rlhf.colocation import peak_memory_bytes, reset_peak_memory
 from megatron_rlhf.config import Config
 from megatron_rlhf.data.encode import collate_sft, encode_sft
 from megatron_rlhf.data.sampler import EpochSampler
@@ -22,38 +24,53 @@ from megatron_rlhf.resilience.faults import FAULTS
 from megatron_rlhf.resilience.heartbeat import Heartbeat
 from megatron_rlhf.resilience.preemption import PreemptionHandler
 from megatron_rlhf.models.roles import Actor
+from megatron_rlhf.parallel.collectives import dp_sums
 from megatron_rlhf.trainers.common import (
-    all_reduce_sum, checkpoint_if_due, data_parallel, dp_slice, load_stage_data, padded_forward, resume,
+    checkpoint_if_due, data_parallel, dp_slice, load_stage_data, padded_forward, resume,
     skipped_steps, stage_dir, trainer_state, write_summary,
 )
 
 
-def sft_loss(outputs: dict, microbatch: dict) -> torch.Tensor:
-    """Mean negative log-likelihood of the response tokens in the microbatch."""
-    mask = microbatch["loss_mask"]
-    return -(outputs["logprobs"] * mask).sum() / mask.sum().clamp(min=1)
+def response_nll(logprobs: torch.Tensor, loss_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(summed NLL of the response tokens, their count) on the device of `logprobs`."""
+    valid = loss_mask.to(logprobs.device) != 0
+    return torch.where(valid, -logprobs, torch.zeros_like(logprobs)).sum(), valid.sum()
+
+
+def sft_loss(outputs: dict, microbatch: dict):
+    """Response-token NLL: the step divides the global batch's sum by its token count."""
+    nll, tokens = response_nll(outputs["logprobs"], microbatch["loss_mask"])
+    return nll, tokens, {}
+
+
+def eval_sums(actor: Actor, examples: list, pad_id: int, seq_len: int, micro_batch_size: int) -> dict:
+    """This rank's share of the eval set: summed response NLL and token count (device tensors)."""
+    rank, size = data_parallel()
+    batch = collate_sft(examples[rank::size], pad_id, seq_len)
+    logprobs = padded_forward(actor, {"tokens": batch["tokens"]}, micro_batch_size)["logprobs"]
+    nll, tokens = response_nll(logprobs, batch["loss_mask"])
+    return {"nll": nll, "tokens": tokens}
 
 
 def evaluate(actor: Actor, examples: list, pad_id: int, seq_len: int, micro_batch_size: int) -> float:
     """Token-weighted response NLL over the eval set (sharded over data-parallel ranks)."""
-    rank, size = data_parallel()
-    shard = examples[rank::size]
-    batch = collate_sft(shard, pad_id, seq_len)
-    logprobs = padded_forward(actor, {"tokens": batch["tokens"]}, micro_batch_size)["logprobs"]
-    nll, tokens = all_reduce_sum(-(logprobs * batch["loss_mask"]).sum().item(), batch["loss_mask"].sum().item())
-    return nll / max(tokens, 1.0)
+    sums = dp_sums(eval_sums(actor, examples, pad_id, seq_len, micro_batch_size), parallel.device())
+    return sums["nll"] / max(sums["tokens"], 1.0)
 
 
 def train(cfg: Config) -> dict:
     start = time.perf_counter()
     preemption = PreemptionHandler()
     parallel.initialize(cfg)
+    reset_peak_memory()  # this stage's own peak, also after an earlier stage in the same process
     heartbeat = Heartbeat.from_env()
     st, out = cfg.sft, stage_dir(cfg, "sft")
     data = load_stage_data(cfg, ("sft_train", "sft_eval"))
     pad = data.tokenizer.pad_id
-    train_set, train_report = encode_sft(data.splits["sft_train"], data.tokenizer, st.seq_length, cfg.data.overflow)
-    eval_set, eval_report = encode_sft(data.splits["sft_eval"], data.tokenizer, st.seq_length, cfg.data.overflow)
+    encode = partial(encode_sft, tokenizer=data.tokenizer, max_len=st.seq_length, overflow=cfg.data.overflow,
+                     max_len_field="sft.seq_length")
+    train_set, train_report = encode(data.splits["sft_train"])
+    eval_set, eval_report = encode(data.splits["sft_eval"])
 
     actor = Actor(cfg, trainable=True, optimizer=st.optimizer, total_steps=st.steps)
     roles = {"actor": actor}
@@ -83,7 +100,7 @@ def train(cfg: Config) -> dict:
         batch = collate_sft([train_set[i] for i in indices], pad, st.seq_length)
         result = actor.train_step(batch, st.micro_batch_size, sft_loss)
         step += 1
-        (tokens,) = all_reduce_sum(batch["lengths"].sum().item())
+        tokens = dp_sums({"tokens": int(batch["lengths"].sum())}, parallel.device())["tokens"]
         metrics = {"loss": result["loss"], "lr": result["lr"], "grad_norm": result["grad_norm"],
                    **skipped_steps(roles), "tokens_per_s": tokens / (time.perf_counter() - t0)}
         if step % st.eval_interval == 0 or step == st.steps:
@@ -102,7 +119,7 @@ def train(cfg: Config) -> dict:
         "eval_loss_start": eval_loss_start,
         "eval_loss": metrics.get("eval_loss", evaluate(actor, eval_set, *eval_args)),
         "train_data": vars(train_report), "eval_data": vars(eval_report),
-        "wall_seconds": time.perf_counter() - start,
+        "wall_seconds": time.perf_counter() - start, "peak_memory_bytes": peak_memory_bytes(),
         "checkpoint": str(ckpt.latest()),
     }
     write_summary(out, summary)

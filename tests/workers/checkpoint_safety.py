@@ -16,14 +16,23 @@ runs are comparable step by step. --mode:
             explicit damaged iter dir: record what was chosen, the warnings and the outputs.
             Then resume the killed stages: load, re-save the loaded actor to <root>/<stage>_loaded,
             train steps 5..6 and save step 6 again.
+  payloads  (one process, tests/test_safe_loading.py) save a checkpoint into <root>/good and
+            load it (RNG streams restored exactly); copies of it with an object whose unpickling
+            creates <root>/payload_ran in the trainer state, in the role's .metadata, and in the
+            role's common state (inside the .distcp file) must each be refused without running it.
 Results go to <root>/results_<mode>.pt (global rank 0).
 """
 
 import argparse
+import json
+import pickle
+import random
+import shutil
 import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -31,7 +40,7 @@ from megatron_rlhf import parallel
 from megatron_rlhf.checkpoint.dist import save_role
 from megatron_rlhf.checkpoint.manager import CheckpointManager
 from megatron_rlhf.config import load_config
-from megatron_rlhf.models.roles import Actor
+from megatron_rlhf.models.roles import Actor, summed
 
 BATCH, SEQ, MBS, VOCAB = 4, 16, 2, 100
 
@@ -43,7 +52,7 @@ def batch(seed: int) -> dict[str, torch.Tensor]:
 
 
 def loss(out, mb):
-    return -(out["logprobs"] * mb["advantages"]).mean()
+    return (*summed(-out["logprobs"] * mb["advantages"]), {})
 
 
 def train(actor, step: int) -> None:
@@ -182,10 +191,69 @@ def mode_relayout(cfg, root: Path, write) -> None:
     write(res)
 
 
+class Payload:
+    """Unpickling it creates the file `marker`: a stand-in for running any code."""
+
+    def __init__(self, marker: Path):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return open, (self.marker, "w")
+
+
+def recommit(iter_dir: Path) -> None:
+    """Record the files' current sizes in commit.json, as someone tampering with them would."""
+    record = json.loads((iter_dir / "commit.json").read_text())
+    record["files"] = {rel: (iter_dir / rel).stat().st_size for rel in record["files"]}
+    (iter_dir / "commit.json").write_text(json.dumps(record))
+
+
+def tampered_copy(root: Path, name: str, marker: Path) -> None:
+    """<root>/good copied to <root>/<name>, with a Payload in its trainer state or .metadata."""
+    shutil.copytree(root / "good", root / name)
+    iter_dir = root / name / "iter_0000001"
+    if name == "trainer_state":
+        path = iter_dir / "trainer_state" / "rank_00000.pt"
+        torch.save({**torch.load(path, weights_only=True), "note": Payload(marker)}, path)
+    else:
+        path = iter_dir / "actor" / ".metadata"
+        md = pickle.loads(path.read_bytes())
+        md.planner_data = Payload(marker)
+        path.write_bytes(pickle.dumps(md))
+    recommit(iter_dir)
+
+
+def next_random() -> list:
+    return [random.random(), float(np.random.rand()), torch.rand(2), tracker_rand()]
+
+
+def mode_payloads(cfg, root: Path, write) -> None:
+    actor = Actor(cfg)
+    train(actor, 1)
+    CheckpointManager(root / "good").save(1, {"actor": actor}, state(1))
+    expected = next_random()
+    marker = root / "payload_ran"
+    for name in ("trainer_state", "metadata"):
+        tampered_copy(root, name, marker)
+    extra_state = actor.extra_state  # megatron stores the role's extra state in its common state
+    actor.extra_state = lambda: {**extra_state(), "note": Payload(marker)}
+    CheckpointManager(root / "common_state").save(1, {"actor": actor}, state(1))
+
+    res = {}
+    loaded = CheckpointManager(root / "good").load({"actor": Actor(cfg)})
+    res["good"] = {"step": loaded["step"], "warnings": loaded["checkpoint_warnings"],
+                   "rng_restored": all(a == b if isinstance(a, float) else torch.equal(a, b)
+                                       for a, b in zip(expected, next_random()))}
+    for name in ("trainer_state", "metadata", "common_state"):
+        res[name] = {"error": catch(lambda: CheckpointManager(root / name).load({"actor": Actor(cfg)}))[0],
+                     "payload_ran": marker.exists()}
+    write(res)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--root", type=Path, required=True)
-    ap.add_argument("--mode", required=True, choices=["train", "kill", "relayout"])
+    ap.add_argument("--mode", required=True, choices=["train", "kill", "relayout", "payloads"])
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
     cfg = load_config(None, args.overrides)
@@ -199,6 +267,8 @@ def main() -> None:
         mode_train(cfg, args.overrides, args.root, write)
     elif args.mode == "kill":
         mode_kill(cfg, args.root)
+    elif args.mode == "payloads":
+        mode_payloads(cfg, args.root, write)
     else:
         mode_relayout(cfg, args.root, write)
     parallel.destroy()

@@ -26,7 +26,7 @@ from megatron_rlhf.checkpoint.dist import load_model_weights, load_role
 from megatron_rlhf.checkpoint.manager import CheckpointManager
 from megatron_rlhf.config import load_config
 from megatron_rlhf.convert import ConvertError, import_hf, load_hf_weights, model_config_from_hf
-from megatron_rlhf.models.roles import Actor, Critic, RewardModel
+from megatron_rlhf.models.roles import Actor, Critic, RewardModel, summed
 
 POLICIES = ("untied", "tied")
 MBS = 2
@@ -110,22 +110,22 @@ def main() -> None:
         adv = torch.randn(batch["tokens"].shape, generator=torch.Generator().manual_seed(3))
         for _ in range(2):
             actor.train_step({"tokens": batch["tokens"], "adv": adv}, MBS,
-                             lambda o, mb: -(o["logprobs"] * mb["adv"]).mean())
+                             lambda o, mb: (*summed(-o["logprobs"] * mb["adv"]), {}))
         rm_dir = args.root / "import" / "rm" / "iter_0000000" / "reward"
         reward = ValuesRewardModel(cfgs["rm"], trainable=True)
         load_model_weights(reward, rm_dir)
-        reward.train_step(batch, MBS, lambda o, mb: -F.logsigmoid(o["rewards"][0::2] - o["rewards"][1::2]).mean())
+        reward.train_step(batch, MBS, lambda o, mb: (*summed(-F.logsigmoid(o["rewards"][0::2] - o["rewards"][1::2])), {}))
         reward.reward_mean, reward.reward_std = 0.0, 2.0
         critic = Critic(cfgs["rm"], trainable=True)
         load_model_weights(critic, rm_dir)
         returns = torch.randn(batch["tokens"].shape, generator=torch.Generator().manual_seed(4))
-        critic.train_step({**batch, "returns": returns}, MBS, lambda o, mb: ((o["values"] - mb["returns"]) ** 2).mean())
+        critic.train_step({**batch, "returns": returns}, MBS, lambda o, mb: (*summed((o["values"] - mb["returns"]) ** 2), {}))
         trained = {"actor": actor, "reward": reward, "critic": critic}
         CheckpointManager(args.root / "trained").save(2, trained, {"step": 2})
         # bfloat16 parameters: the optimizer's float32 main params must be reloaded from HF
         bf16 = Actor(cfgs["bf16"], trainable=True)
         load_hf_weights(bf16, args.root / "hf" / "bf16")
-        bf16.train_step({"tokens": batch["tokens"], "adv": adv}, MBS, lambda o, mb: -(o["logprobs"] * mb["adv"]).mean())
+        bf16.train_step({"tokens": batch["tokens"], "adv": adv}, MBS, lambda o, mb: (*summed(-o["logprobs"] * mb["adv"]), {}))
         CheckpointManager(args.root / "trained_bf16").save(1, {"actor": bf16}, {"step": 1})
         results["trained"] = {"actor": outputs(actor, {"tokens": batch["tokens"]}), "reward": outputs(reward, batch),
                               "critic": outputs(critic, {"tokens": batch["tokens"]})}

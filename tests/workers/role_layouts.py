@@ -1,57 +1,79 @@
 """torchrun worker for tests/test_role_layouts.py: the four roles at one TP x PP x DP layout.
 
---init: (one process) build all roles from a seed and save their weights; the other layouts
-load them, so every layout starts from identical weights through megatron dist checkpoints.
+--init: (one process) build all roles from a seed and save their weights, plus the PPO
+inputs (old and reference log-probs, old values) computed from them; the other layouts load
+both, so every layout starts from identical weights and identical loss inputs.
 Otherwise, at this launch's layout:
   1. forward outputs of actor, reference, critic and reward model on a fixed batch;
-  2. one optimizer step of each trainable role (its batch split across DP ranks); the
+  2. gradients of the trainers' own losses (SFT, PPO actor in two aggregation modes, PPO
+     critic, Bradley-Terry) on a batch of very unequal sequence lengths, for several micro
+     batch sizes: compared in-process (same layout), and saved for the rank's whole share
+     (one microbatch) for the test to compare across layouts; data-parallel whitening and moments vs one process;
+  3. one optimizer step of each trainable role (its batch split across DP ranks); the
      updated weights are saved for the test to compare across layouts;
-  3. exact resume: actor save (with DistributedOptimizer state) -> load -> step equals the
+  4. exact resume: actor save (with DistributedOptimizer state) -> load -> step equals the
      uninterrupted step; and the TP1-PP1 actor checkpoint, loaded here, steps like TP1-PP1.
-Results go to --out (global rank 0).
+Results go to --root (global rank 0).
 """
 
 import sys
+from functools import partial
 
 import torch
-import torch.nn.functional as F
 
 from megatron_rlhf import parallel
+from megatron_rlhf.algorithms.ppo import masked_whiten, whiten
 from megatron_rlhf.checkpoint.dist import load_role, save_role
+from megatron_rlhf.config import PPOConfig
 from megatron_rlhf.models.roles import Actor, Critic, Reference, RewardModel
+from megatron_rlhf.parallel.collectives import masked_moments
+from megatron_rlhf.trainers.ppo import actor_loss, critic_loss
+from megatron_rlhf.trainers.rm import bradley_terry_loss
+from megatron_rlhf.trainers.sft import sft_loss
 from workers import start_layout_worker
 
 ROLES = {"actor": Actor, "reference": Reference, "critic": Critic, "reward": RewardModel}
 TRAINABLE = ("actor", "critic", "reward")
-BATCH, SEQ, MBS, VOCAB = 8, 16, 2, 100
+BATCH, SEQ, MBS, VOCAB, PROMPT = 8, 16, 2, 100, 3
+# The first half (data-parallel rank 0 at DP2) is long, the second short: microbatches and
+# ranks hold very different token counts, which a per-microbatch mean would weigh equally.
+LENGTHS = [16, 15, 16, 14, 4, 5, 6, 4]
+PPO = partial(PPOConfig, entropy_coef=0.01, kl_in_reward=False, kl_estimator="k2", clip_eps=0.2, value_clip=0.2)
+# name -> (role, loss function). Rows alternate chosen/rejected for the reward model.
+LOSSES = {
+    "sft": ("actor", sft_loss),
+    "ppo_actor": ("actor", partial(actor_loss, ppo=PPO(), kl_coef=0.1)),
+    "ppo_actor_seq_mean": ("actor", partial(actor_loss, ppo=PPO(loss_aggregation="seq_mean_token_mean"), kl_coef=0.1)),
+    "critic": ("critic", partial(critic_loss, ppo=PPO())),
+    "reward": ("reward", bradley_terry_loss),
+}
+STEP_LOSSES = {"actor": "ppo_actor", "critic": "critic", "reward": "reward"}
 
 
 def make_batch(seed: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(2, VOCAB, (BATCH, SEQ), generator=g)
-    lengths = torch.randint(4, SEQ + 1, (BATCH,), generator=g)
-    valid = torch.arange(SEQ) < lengths[:, None]
-    tokens = tokens.masked_fill(~valid, 1)  # right padding with a pad id
+    lengths = torch.tensor(LENGTHS)
+    positions = torch.arange(SEQ)
+    tokens = torch.randint(2, VOCAB, (BATCH, SEQ), generator=g).masked_fill(positions >= lengths[:, None], 1)
+    mask = ((positions >= PROMPT - 1) & (positions < lengths[:, None] - 1)).float()  # next token is a response token
     return {
-        "tokens": tokens,
-        "lengths": lengths,
-        "mask": (torch.arange(SEQ) < (lengths[:, None] - 1)).float(),  # positions with a next token
-        "advantages": torch.randn(BATCH, SEQ, generator=g),
-        "returns": torch.randn(BATCH, SEQ, generator=g),
+        "tokens": tokens, "lengths": lengths, "prompt_lengths": torch.full((BATCH,), PROMPT),
+        "loss_mask": mask, "mask": mask,
+        "advantages": torch.randn(BATCH, SEQ, generator=g) * mask,
+        "returns": torch.randn(BATCH, SEQ, generator=g) * mask,
     }
 
 
-def masked_mean(x, mask):
-    return (x * mask).sum() / mask.sum().clamp(min=1)
-
-
-LOSSES = {
-    "actor": lambda o, mb: -masked_mean(o["logprobs"] * mb["advantages"], mb["mask"])
-    - 0.01 * masked_mean(o["entropy"], mb["mask"]),
-    "critic": lambda o, mb: masked_mean((o["values"] - mb["returns"]) ** 2, mb["mask"]),
-    # rows come in (chosen, rejected) pairs; a microbatch of 2 holds one pair
-    "reward": lambda o, mb: -F.logsigmoid(o["rewards"][0::2] - o["rewards"][1::2]).mean(),
-}
+def ppo_inputs(roles, batch, seed: int = 5) -> dict[str, torch.Tensor]:
+    """Old/reference log-probs near the actor's own (ratios around 1, some clipped) and old
+    values near the critic's: what the score phase would hand to the train phase."""
+    g = torch.Generator().manual_seed(seed)
+    logprobs = roles["actor"].forward(batch, MBS)["logprobs"]
+    values = roles["critic"].forward(batch, MBS)["values"]
+    noise = lambda scale: scale * torch.randn(BATCH, SEQ, generator=g)  # noqa: E731
+    mask = batch["mask"]
+    return {"old_logprobs": (logprobs + noise(0.2)) * mask, "ref_logprobs": (logprobs + noise(0.5)) * mask,
+            "old_values": (values + noise(0.3)) * mask}
 
 
 def dp_shard(batch):
@@ -62,16 +84,70 @@ def dp_shard(batch):
     return {k: v[r * size : (r + 1) * size] for k, v in batch.items()}
 
 
-def dp_mean(value: float) -> float:
-    from megatron.core import parallel_state as ps
-
-    t = torch.tensor([value], dtype=torch.float64)
-    torch.distributed.all_reduce(t, group=ps.get_data_parallel_group())
-    return t.item() / ps.get_data_parallel_world_size()
-
-
 def params(role):
     return {n: p.detach().clone() for n, p in role.module.named_parameters()}
+
+
+def flat_gradient(role) -> torch.Tensor:
+    return torch.cat([p.main_grad.detach().flatten().clone() for p in role.module.parameters()])
+
+
+def save_gradients(role, path) -> None:
+    """The gradients as a model checkpoint (weights := main_grad), so that the test reads
+    them back unsharded whatever the layout; the weights are restored afterwards."""
+    weights = params(role)
+    with torch.no_grad():
+        for p in role.module.parameters():
+            p.copy_(p.main_grad)
+        save_role(role, path, with_optimizer=False)
+        for name, p in role.module.named_parameters():
+            p.copy_(weights[name])
+
+
+def max_over_ranks(value: float) -> float:
+    t = torch.tensor([value], dtype=torch.float64)
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+    return t.item()
+
+
+def gradient_checks(args, roles, batch) -> dict:
+    """Per loss: reported global mean loss and gradients for micro batch sizes 1, 2 and the
+    rank's whole share; the in-layout relative gradient difference against the whole share."""
+    shard = dp_shard(batch)
+    rows = shard["tokens"].size(0)
+    out = {}
+    for name, (role_name, loss_fn) in LOSSES.items():
+        role = roles[role_name]
+        sizes = [2, rows] if role_name == "reward" else [1, 2, rows]  # the reward model needs whole pairs
+        reported, grads = {}, {}
+        for mbs in sizes:
+            reported[mbs] = role.gradients(shard, mbs, loss_fn)
+            grads[mbs] = flat_gradient(role)
+        # Last computed: the whole share. At DP2 the two ranks' shares hold very different token
+        # counts, which a mean of per-rank means would weigh equally.
+        save_gradients(role, args.root / "grads" / args.layout / name)
+        ref = grads[rows]
+        scale = ref.abs().max().item()
+        out[name] = {
+            "reported": reported,
+            "grad_scale": scale,
+            "rel_diff": {mbs: max_over_ranks((g - ref).abs().max().item() / scale) for mbs, g in grads.items()},
+        }
+    return out
+
+
+def whitening_checks(batch) -> dict:
+    """Moments and whitening over data-parallel shards vs the whole batch in one process."""
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(BATCH, SEQ, generator=g) * 3 + 1
+    shard = dp_shard({"x": x, "mask": batch["mask"]})
+    count, mean, var = masked_moments(shard["x"], shard["mask"])
+    local = whiten(shard["x"], shard["mask"], mean, var)
+    want = dp_shard({"w": masked_whiten(x, batch["mask"])})["w"]
+    n = batch["mask"].sum()
+    return {"count": count.item(), "count_want": n.item(), "mean": mean.item(),
+            "mean_want": (x.double() * batch["mask"]).sum().item() / n.item(),
+            "whiten_diff": max_over_ranks((local - want).abs().max().item())}
 
 
 def main() -> None:
@@ -79,8 +155,10 @@ def main() -> None:
     rank = torch.distributed.get_rank()
 
     if args.init:
-        for name, cls in ROLES.items():
-            save_role(cls(cfg), args.root / "init" / name, with_optimizer=False)
+        roles = {name: cls(cfg) for name, cls in ROLES.items()}
+        for name, role in roles.items():
+            save_role(role, args.root / "init" / name, with_optimizer=False)
+        torch.save(ppo_inputs(roles, make_batch(seed=1)), args.root / "init" / "ppo_inputs.pt")
         parallel.destroy()
         return
 
@@ -88,25 +166,27 @@ def main() -> None:
     for name, role in roles.items():
         load_role(role, args.root / "init" / name, with_optimizer=False)
 
-    batch = make_batch(seed=1)
+    batch = {**make_batch(seed=1), **torch.load(args.root / "init" / "ppo_inputs.pt")}
     results = {"outputs": {}, "losses": {}}
     for name, role in roles.items():
         results["outputs"][name] = role.forward(batch, MBS)
+    results["gradients"] = gradient_checks(args, roles, batch)
+    results["whitening"] = whitening_checks(batch)
     for name in TRAINABLE:
-        metrics = roles[name].train_step(dp_shard(batch), MBS, LOSSES[name])
-        results["losses"][name] = dp_mean(metrics["loss"])
+        metrics = roles[name].train_step(dp_shard(batch), MBS, LOSSES[STEP_LOSSES[name]][1])
+        results["losses"][name] = metrics["loss"]
         save_role(roles[name], args.root / "after_step" / args.layout / name, with_optimizer=False)
 
     # Exact resume of the actor through a DistributedOptimizer checkpoint.
-    actor = roles["actor"]
+    actor, actor_loss_fn = roles["actor"], LOSSES["sft"][1]
     resume_dir = args.root / "resume" / args.layout
     save_role(actor, resume_dir)
     batch2 = dp_shard(make_batch(seed=2))
-    uninterrupted = actor.train_step(batch2, MBS, LOSSES["actor"])
+    uninterrupted = actor.train_step(batch2, MBS, actor_loss_fn)
     save_role(actor, args.root / "after_two_steps" / args.layout / "actor", with_optimizer=False)
     resumed_actor = Actor(cfg)
     load_role(resumed_actor, resume_dir)
-    resumed = resumed_actor.train_step(batch2, MBS, LOSSES["actor"])
+    resumed = resumed_actor.train_step(batch2, MBS, actor_loss_fn)
     expected, got = params(actor), params(resumed_actor)
     results["resume"] = {
         "loss_uninterrupted": uninterrupted["loss"], "loss_resumed": resumed["loss"],
@@ -116,7 +196,7 @@ def main() -> None:
     # The TP1-PP1 optimizer checkpoint, resharded to this layout, takes the same second step.
     from_tp1 = Actor(cfg)
     load_role(from_tp1, args.root / "resume" / "tp1pp1dp1")
-    from_tp1.train_step(batch2, MBS, LOSSES["actor"])
+    from_tp1.train_step(batch2, MBS, actor_loss_fn)
     save_role(from_tp1, args.root / "resharded_step" / args.layout / "actor", with_optimizer=False)
 
     if rank == 0:

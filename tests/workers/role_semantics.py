@@ -12,7 +12,7 @@ import torch
 from megatron_rlhf import parallel
 from megatron_rlhf.checkpoint.dist import save_role
 from megatron_rlhf.config import load_config
-from megatron_rlhf.models.roles import Actor, Critic, Reference, RewardModel
+from megatron_rlhf.models.roles import Actor, Critic, Reference, RewardModel, summed
 
 TEMPERATURE = 0.7
 
@@ -49,7 +49,7 @@ def main() -> None:
     res["reference_trainable_params"] = sum(p.requires_grad for p in reference.module.parameters())
     res["reference_training_mode"] = reference.module.training
     try:
-        reference.train_step({"tokens": tokens}, 2, lambda o, mb: o["logprobs"].mean())
+        reference.train_step({"tokens": tokens}, 2, lambda o, mb: (*summed(o["logprobs"]), {}))
         res["reference_train_step_refused"] = False
     except AssertionError:
         res["reference_train_step_refused"] = True
@@ -61,18 +61,33 @@ def main() -> None:
     twin.module.load_state_dict(actor.module.state_dict())
     twin.optimizer.reload_model_params()
     save_role(twin, args.out.parent / "fresh_optimizer")
-    loss_fn = lambda o, mb: -o["logprobs"].mean()  # noqa: E731
+    loss_fn = lambda o, mb: (*summed(-o["logprobs"]), {})  # noqa: E731
     actor.train_step({"tokens": tokens}, 2, loss_fn)
     twin.train_step({"tokens": tokens}, 2, loss_fn)
     res["fresh_save_step_diff"] = max(
         (p - q).abs().max().item() for p, q in zip(actor.module.parameters(), twin.module.parameters())
     )
     # Advantage whitening summed over data-parallel ranks equals the single-process formula.
-    from megatron_rlhf.algorithms.ppo import masked_whiten
-    from megatron_rlhf.trainers.ppo import whiten_over_data_parallel
+    from megatron_rlhf.algorithms.ppo import masked_whiten, whiten
+    from megatron_rlhf.parallel.collectives import masked_moments
 
     x, m = torch.randn(4, 6, generator=g), (torch.rand(4, 6, generator=g) > 0.3).float()
-    res["whiten_diff"] = (masked_whiten(x, m) - whiten_over_data_parallel(x, m)).abs().max().item()
+    _, mean, var = masked_moments(x, m)
+    res["whiten_diff"] = (masked_whiten(x, m) - whiten(x, m, mean, var)).abs().max().item()
+    # DDP's gradient buffers and the optimizer come from the same (the stage's) optimizer
+    # section, whatever the top-level `optimizer` section says.
+    import dataclasses
+
+    from megatron.core.optimizer import DistributedOptimizer
+
+    res["optimizer_sections"] = {}
+    for stage_says in (False, True):
+        stage_optimizer = dataclasses.replace(cfg.optimizer, use_distributed_optimizer=stage_says)
+        cfg.optimizer.use_distributed_optimizer = not stage_says
+        role = Actor(cfg, optimizer=stage_optimizer)
+        res["optimizer_sections"][stage_says] = (role.model.ddp_config.use_distributed_optimizer,
+                                                 all(isinstance(o, DistributedOptimizer) for o in
+                                                     getattr(role.optimizer, "chained_optimizers", [role.optimizer])))
     torch.save(res, args.out)
     parallel.destroy()
 
