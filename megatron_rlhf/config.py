@@ -24,6 +24,10 @@ class ConfigError(ValueError):
 
 
 DTYPES = ("float32", "bfloat16", "float16")
+# The choices of the ppo section (algorithms/ppo.py implements each).
+KL_ESTIMATORS = ("k1", "k2", "k3")
+KL_CONTROLLERS = ("fixed", "adaptive")
+LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum")
 
 
 @dataclass
@@ -474,8 +478,7 @@ def _validate_ppo(p: PPOConfig, m: ModelConfig, dp: int) -> None:
             "reference) under the full softmax, so sampling from a top-k/top-p filtered distribution would "
             "make the rollout off-policy and bias the KL; set ppo.top_k=0 and ppo.top_p=1.0 (use "
             "ppo.temperature to sharpen or flatten sampling)")
-    choices = {"kl_estimator": ("k1", "k2", "k3"), "kl_controller": ("fixed", "adaptive"),
-               "loss_aggregation": ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum")}
+    choices = {"kl_estimator": KL_ESTIMATORS, "kl_controller": KL_CONTROLLERS, "loss_aggregation": LOSS_AGGREGATIONS}
     for key, allowed in choices.items():
         if getattr(p, key) not in allowed:
             raise ConfigError(f"ppo.{key}={getattr(p, key)!r}: choose one of {allowed}")

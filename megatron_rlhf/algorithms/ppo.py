@@ -20,9 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-KL_ESTIMATORS = ("k1", "k2", "k3")
-KL_CONTROLLERS = ("fixed", "adaptive")
-LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum")
+from megatron_rlhf.config import KL_CONTROLLERS, KL_ESTIMATORS, LOSS_AGGREGATIONS  # noqa: F401  (choices: one list)
 
 
 # ----------------------------------------------------------------------------- masked statistics
@@ -38,13 +36,26 @@ def masked_mean(x: Tensor, mask: Tensor) -> Tensor:
     return _masked(x * mask, mask).sum() / mask.sum().clamp(min=1.0)
 
 
-def masked_var(x: Tensor, mask: Tensor, unbiased: bool = True) -> Tensor:
-    """Variance of x over tokens with mask 1, in float64: mean first, then squared deviations
-    (E[x^2] - mean^2 cancels catastrophically for near-constant x). [B, T] -> 0-dim float64."""
-    x64, n = x.to(torch.float64), mask.to(torch.float64).sum()
-    deviation = _masked(x64 - masked_mean(x64, mask), mask)
+def masked_moments(x: Tensor, mask: Tensor, reduce=None) -> tuple[Tensor, Tensor, Tensor]:
+    """(count, mean, unbiased variance) of x over tokens with mask 1, 0-dim float64 tensors.
+
+    Two passes, mean first, then squared deviations from it: E[x^2] - mean^2 (in float32 above
+    all) turns constant x into a negative variance or a huge spurious one. `reduce` sums a
+    tensor over every part of a batch that is spread out (the trainer passes the data-parallel
+    sum: parallel/collectives.masked_moments); None: this batch alone."""
+    reduce = reduce or (lambda t: t)
+    x64 = _masked(x.to(torch.float64), mask)
+    first = reduce(torch.stack([(mask != 0).sum().to(torch.float64), x64.sum()]))
+    count, mean = first[0], first[1] / first[0].clamp(min=1.0)
+    deviation = _masked(x64 - mean, mask)
     # Bessel's correction is undefined for a single token; its biased variance (0) is kept.
-    return (deviation * deviation).sum() / ((n - 1).clamp(min=1.0) if unbiased else n.clamp(min=1.0))
+    return count, mean, reduce((deviation * deviation).sum()) / (count - 1).clamp(min=1.0)
+
+
+def masked_var(x: Tensor, mask: Tensor, unbiased: bool = True) -> Tensor:
+    """Variance of x over tokens with mask 1 (masked_moments). [B, T] -> 0-dim float64."""
+    count, _, var = masked_moments(x, mask)
+    return var if unbiased else var * (count - 1).clamp(min=0.0) / count.clamp(min=1.0)
 
 
 def whiten(x: Tensor, mask: Tensor, mean: Tensor, var: Tensor, shift_mean: bool = True) -> Tensor:
@@ -61,7 +72,8 @@ def whiten(x: Tensor, mask: Tensor, mean: Tensor, var: Tensor, shift_mean: bool 
 
 def masked_whiten(x: Tensor, mask: Tensor, shift_mean: bool = True) -> Tensor:
     """`whiten` with the moments of this batch alone."""
-    return whiten(x, mask, masked_mean(x.to(torch.float64), mask), masked_var(x, mask), shift_mean)
+    _, mean, var = masked_moments(x, mask)
+    return whiten(x, mask, mean, var, shift_mean)
 
 
 # ----------------------------------------------------------------------------- KL and rewards

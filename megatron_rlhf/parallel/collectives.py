@@ -75,19 +75,11 @@ def dp_sums(values: dict[str, Tensor | float], device: torch.device) -> dict[str
 
 
 def masked_moments(x: Tensor, mask: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """(count, mean, unbiased variance) of x where mask is 1, over every data-parallel rank.
+    """(count, mean, unbiased variance) of x where mask is 1, over every data-parallel rank:
+    algorithms.ppo.masked_moments (two passes, float64) with its sums reduced over DP."""
+    from megatron_rlhf.algorithms.ppo import masked_moments as moments
 
-    Two passes in float64 (mean first, then squared deviations from it): E[x^2] - mean^2 in
-    float32 turns constant advantages into a negative variance (NaN) or a huge spurious one.
-    """
-    valid = mask != 0
-    x64 = torch.where(valid, x.to(torch.float64), torch.zeros((), dtype=torch.float64, device=x.device))
-    first = dp_sum(torch.stack([valid.sum().to(torch.float64), x64.sum()]))
-    count, mean = first[0], first[1] / first[0].clamp(min=1.0)
-    deviation = torch.where(valid, x64 - mean, torch.zeros((), dtype=torch.float64, device=x.device))
-    squares = dp_sum((deviation * deviation).sum())
-    var = (squares / (count - 1).clamp(min=1.0)).clamp(min=0.0)
-    return count, mean, var
+    return moments(x, mask, reduce=dp_sum)
 
 
 def any_rank(flag: bool) -> bool:

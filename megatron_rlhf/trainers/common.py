@@ -16,6 +16,7 @@ from megatron_rlhf.data import jsonl
 from megatron_rlhf.data.tasks import get_task
 from megatron_rlhf.data.tasks.base import Task
 from megatron_rlhf.data.tokenizers import Tokenizer, load_tokenizer
+from megatron_rlhf.logging.metrics import nonfinite_to_null
 
 
 def run_dir(cfg: Config) -> Path:
@@ -133,8 +134,6 @@ def skipped_steps(roles: dict) -> dict[str, int]:
 def write_summary(directory: Path, summary: dict[str, Any]) -> None:
     """summary.json (rank 0); NaN/Inf (e.g. gold scores without a gold scorer) are written as
     null, so that jq and strict JSON parsers can read it."""
-    from megatron_rlhf.logging.metrics import nonfinite_to_null
-
     if dist.get_rank() == 0:
         tmp = directory / "summary.json.tmp"
         tmp.write_text(json.dumps(nonfinite_to_null(summary), indent=2, allow_nan=False) + "\n")

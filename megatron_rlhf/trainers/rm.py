@@ -26,7 +26,7 @@ from megatron_rlhf.logging import MetricsLogger
 from megatron_rlhf.resilience.faults import FAULTS
 from megatron_rlhf.resilience.heartbeat import Heartbeat
 from megatron_rlhf.resilience.preemption import PreemptionHandler
-from megatron_rlhf.models.roles import RewardModel
+from megatron_rlhf.models.roles import RewardModel, summed
 from megatron_rlhf.parallel.collectives import dp_sums, masked_moments
 from megatron_rlhf.trainers.common import (
     checkpoint_if_due, data_parallel, dp_slice, load_stage_data, padded_forward, resume,
@@ -40,7 +40,7 @@ def bradley_terry_loss(outputs: dict, microbatch: dict):
     Accuracy and margin are reported as global means too."""
     margin = outputs["rewards"][0::2] - outputs["rewards"][1::2]
     stats = {"accuracy": (margin > 0).sum(), "margin": margin.sum()}
-    return -F.logsigmoid(margin).sum(), torch.ones_like(margin, dtype=torch.int32).sum(), stats
+    return (*summed(-F.logsigmoid(margin)), stats)
 
 
 def eval_sums(rm: RewardModel, pairs: list, pad_id: int, seq_len: int, micro_pairs: int) -> dict:
