@@ -43,13 +43,13 @@ pipeline: setup
 	  -m megatron_rlhf pipeline --config $(CONFIG) $(ARGS)
 
 # Stages on the default recipe; NPROC processes (data-parallel unless ARGS sets TP/PP).
-sft rm ppo: setup
+sft rm rl ppo: setup
 	$(PY) -m torch.distributed.run --standalone --nproc-per-node $(NPROC) \
 	  -m megatron_rlhf $@ --config $(CONFIG) $(ARGS)
 
 bench: setup
 	$(PY) benchmarks/bench_roles.py
-	$(PY) benchmarks/ppo_step.py
+	$(PY) benchmarks/rl_step.py
 	$(PY) benchmarks/hf_import.py
 	$(PY) benchmarks/split_invariance.py
 
@@ -60,7 +60,7 @@ clean-venv:
 # with torch usually lacks (megatron-core, nvidia-resiliency-ext and small dependencies; with
 # WHEELS_ALL=1 every dependency except torch's, ~72 MiB) at this venv's versions, plus ours,
 # into $(WHEELS_DIR). `make gpu-check` (on a machine with one GPU; no network, no `make setup`):
-# SFT -> RM -> PPO in bf16 on the machine's own CUDA torch, dependencies from $(WHEELS_DIR);
+# SFT -> RM -> PPO, then GRPO on the same SFT and RM, in bf16 on the machine's own CUDA torch, dependencies from $(WHEELS_DIR);
 # a table and $(GPU_CHECK_OUT)/gpu_check.json. benchmarks/gpu_check.py says more.
 WHEELS_DIR       ?= .whl
 WHEEL_PYTHONS    ?= 3.12

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""GPU check: the whole tiny pipeline SFT -> RM -> PPO on one GPU in bf16, and a table.
+"""GPU check: the tiny pipeline SFT -> RM -> PPO, then GRPO on the same SFT/RM, on one GPU in bf16.
 
     python3 benchmarks/gpu_check.py [--out DIR] [--wheels DIR] [-- key=value ...]  # make gpu-check
     python3 benchmarks/gpu_check.py --report-only RUN_DIR [--out DIR]                # table of a finished run
@@ -15,12 +15,32 @@ CUDA-enabled torch (it never installs torch):
 2. a throw-away venv that sees that interpreter's packages (its torch, Transformer Engine if
    present), our dependencies installed from the wheels of `make wheels` for what is missing
    (never torch), and megatron_rlhf from this working tree (so the code checked is the code here);
-3. `torchrun --nproc-per-node 1 -m megatron_rlhf pipeline` on pipelines/tiny_cpu.yaml with
-   model.params_dtype=bfloat16 in a temporary run root (TE layer spec when TE imports; offload
-   between PPO phases, which colocation.py does whenever CUDA is available);
-4. a table and <out>/gpu_check.json from what the stages wrote: per-stage and per-PPO-phase
-   seconds and peak memory, gold score before/after PPO, logprob_mismatch at the first and
-   last PPO step. <out> also gets the table, the pipeline log, the summaries and PPO metrics.
+3. `torchrun --nproc-per-node 1 -m megatron_rlhf pipeline` on pipelines/tiny_cpu.yaml
+   (rl.algorithm=ppo: actor, critic, reference, reward model) with model.params_dtype=bfloat16
+   in a temporary run root (TE layer spec when TE imports; offload between RL phases, which
+   colocation.py does whenever CUDA is available); writes <run>/sft, <run>/rm, <run>/ppo;
+4. a second torchrun on pipelines/tiny_cpu_grpo.yaml (critic-free GRPO: no critic, three roles)
+   with the same overrides and run directory: the pipeline skips the finished SFT and RM stages
+   and writes <run>/grpo. Extra overrides after `--` reach both runs, except critic settings
+   (rl.critic_optimizer, rl.vf_coef, ...) and rl.algorithm, which the GRPO run does not get (a
+   critic-free recipe refuses critic settings); `ppo.X` overrides are passed as `rl.X`. Both runs
+   share --timeout: PPO may use all but --grpo-share of it, GRPO gets what PPO left (at least
+   that share). GRPO is skipped when SFT or RM did not finish; when it fails or is skipped, the
+   PPO results are still reported and GRPO is marked missing (exit code 1). --no-grpo: PPO only;
+5. a table and <out>/gpu_check.json from what the stages wrote: per-stage seconds and peak
+   memory; per RL phase (generate, score, train, eval) seconds and peak memory of PPO and GRPO
+   side by side with the memory a critic-free algorithm saves (PPO minus GRPO) per phase and for
+   the RL stage's peak; gold and RM score before/after, final KL and logprob_mismatch at the
+   first and last step of both. <out> also gets the table, the logs (gpu_check.log: SFT -> RM ->
+   PPO; gpu_check_grpo.log), summaries.json (every stage's summary.json by stage) and
+   ppo_metrics.jsonl / grpo_metrics.jsonl (7 files: the device tool brings back at most 8).
+
+gpu_check.json: the PPO numbers under the keys of the PPO-only check (stages.{sft,rm,ppo},
+ppo_phases, ppo_steps, gold_score, rm_score, kl_mean_final, logprob_mismatch; complete/missing
+about the SFT -> RM -> PPO files), and per algorithm under "ppo" and "grpo" (complete, missing,
+roles, steps, phases, stage, gold_score, rm_score, kl_mean_final, logprob_mismatch; "run": exit
+code, seconds, time limit, or why it was skipped), stages.grpo, and memory_saving_bytes
+(phase -> PPO minus GRPO peak bytes, "stage": the RL stage peaks; null where either is missing).
 
 Up to step 2 this file runs under any Python >= 3.8 with the standard library only.
 """
@@ -44,10 +64,18 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = os.environ.get("GPU_CHECK_OUT") or str(REPO / "benchmarks" / "results")
 DEFAULT_WHEELS = os.environ.get("GPU_CHECK_WHEELS") or str(REPO / ".whl")
-RECIPE = "pipelines/tiny_cpu.yaml"
+RECIPE = "pipelines/tiny_cpu.yaml"  # rl.algorithm=ppo
+GRPO_RECIPE = "pipelines/tiny_cpu_grpo.yaml"  # base: tiny_cpu.yaml, rl.algorithm=grpo (no critic)
+RL_RUNS = ("ppo", "grpo")  # <run>/<algorithm>: the RL stage directories the check compares
+# Settings only a critic uses: a critic-free recipe refuses them on the command line, so the GRPO
+# run does not get them. Equals megatron_rlhf.config.CRITIC_FIELDS (a test checks; this file
+# does not import the package: its parent process is stdlib-only).
+CRITIC_FIELDS = ("critic_optimizer", "vf_coef", "value_clip", "critic_warmup_steps", "lam", "whiten_advantages")
 MIN_PYTHON = (3, 12)  # megatron-core >= 0.17 requires Python >= 3.12 (0.19.2: cp312/cp313 wheels only)
-PPO_PHASES = ("generate", "score", "train", "eval")
+RL_PHASES = ("generate", "score", "train", "eval")  # colocation.PHASES: the same phases for every algorithm
+PPO_PHASES = RL_PHASES  # the old name
 EXIT_PREFLIGHT, EXIT_RUN = 2, 1
+MIN_GRPO_SECONDS = 30  # less left of --timeout: GRPO is skipped (start-up alone takes that long)
 
 # Wheels a CUDA image with torch is likely to lack (~5 MiB): megatron-core and
 # nvidia-resiliency-ext with their small dependencies. `--all-deps` adds the whole closure of
@@ -316,11 +344,36 @@ def verify(py: Path) -> dict:
 
 # ----------------------------------------------------------------------------- the run
 
-def run_pipeline(py: Path, overrides: list[str], log_path: Path, timeout: float) -> tuple[int, float]:
-    """torchrun (1 process) of the pipeline, its output to the console and log_path; stopped
-    (SIGTERM: the stages checkpoint and exit, then SIGKILL) after `timeout` seconds."""
+def modern_overrides(overrides: list[str]) -> list[str]:
+    """`ppo.X=v` as `rl.X=v` (ppo.ppo_epochs as rl.epochs): the section is now called rl."""
+    out = []
+    for o in overrides:
+        if o.startswith("ppo."):
+            key, sep, value = o.partition("=")
+            o = "rl." + ("epochs" if key == "ppo.ppo_epochs" else key[len("ppo."):]) + sep + value
+        out.append(o)
+    return out
+
+
+def grpo_overrides(overrides: list[str]) -> tuple[list[str], list[str]]:
+    """(the overrides the GRPO run gets, the ones it does not): the PPO run's without critic
+    settings (a critic-free recipe refuses them) and without rl.algorithm (the recipe sets it)."""
+    keep, dropped = [], []
+    for o in modern_overrides(overrides):
+        parts = o.split("=", 1)[0].strip().split(".")
+        if parts[0] == "rl" and len(parts) > 1 and (parts[1] in CRITIC_FIELDS or parts[1] == "algorithm"):
+            dropped.append(o)
+        else:
+            keep.append(o)
+    return keep, dropped
+
+
+def run_pipeline(py: Path, overrides: list[str], log_path: Path, timeout: float,
+                 recipe: str = RECIPE) -> tuple[int, float]:
+    """torchrun (1 process) of the pipeline on `recipe`, its output to the console and log_path;
+    stopped (SIGTERM: the stages checkpoint and exit, then SIGKILL) after `timeout` seconds."""
     cmd = [str(py), "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
-           "-m", "megatron_rlhf", "pipeline", "--config", RECIPE, *overrides]
+           "-m", "megatron_rlhf", "pipeline", "--config", recipe, *overrides]
     say("running: " + " ".join(cmd))
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     start = time.perf_counter()
@@ -369,46 +422,84 @@ def _read_json(path: Path, missing: list) -> dict:
         return {}
 
 
-def collect(run_dir: str | Path) -> dict:
-    """The numbers of one run, read from <run>/{sft,rm,ppo}/summary.json and
-    <run>/ppo/metrics.jsonl; None where a number is absent or not finite."""
-    run_dir, missing = Path(run_dir), []
-    sums = {s: _read_json(run_dir / s / "summary.json", missing) for s in ("sft", "rm", "ppo")}
-    ppo = sums["ppo"]
-    phase_s, phase_mem = ppo.get("phase_seconds") or {}, ppo.get("phase_peak_memory_bytes") or {}
+def _mismatch(metrics_path: Path, missing: list) -> dict:
+    """logprob_mismatch at the first and last step of metrics.jsonl ({"step", "value"} each)."""
+    if not metrics_path.exists():
+        missing.append(str(metrics_path))
+        return {"first": None, "last": None}
+    by_step = {}
+    for line in metrics_path.read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if "logprob_mismatch" in rec and "step" in rec:
+            by_step[rec["step"]] = rec["logprob_mismatch"]  # a resumed run re-logs steps: keep the last
+    if not by_step:
+        return {"first": None, "last": None}
+    first, last = min(by_step), max(by_step)
+    return {"first": {"step": first, "value": _finite(by_step[first])},
+            "last": {"step": last, "value": _finite(by_step[last])}}
+
+
+def collect_rl(run_dir: str | Path, algorithm: str) -> dict:
+    """One RL stage's numbers from <run>/<algorithm>/{summary.json,metrics.jsonl}; None where a
+    number is absent or not finite, the absent files in "missing"."""
+    stage_dir, missing = Path(run_dir) / algorithm, []
+    summ = _read_json(stage_dir / "summary.json", missing)
+    phase_s, phase_mem = summ.get("phase_seconds") or {}, summ.get("phase_peak_memory_bytes") or {}
     phases = {p: {"seconds": _finite(phase_s.get(p)), "peak_memory_bytes": _finite(phase_mem.get(p))}
-              for p in (*PPO_PHASES, *sorted(set(phase_s) - set(PPO_PHASES)))}
+              for p in (*RL_PHASES, *sorted(set(phase_s) - set(RL_PHASES)))}
     mems = [v["peak_memory_bytes"] for v in phases.values() if v["peak_memory_bytes"] is not None]
+    mismatch = _mismatch(stage_dir / "metrics.jsonl", missing)
+    return {
+        "algorithm": summ.get("algorithm") or algorithm, "stage_dir": str(stage_dir),
+        "complete": not missing, "missing": missing,
+        "roles": summ.get("roles"), "steps": summ.get("steps"), "phases": phases,
+        "stage": {"seconds": _finite(summ.get("wall_seconds")),
+                  "peak_memory_bytes": _finite(summ.get("peak_memory_bytes")) or (max(mems) if mems else None)},
+        "gold_score": {"before": _finite(summ.get("gold_score_eval_before")),
+                       "after": _finite(summ.get("gold_score_eval_after"))},
+        "rm_score": {"before": _finite(summ.get("rm_score_eval_before")),
+                     "after": _finite(summ.get("rm_score_eval_after"))},
+        "kl_mean_final": _finite(summ.get("kl_mean_final")),
+        "logprob_mismatch": mismatch,
+    }
+
+
+def _minus(a, b):
+    return None if a is None or b is None else a - b
+
+
+def memory_saving(ppo: dict, other: dict) -> dict:
+    """Peak memory PPO minus the critic-free run, per phase and for the RL stage ("stage");
+    None where either number is missing."""
+    saving = {p: _minus(ppo["phases"].get(p, {}).get("peak_memory_bytes"),
+                        other["phases"].get(p, {}).get("peak_memory_bytes"))
+              for p in (*ppo["phases"], *(p for p in other["phases"] if p not in ppo["phases"]))}
+    saving["stage"] = _minus(ppo["stage"]["peak_memory_bytes"], other["stage"]["peak_memory_bytes"])
+    return saving
+
+
+def collect(run_dir: str | Path) -> dict:
+    """The numbers of one run, read from <run>/{sft,rm}/summary.json and <run>/{ppo,grpo}/
+    {summary.json,metrics.jsonl}; None where a number is absent or not finite. The top-level
+    PPO keys (and complete/missing: the SFT -> RM -> PPO files) are those of the PPO-only check."""
+    run_dir, missing = Path(run_dir), []
+    sums = {s: _read_json(run_dir / s / "summary.json", missing) for s in ("sft", "rm")}
     stages = {s: {"seconds": _finite(sums[s].get("wall_seconds")),
                   "peak_memory_bytes": _finite(sums[s].get("peak_memory_bytes"))} for s in ("sft", "rm")}
-    stages["ppo"] = {"seconds": _finite(ppo.get("wall_seconds")),
-                     "peak_memory_bytes": _finite(ppo.get("peak_memory_bytes")) or (max(mems) if mems else None)}
-    mismatch = {}
-    metrics_path = run_dir / "ppo" / "metrics.jsonl"
-    if metrics_path.exists():
-        by_step = {}
-        for line in metrics_path.read_text().splitlines():
-            try:
-                rec = json.loads(line)
-            except ValueError:
-                continue
-            if "logprob_mismatch" in rec and "step" in rec:
-                by_step[rec["step"]] = rec["logprob_mismatch"]  # a resumed run re-logs steps: keep the last
-        if by_step:
-            first, last = min(by_step), max(by_step)
-            mismatch = {"first": {"step": first, "value": _finite(by_step[first])},
-                        "last": {"step": last, "value": _finite(by_step[last])}}
-    else:
-        missing.append(str(metrics_path))
+    rl = {a: collect_rl(run_dir, a) for a in RL_RUNS}
+    ppo = rl["ppo"]
+    missing += ppo["missing"]
+    for a in RL_RUNS:
+        stages[a] = rl[a]["stage"]
     return {
         "run_dir": str(run_dir), "complete": not missing, "missing": missing,
-        "stages": stages, "ppo_phases": phases, "ppo_steps": ppo.get("steps"),
-        "gold_score": {"before": _finite(ppo.get("gold_score_eval_before")),
-                       "after": _finite(ppo.get("gold_score_eval_after"))},
-        "rm_score": {"before": _finite(ppo.get("rm_score_eval_before")),
-                     "after": _finite(ppo.get("rm_score_eval_after"))},
-        "kl_mean_final": _finite(ppo.get("kl_mean_final")),
-        "logprob_mismatch": mismatch or {"first": None, "last": None},
+        "stages": stages, "ppo_phases": ppo["phases"], "ppo_steps": ppo["steps"],
+        "gold_score": ppo["gold_score"], "rm_score": ppo["rm_score"], "kl_mean_final": ppo["kl_mean_final"],
+        "logprob_mismatch": ppo["logprob_mismatch"],
+        **rl, "memory_saving_bytes": memory_saving(ppo, rl["grpo"]),
     }
 
 
@@ -420,8 +511,29 @@ def _mib(x) -> str:
     return "n/a" if x is None else f"{x / 2**20:.1f} MiB"
 
 
+def _saving(x, base) -> str:
+    if x is None:
+        return "n/a"
+    return _mib(x) + (f" ({100 * x / base:.0f}%)" if base else "")
+
+
+def run_state(x: dict) -> str | None:
+    """Why an RL run's numbers are missing or suspect ("run" is set by the full check:
+    exit_code, seconds, timeout_seconds, or skipped), or None when it finished."""
+    run = x.get("run") or {}
+    if run.get("skipped"):
+        return f"not run: {run['skipped']}"
+    rc = run.get("exit_code")
+    why = (f"timed out after {_s(run.get('timeout_seconds'), '{:.0f}')} s" if rc == 124 else
+           f"exited {rc}" if rc not in (None, 0) else None)
+    if x.get("complete"):
+        return why and f"the pipeline {why}"
+    return f"{'the pipeline ' + why + '; ' if why else ''}missing {', '.join(x.get('missing') or ['?'])}"
+
+
 def format_table(res: dict) -> str:
     env = res.get("environment") or {}
+    ppo, grpo, saving = res["ppo"], res["grpo"], res["memory_saving_bytes"]
     lines = []
     if env:
         dev = env.get("device", "?")
@@ -430,47 +542,84 @@ def format_table(res: dict) -> str:
         lines.append(f"GPU check: {dev}, torch {env.get('torch')} (CUDA {env.get('cuda')}), megatron-core "
                      f"{env.get('megatron_core')}, Python {env.get('python')}, {env.get('params_dtype', '?')}, "
                      f"TE layer spec: {'yes' if env.get('transformer_engine') else 'no (local spec)'}, "
-                     f"offload between PPO phases: {'on' if env.get('offload_between_phases') else 'off'}")
-    lines.append(f"run: {res['run_dir']}" + (f"   pipeline incl. start-up: {_s(res['total_seconds'])} s"
-                                             if res.get("total_seconds") is not None else ""))
-    mem_head = "peak GPU memory" if env.get("device", "cpu") != "cpu" and env else "peak memory"
-    lines += ["", f"{'phase':<20}{'seconds':>10}  {mem_head:>16}", "-" * 48]
-    rows = [("SFT stage", res["stages"]["sft"]), ("RM stage", res["stages"]["rm"])]
-    rows += [(f"PPO {p}", v) for p, v in res["ppo_phases"].items()]
-    rows.append(("PPO stage (wall)", res["stages"]["ppo"]))
-    for name, v in rows:
+                     f"offload between RL phases: {'on' if env.get('offload_between_phases') else 'off'}")
+    grpo_s = (grpo.get("run") or {}).get("seconds")
+    lines.append(f"run: {res['run_dir']}"
+                 + (f"   SFT -> RM -> PPO incl. start-up: {_s(res['total_seconds'])} s"
+                    if res.get("total_seconds") is not None else "")
+                 + (f"   GRPO incl. start-up: {_s(grpo_s)} s" if grpo_s is not None else ""))
+    gpu = bool(env) and env.get("device", "cpu") != "cpu"
+    mem_head = "peak GPU memory" if gpu else "peak memory"
+    lines += ["", f"{'stage':<20}{'seconds':>10}  {mem_head:>16}", "-" * 48]
+    for name, v in (("SFT stage", res["stages"]["sft"]), ("RM stage", res["stages"]["rm"])):
         lines.append(f"{name:<20}{_s(v['seconds']):>10}  {_mib(v['peak_memory_bytes']):>16}")
-    g, r, m = res["gold_score"], res["rm_score"], res["logprob_mismatch"]
-    change = (f"   change {g['after'] - g['before']:+.3f}" if None not in (g["before"], g["after"]) else "")
-    lines += ["",
-              f"{'gold score (eval)':<20}before {_s(g['before'], '{:.3f}')}   after {_s(g['after'], '{:.3f}')}{change}",
-              f"{'RM score (eval)':<20}before {_s(r['before'], '{:.3f}')}   after {_s(r['after'], '{:.3f}')}"]
 
+    # RL phases: PPO and GRPO side by side, and what GRPO's missing critic saves
+    peak = "GPU peak" if gpu else "peak"
+    head = (f"{'RL phase':<18}{'PPO s':>8}{'GRPO s':>8}{'PPO ' + peak:>14}{'GRPO ' + peak:>15}"
+            f"{'saving (PPO - GRPO)':>24}")
+    lines += ["", head, "-" * len(head)]
+    names = list(ppo["phases"]) + [p for p in grpo["phases"] if p not in ppo["phases"]]
+    rows = [(p, ppo["phases"].get(p, {}), grpo["phases"].get(p, {}), saving.get(p)) for p in names]
+    rows.append(("RL stage (wall)", ppo["stage"], grpo["stage"], saving.get("stage")))
+    for name, a, b, sv in rows:
+        lines.append(f"{name:<18}{_s(a.get('seconds')):>8}{_s(b.get('seconds')):>8}"
+                     f"{_mib(a.get('peak_memory_bytes')):>14}{_mib(b.get('peak_memory_bytes')):>15}"
+                     f"{_saving(sv, a.get('peak_memory_bytes')):>24}")
+
+    def roles(x):
+        return f"{', '.join(x['roles'])} ({len(x['roles'])})" if x.get("roles") else "n/a"
+    lines.append(f"{'roles':<18}PPO: {roles(ppo)}   GRPO: {roles(grpo)}")
+
+    # quality: gold / RM score before and after, final KL, logprob_mismatch
     def mm(x):
         return "n/a" if not x else f"{_s(x['value'], '{:.3e}')} (step {x['step']})"
-    lines.append(f"{'logprob_mismatch':<20}first {mm(m['first'])}   last {mm(m['last'])}")
-    lines.append(f"{'KL (final step)':<20}{_s(res['kl_mean_final'], '{:.3f}')}")
+
+    def f3(x, fmt="{:.3f}"):
+        return _s(x, fmt)
+    head = (f"{'RL result':<10}{'gold before':>12}{'gold after':>12}{'change':>9}{'RM before':>11}"
+            f"{'RM after':>10}{'KL final':>10}   logprob_mismatch first -> last")
+    lines += ["", head, "-" * len(head)]
+    for name, x in (("PPO", ppo), ("GRPO", grpo)):
+        g, r, m = x["gold_score"], x["rm_score"], x["logprob_mismatch"]
+        if name == "GRPO" and str(Path(x["stage_dir"]) / "summary.json") in x["missing"]:
+            lines.append(f"{name:<10}missing")  # no summary, no numbers (why: the GRPO line below)
+            continue
+        change = _minus(g["after"], g["before"])
+        lines.append(f"{name:<10}{f3(g['before']):>12}{f3(g['after']):>12}{f3(change, '{:+.3f}'):>9}"
+                     f"{f3(r['before']):>11}{f3(r['after']):>10}{f3(x['kl_mean_final']):>10}   "
+                     f"{mm(m['first'])} -> {mm(m['last'])}")
+    grpo_state = run_state(grpo)  # PPO's missing files: the `missing:` line
+    if grpo_state:
+        lines.append(f"GRPO: {grpo_state}")
     if res.get("missing"):
         lines.append("missing: " + ", ".join(res["missing"]))
-    if not env or env.get("device") == "cpu":
+    if not gpu:
         lines.append("(peak memory: GPU runs report torch.cuda.max_memory_allocated per phase, CPU runs the "
                      "process's peak RSS; 'n/a' where the stage's summary has no number)")
     return "\n".join(lines)
 
 
 def write_outputs(res: dict, out_dir: str | Path, run_dir: Path | None = None) -> Path:
-    """<out>/gpu_check.json and gpu_check.txt; with run_dir, copies of the stage summaries and the
-    PPO metrics as flat files (the device tool brings back at most 8 files)."""
+    """<out>/gpu_check.json and gpu_check.txt; with run_dir, summaries.json (each stage's
+    summary.json by stage) and the RL metrics as <algorithm>_metrics.jsonl (flat files: the
+    device tool brings back at most 8, and the logs are two more)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     table = format_table(res)
     (out / "gpu_check.json").write_text(json.dumps(res, indent=2) + "\n")
     (out / "gpu_check.txt").write_text(table + "\n")
     if run_dir is not None:
-        for src, name in [(run_dir / s / "summary.json", f"{s}_summary.json") for s in ("sft", "rm", "ppo")] + \
-                         [(run_dir / "ppo" / "metrics.jsonl", "ppo_metrics.jsonl")]:
-            if src.exists():
-                shutil.copyfile(src, out / name)
+        summaries = {}
+        for stage in ("sft", "rm", *RL_RUNS):
+            try:
+                summaries[stage] = json.loads((run_dir / stage / "summary.json").read_text())
+            except (OSError, ValueError):
+                pass
+        (out / "summaries.json").write_text(json.dumps(summaries, indent=2) + "\n")
+        for a in RL_RUNS:
+            if (run_dir / a / "metrics.jsonl").exists():
+                shutil.copyfile(run_dir / a / "metrics.jsonl", out / f"{a}_metrics.jsonl")
     return out / "gpu_check.json"
 
 
@@ -553,8 +702,14 @@ def main(argv: list[str] | None = None) -> int:
                     os.path.join(tempfile.gettempdir(), "megatron_rlhf_gpu_check_venv"))
     ap.add_argument("--no-install", action="store_true",
                     help="run under the interpreter as it is (its packages already installed): no venv, no wheels")
-    ap.add_argument("--timeout", type=float, default=float(os.environ.get("GPU_CHECK_TIMEOUT", 300)),
-                    help="seconds for the pipeline before it is stopped (default 300)")
+    ap.add_argument("--timeout", type=float, default=float(os.environ.get("GPU_CHECK_TIMEOUT", 420)),
+                    help="seconds for both runs together, SFT -> RM -> PPO then GRPO, before they are stopped "
+                         "(env GPU_CHECK_TIMEOUT; default 420)")
+    ap.add_argument("--grpo-share", type=float, default=0.3,
+                    help="part of --timeout kept for the GRPO run: PPO is stopped after (1 - share) x timeout, "
+                         "GRPO gets what is left (default 0.3)")
+    ap.add_argument("--no-grpo", action="store_true",
+                    help="only SFT -> RM -> PPO (no GRPO run; --report-only: GRPO not required)")
     ap.add_argument("--run-root", default=None, help="run root (default: a new temporary folder, removed after)")
     ap.add_argument("--keep-run", action="store_true", help="keep the temporary run root")
     ap.add_argument("--cpu", action="store_true", help="accept a torch without a GPU (tests this script on CPU)")
@@ -564,6 +719,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--wheel-python", default="3.12", help="CPython versions for --build-wheels (space-separated)")
     ap.add_argument("--all-deps", action="store_true", help="--build-wheels: every dependency except torch's (~72 MiB)")
     args = ap.parse_args(argv)
+    if not 0 < args.grpo_share < 1:
+        ap.error(f"--grpo-share {args.grpo_share}: must be between 0 and 1")
 
     try:
         if args.plan_install:  # internal: run by install() under the venv's python
@@ -577,9 +734,11 @@ def main(argv: list[str] | None = None) -> int:
             if not run_dir.is_dir():
                 raise CheckError(f"no run directory {run_dir}")
             res = collect(run_dir)
+            if args.no_grpo and not res["grpo"]["complete"]:
+                res["grpo"]["run"] = {"skipped": "--no-grpo"}
             print(format_table(res))
             say(f"wrote {write_outputs(res, args.out)}")
-            return 0 if res["complete"] else EXIT_RUN
+            return 0 if res["complete"] and (args.no_grpo or run_state(res["grpo"]) is None) else EXIT_RUN
 
         parent = find_python(args.python, args.cpu)
         say(f"python: {parent['executable']} (Python {_ver(parent)}), torch {parent['torch']} "
@@ -601,27 +760,60 @@ def main(argv: list[str] | None = None) -> int:
 
     root = Path(args.run_root) if args.run_root else Path(tempfile.mkdtemp(prefix="gpu_check_"))
     overrides = [f"checkpoint.root={root}", "checkpoint.run_name=gpu_check", "model.params_dtype=bfloat16",
-                 *args.overrides]
+                 *modern_overrides(args.overrides)]
     env["params_dtype"] = next(o.split("=", 1)[1] for o in reversed(overrides) if o.startswith("model.params_dtype="))
     env["offload_between_phases"] = env.get("device") != "cpu"  # colocation.py moves memory only on CUDA
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    rc, seconds = run_pipeline(py, overrides, out / "gpu_check.log", args.timeout)
     run_dir = root / "gpu_check"
+    ppo_limit = args.timeout * (1 if args.no_grpo else 1 - args.grpo_share)
+    rc, seconds = run_pipeline(py, overrides, out / "gpu_check.log", ppo_limit)
+    grpo_run = run_grpo(py, overrides, run_dir, out, args.timeout - seconds, args.no_grpo)
     res = collect(run_dir)
+    res["ppo"]["run"] = {"recipe": RECIPE, "overrides": overrides, "exit_code": rc, "seconds": seconds,
+                         "timeout_seconds": ppo_limit, "log": "gpu_check.log"}
+    res["grpo"]["run"] = grpo_run
+    launch = "torchrun --standalone --nproc-per-node 1 -m megatron_rlhf pipeline --config "
     res.update(environment=env, overrides=overrides, total_seconds=seconds, exit_code=rc,
-               command="torchrun --standalone --nproc-per-node 1 -m megatron_rlhf pipeline --config " + RECIPE)
+               command=launch + RECIPE, grpo_command=launch + GRPO_RECIPE)
     path = write_outputs(res, out, run_dir)
     print("\n" + format_table(res), flush=True)
-    say(f"wrote {path} (and gpu_check.txt, gpu_check.log, the summaries) in {out}")
+    say(f"wrote {path} (and gpu_check.txt, the logs, summaries.json, the RL metrics) in {out}")
     if not args.run_root and not args.keep_run:
         shutil.rmtree(root, ignore_errors=True)
+    failed = []
     if rc != 0 or not res["complete"]:
-        print(f"gpu-check: the pipeline {'timed out' if rc == 124 else f'exited {rc}'}"
-              f"{'' if res['complete'] else '; missing ' + ', '.join(res['missing'])} "
-              f"(log: {out / 'gpu_check.log'})", file=sys.stderr, flush=True)
-        return EXIT_RUN
-    return 0
+        failed.append(f"the pipeline {'timed out' if rc == 124 else f'exited {rc}'}"
+                      f"{'' if res['complete'] else '; missing ' + ', '.join(res['missing'])} "
+                      f"(log: {out / 'gpu_check.log'})")
+    if not args.no_grpo and run_state(res["grpo"]):
+        ran = "exit_code" in res["grpo"]["run"]
+        failed.append(f"GRPO {run_state(res['grpo'])}" + (f" (log: {out / 'gpu_check_grpo.log'})" if ran else ""))
+    for line in failed:
+        print(f"gpu-check: {line}", file=sys.stderr, flush=True)
+    return EXIT_RUN if failed else 0
+
+
+def run_grpo(py: Path, overrides: list[str], run_dir: Path, out: Path, left: float, skip: bool) -> dict:
+    """The GRPO recipe on the PPO run's directory (its finished SFT and RM are skipped), in the
+    `left` seconds of --timeout; what happened, for gpu_check.json's grpo.run."""
+    if skip:
+        return {"skipped": "--no-grpo"}
+    grpo, dropped = grpo_overrides(overrides)
+    run = {"recipe": GRPO_RECIPE, "overrides": grpo, "overrides_not_passed": dropped, "log": "gpu_check_grpo.log"}
+    unfinished = [s for s in ("sft", "rm") if not (run_dir / s / "summary.json").exists()]
+    if unfinished:
+        run["skipped"] = f"{' and '.join(s.upper() for s in unfinished)} did not finish in the PPO pipeline"
+    elif left < MIN_GRPO_SECONDS:
+        run["skipped"] = f"only {max(left, 0):.0f} s of --timeout left (needs {MIN_GRPO_SECONDS})"
+    if run.get("skipped"):
+        say(f"GRPO run skipped: {run['skipped']}")
+        return run
+    if dropped:
+        say(f"GRPO run without the overrides a critic-free recipe refuses or sets itself: {' '.join(dropped)}")
+    rc, seconds = run_pipeline(py, grpo, out / "gpu_check_grpo.log", left, GRPO_RECIPE)
+    run.update(exit_code=rc, seconds=seconds, timeout_seconds=left)
+    return run
 
 
 if __name__ == "__main__":

@@ -8,14 +8,18 @@ from __future__ import annotations
 import argparse
 import sys
 
-from megatron_rlhf.config import ConfigError, load_config
+from megatron_rlhf.config import ConfigError, load_config, validate
 
 COMMANDS = {
     "smoke": "the four roles at the configured TP x PP: forward + one optimizer step each",
     "sft": "supervised fine-tuning stage -> <run>/sft",
     "rm": "reward-model stage (starts from the SFT checkpoint) -> <run>/rm",
-    "ppo": "PPO stage (actor/reference from SFT, reward model/critic from RM) -> <run>/ppo",
-    "pipeline": "SFT -> RM -> PPO, skipping finished stages and resuming partial ones; report",
+    "rl": "RL stage, rl.algorithm = ppo (default) | grpo | rloo | reinforce_pp | reinforce_pp_baseline | "
+          "batch_mean (actor/reference from SFT, reward model and PPO's critic from RM) -> <run>/<algorithm>",
+    "ppo": "the rl stage (the name older scripts use)",
+    "pipeline": "the stages of pipeline.stages (sft -> rm -> rl), skipping finished stages and resuming "
+                "partial ones; report",
+    "stages": "print pipeline.stages, one per line (what slurm/submit_pipeline.sh submits)",
     "import-hf": "--hf DIR --out DIR: a local Hugging Face Llama-family checkpoint -> our checkpoint "
                  "(model fields from its config.json; launch at any TP x PP)",
     "export-hf": "--ckpt DIR --role actor|reward|critic --out DIR [--tokenizer DIR]: our checkpoint "
@@ -64,10 +68,11 @@ def run_command(command: str, cfg) -> None:
         from megatron_rlhf.trainers import rm
 
         rm.train(cfg)
-    elif command == "ppo":
-        from megatron_rlhf.trainers import ppo
+    elif command in ("rl", "ppo"):
+        from megatron_rlhf.trainers import rl
 
-        ppo.train(cfg)
+        rl.train(cfg)
+
     elif command == "pipeline":
         from megatron_rlhf import pipeline
 
@@ -93,6 +98,13 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(f"config error: {err}", file=sys.stderr)
         return 2
+    if args.command == "stages":  # before anything imports torch: Slurm submission scripts wait on it
+        try:
+            print("\n".join(validate(cfg).pipeline.stages))
+        except ConfigError as err:
+            print(f"config error: {err}", file=sys.stderr)
+            return 2
+        return 0
     from megatron_rlhf.checkpoint.validate import CheckpointError
     from megatron_rlhf.convert import ConvertError
     from megatron_rlhf.data.jsonl import DataError
@@ -120,9 +132,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"training error: {err}", file=sys.stderr)
         return 3
     finally:
-        from megatron_rlhf import parallel
-
-        parallel.destroy()
+        parallel = sys.modules.get("megatron_rlhf.parallel")  # not imported (e.g. `stages`): nothing to tear down
+        if parallel is not None:
+            parallel.destroy()
     return 0
 
 

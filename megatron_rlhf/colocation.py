@@ -1,6 +1,6 @@
-"""Time-shared colocation: which roles live on the device in which PPO phase.
+"""Time-shared colocation: which roles live on the device in which RL phase.
 
-The schedule is data (PHASES below). Entering a phase onloads what it needs and offloads
+The schedule is data: PHASES below, narrowed by `phases_for` to the roles an algorithm builds. Entering a phase onloads what it needs and offloads
 the rest: frozen roles move their parameters to (pinned) host memory; trained roles keep
 their parameters but move optimizer states and gradient buffers off the device outside
 `train`. Every phase records wall time and peak memory (device memory on GPU; on CPU the
@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import resource
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import torch
 
@@ -22,6 +24,15 @@ PHASES: dict[str, dict[str, str]] = {
     "train": {"actor": "params+optimizer", "critic": "params+optimizer"},
     "eval": {"actor": "params", "reward": "params"},
 }
+
+
+def phases_for(roles, reward_in_generate: bool = False) -> dict[str, dict[str, str]]:
+    """PHASES for the roles that exist (a critic-free algorithm has no critic); with dynamic
+    sampling the reward model scores candidate groups during generate, so it is on the device."""
+    table = {phase: {r: need for r, need in needs.items() if r in roles} for phase, needs in PHASES.items()}
+    if reward_in_generate:
+        table["generate"]["reward"] = "params"
+    return table
 
 
 @dataclass
@@ -63,6 +74,21 @@ class ColocationScheduler:
         st.tokens += tokens
         st.peak_memory_bytes = max(st.peak_memory_bytes, peak_memory_bytes())
         self._current = None
+
+    @contextmanager
+    def phase(self, name: str):
+        """`with sched.phase("score") as p: ...; p.tokens = n`: enter, run, exit with the tokens."""
+        self.enter(name)
+        counter = SimpleNamespace(tokens=0)
+        yield counter
+        self.exit(tokens=counter.tokens)
+
+    def step_metrics(self) -> dict[str, float]:
+        """Per phase: mean seconds per call, tokens/s and peak memory so far (for the step's log line)."""
+        summary = self.summary()
+        return {**{f"{p}_seconds": s.seconds / s.calls for p, s in self.stats.items()},
+                **{f"{p}_tokens_per_s": v["tokens_per_s"] for p, v in summary.items()},
+                **{f"{p}_peak_memory_bytes": s.peak_memory_bytes for p, s in self.stats.items()}}
 
     def _place(self, name: str, role, want: str) -> None:
         have = self.on_device[name]

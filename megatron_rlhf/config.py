@@ -24,7 +24,16 @@ class ConfigError(ValueError):
 
 
 DTYPES = ("float32", "bfloat16", "float16")
-# The choices of the ppo section (algorithms/ppo.py implements each).
+# The choices of the rl section (algorithms/ implements each).
+RL_ALGORITHMS = ("ppo", "grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "batch_mean")
+CRITIC_FREE = tuple(a for a in RL_ALGORITHMS if a != "ppo")
+GROUP_BASELINES = ("grpo", "rloo", "reinforce_pp_baseline")  # need n_samples_per_prompt >= 2
+# Fields only a critic uses: refused when set with a critic-free algorithm.
+CRITIC_FIELDS = ("critic_optimizer", "vf_coef", "value_clip", "critic_warmup_steps", "lam", "whiten_advantages")
+IMPORTANCE_RATIOS = ("token", "sequence")
+STAGES = ("sft", "rm", "rl")
+# What each stage starts from: an earlier stage in pipeline.stages, or the field naming its checkpoint.
+STAGE_INPUTS = {"rm": {"sft": "rm.init_from"}, "rl": {"sft": "rl.sft_from", "rm": "rl.rm_from"}}
 KL_ESTIMATORS = ("k1", "k2", "k3")
 KL_CONTROLLERS = ("fixed", "adaptive")
 LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum")
@@ -138,17 +147,29 @@ class RMConfig(StageConfig):
 
 
 @dataclass
-class PPOConfig:
+class RLConfig:
+    """The RL stage (python -m megatron_rlhf rl): PPO or a critic-free algorithm. Writes
+    <run>/<algorithm>/. The old section name `ppo` is still read (with a note)."""
+
+    # ppo (actor + critic, GAE) | grpo | rloo | reinforce_pp | reinforce_pp_baseline | batch_mean
+    # (critic-free: no critic is built; algorithms/advantages.py has each estimator).
+    algorithm: str = "ppo"
     steps: int = 40                  # iterations: generate -> score -> train
     rollout_batch_size: int = 32     # prompts per iteration, over all data-parallel ranks
+    n_samples_per_prompt: int = 1    # responses per prompt (the group of grpo/rloo)
+    # Drop groups whose rewards are all equal (no learning signal; DAPO) and generate more
+    # groups, at most max_sampling_rounds generation rounds per iteration; a shortfall is
+    # filled with dropped groups (logged as sampling_shortfall) so batch shapes stay fixed.
+    dynamic_sampling: bool = False
+    max_sampling_rounds: int = 3
     mini_batch_size: int = 16        # sequences per optimizer step, over all data-parallel ranks
     micro_batch_size: int = 8
-    ppo_epochs: int = 2              # passes over each rollout batch, reshuffled every epoch
+    epochs: int = 2                  # passes over each rollout batch, reshuffled every epoch
     # Sampling (also the temperature of the recomputed log-probs).
     max_new_tokens: int = 12
     temperature: float = 1.0
-    # Must stay 0 / 1.0 for PPO: every log-prob (rollout, old, new, reference) is computed
-    # under the full softmax, so a filtered sampler would make the rollout off-policy.
+    # Must stay 0 / 1.0: every log-prob (rollout, old, new, reference) is computed under the
+    # full softmax, so a filtered sampler would make the rollout off-policy.
     top_k: int = 0
     top_p: float = 1.0
     # Reward: r_t = -kl_coef * KL_t (kl_in_reward), RM score added at the last response token.
@@ -156,7 +177,7 @@ class PPOConfig:
     kl_controller: str = "fixed"     # fixed | adaptive (Ziegler et al.)
     kl_target: float = 6.0
     kl_horizon: float = 10000.0
-    # k1 | k2 | k3 (algorithms/ppo.py: kl_estimate). In the reward only k1 gives an unbiased
+    # k1 | k2 | k3 (algorithms/kl.py: kl_estimate). In the reward only k1 gives an unbiased
     # policy gradient (k2, k3 are biased there: a warning says so); in the loss k1 has zero
     # expected gradient and is refused, k2 is the gradient of KL(pi||ref), k3 of KL(ref||pi) (GRPO).
     kl_estimator: str = "k1"
@@ -168,12 +189,20 @@ class PPOConfig:
     missing_eos_penalty: float | None = None  # score given to responses without EOS
     reward_clip: float = 10.0        # clip RM scores to [-reward_clip, reward_clip]
     gamma: float = 1.0
+    # Policy loss: ratio clipped to [1 - clip_eps, 1 + clip_eps_high] (null: clip_eps;
+    # "clip-higher" sets it above clip_eps); dual_clip c > 1 bounds the loss of a negative
+    # advantage at c * |A|; importance_ratio: token | sequence (GSPO, use small clip ranges).
+    clip_eps: float = 0.2
+    clip_eps_high: float | None = None
+    dual_clip: float | None = None
+    importance_ratio: str = "token"
+    group_std_normalization: bool = True  # grpo: divide by the group's std (false: Dr.GRPO)
+    entropy_coef: float = 0.0
+    # Critic (ppo only; setting one with a critic-free algorithm is an error).
     lam: float = 0.95
     whiten_advantages: bool = True
-    clip_eps: float = 0.2
     value_clip: float = 0.2
     vf_coef: float = 1.0
-    entropy_coef: float = 0.0
     critic_warmup_steps: int = 0     # iterations that train only the critic
     eval_interval: int = 10
     eval_samples_logged: int = 3
@@ -184,6 +213,21 @@ class PPOConfig:
     # Stage (or iter_*) directories of the inputs; default <run>/sft and <run>/rm.
     sft_from: str | None = None
     rm_from: str | None = None
+
+    @property
+    def has_critic(self) -> bool:
+        return self.algorithm not in CRITIC_FREE
+
+    @property
+    def samples_per_iteration(self) -> int:
+        return self.rollout_batch_size * self.n_samples_per_prompt
+
+
+@dataclass
+class PipelineConfig:
+    # Stages `pipeline` (and slurm/submit_pipeline.sh, megatron_rlhf.launch) run in order:
+    # sft, rm, rl. Each starts from an earlier stage's checkpoint or its *_from field.
+    stages: list[str] = field(default_factory=lambda: list(STAGES))
 
 
 @dataclass
@@ -224,13 +268,20 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
     rm: RMConfig = field(default_factory=RMConfig)
-    ppo: PPOConfig = field(default_factory=PPOConfig)
+    rl: RLConfig = field(default_factory=RLConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     resilience: ResilienceConfig = field(default_factory=ResilienceConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    # Set by load_config (not part of the recipe): notes on renamed keys, and the dotted keys
+    # the recipe itself (not a base recipe) and the overrides set.
+    # Plain class attributes, not fields: a recipe cannot set them and to_dict leaves them out.
+    notes = ()
+    given = frozenset()
 
 
 # ---------------------------------------------------------------- building from dicts
@@ -250,6 +301,11 @@ def _check_type(value: Any, annotation: Any, name: str) -> Any:
             except ConfigError:
                 pass
         raise ConfigError(f"{name}: expected {annotation}, got {value!r} ({type(value).__name__})")
+    if origin is list:
+        (item,) = typing.get_args(annotation)
+        if not isinstance(value, list):
+            raise ConfigError(f"{name}: expected a list, got {value!r} ({type(value).__name__})")
+        return [_check_type(v, item, f"{name}[{i}]") for i, v in enumerate(value)]
     if annotation is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if annotation is float and isinstance(value, str):
@@ -324,17 +380,62 @@ def _merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
     return merged
 
 
+def rename_legacy_keys(data: dict[str, Any], where: str) -> tuple[dict[str, Any], list[str]]:
+    """The `ppo` section read as `rl` (and ppo.ppo_epochs as rl.epochs), with a note naming
+    each new key. A key set under both names is an error."""
+    if "ppo" not in data:
+        return data, []
+    old = data["ppo"]
+    if not isinstance(old, dict):
+        raise ConfigError(f"ppo: expected a mapping (the section is now called rl), got {old!r}")
+    new = dict(data.get("rl") or {})
+    moved = []
+    for key, value in old.items():
+        target = "epochs" if key == "ppo_epochs" else key
+        if target in new:
+            raise ConfigError(f"ppo.{key} and rl.{target} are both set ({where}); keep rl.{target} only")
+        new[target] = value
+        moved.append(f"ppo.{key} -> rl.{target}")
+    data = {k: v for k, v in data.items() if k != "ppo"}
+    data["rl"] = new
+    return data, [f"{where}: the ppo section is now rl; read {', '.join(moved)}"]
+
+
+def _leaf_keys(tree: dict[str, Any], prefix: str = "") -> set[str]:
+    keys = set()
+    for key, value in tree.items():
+        keys |= _leaf_keys(value, f"{prefix}{key}.") if isinstance(value, dict) else {f"{prefix}{key}"}
+    return keys
+
+
+def read_recipe(path: Path, chain: tuple[Path, ...] = ()) -> tuple[dict[str, Any], list[str]]:
+    """A YAML recipe as a dict, on top of the recipe its `base:` names (a path relative to it)."""
+    if not path.is_file():
+        raise ConfigError(f"{'base' if chain else '--config'}: file not found: {path}")
+    if path.resolve() in chain:
+        raise ConfigError(f"{path}: base recipes form a cycle: {' -> '.join(map(str, chain))}")
+    data = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: top level must be a mapping of sections")
+    data, notes = rename_legacy_keys(data, str(path))
+    base = data.pop("base", None)
+    if base is None:
+        return data, notes
+    parent, parent_notes = read_recipe(path.parent / base, (*chain, path.resolve()))
+    return _merge(parent, data), parent_notes + notes
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
-    data: dict[str, Any] = {}
+    data, notes, own = {}, [], {}
     if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"--config: file not found: {path}")
-        data = yaml.safe_load(path.read_text()) or {}
-        if not isinstance(data, dict):
-            raise ConfigError(f"{path}: top level must be a mapping of sections")
-    data = _merge(data, parse_overrides(overrides or []))
-    return from_dict(Config, data)
+        data, notes = read_recipe(Path(path))
+        own = yaml.safe_load(Path(path).read_text()) or {}
+        own, _ = rename_legacy_keys({k: v for k, v in own.items() if k != "base"}, str(path))
+    cli, cli_notes = rename_legacy_keys(parse_overrides(overrides or []), "overrides")
+    cfg = from_dict(Config, _merge(data, cli))
+    cfg.notes = notes + cli_notes
+    cfg.given = frozenset(_leaf_keys(own) | _leaf_keys(cli))
+    return cfg
 
 
 # ---------------------------------------------------------------- cross-field validation
@@ -407,9 +508,10 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
         raise ConfigError(f"data.overflow={cfg.data.overflow!r}: choose one of {OVERFLOW_POLICIES}")
     for name in ("sft", "rm"):
         _validate_stage(name, getattr(cfg, name), m, dp)
-    for name in ("optimizer", "sft.optimizer", "rm.optimizer", "ppo.actor_optimizer", "ppo.critic_optimizer"):
+    for name in ("optimizer", "sft.optimizer", "rm.optimizer", "rl.actor_optimizer", "rl.critic_optimizer"):
         _validate_optimizer(name, _get_dotted(cfg, name))
-    _validate_ppo(cfg.ppo, m, dp)
+    _validate_rl(cfg.rl, m, dp, cfg.given)
+    _validate_pipeline(cfg)
     if cfg.checkpoint.keep_last < 1:
         raise ConfigError(f"checkpoint.keep_last={cfg.checkpoint.keep_last}: must be >= 1")
     if cfg.resilience.max_consecutive_nonfinite < 0:
@@ -454,57 +556,97 @@ def _validate_stage(name: str, st: StageConfig, m: ModelConfig, dp: int) -> None
         raise ConfigError(f"{name}.optimizer.warmup_steps={st.optimizer.warmup_steps}: more than {name}.steps={st.steps}")
 
 
-def _validate_ppo(p: PPOConfig, m: ModelConfig, dp: int) -> None:
-    for key in ("steps", "rollout_batch_size", "mini_batch_size", "micro_batch_size", "ppo_epochs",
+def _validate_rl(p: RLConfig, m: ModelConfig, dp: int, given: frozenset = frozenset()) -> None:
+    for key in ("steps", "rollout_batch_size", "mini_batch_size", "micro_batch_size", "epochs", "n_samples_per_prompt", "max_sampling_rounds",
                 "max_new_tokens", "eval_interval", "log_interval"):
         if getattr(p, key) < 1:
-            raise ConfigError(f"ppo.{key}={getattr(p, key)}: must be >= 1")
-    if p.rollout_batch_size % p.mini_batch_size:
-        raise ConfigError(f"ppo.rollout_batch_size={p.rollout_batch_size}: must be a multiple of "
-                          f"ppo.mini_batch_size={p.mini_batch_size}")
+            raise ConfigError(f"rl.{key}={getattr(p, key)}: must be >= 1")
+    if p.algorithm not in RL_ALGORITHMS:
+        raise ConfigError(f"rl.algorithm={p.algorithm!r}: choose one of {RL_ALGORITHMS}")
+    if p.samples_per_iteration % p.mini_batch_size:
+        raise ConfigError(f"rl.rollout_batch_size={p.rollout_batch_size} x rl.n_samples_per_prompt="
+                          f"{p.n_samples_per_prompt}: must be a multiple of rl.mini_batch_size={p.mini_batch_size}")
+    if p.rollout_batch_size % dp:  # a prompt's group stays on one data-parallel rank
+        raise ConfigError(f"rl.rollout_batch_size={p.rollout_batch_size}: must be a multiple of the "
+                          f"data-parallel size {dp} (each rank samples whole groups)")
     if p.mini_batch_size % (p.micro_batch_size * dp):
-        raise ConfigError(f"ppo.mini_batch_size={p.mini_batch_size}: must be a multiple of "
-                          f"ppo.micro_batch_size={p.micro_batch_size} x data-parallel size {dp}")
+        raise ConfigError(f"rl.mini_batch_size={p.mini_batch_size}: must be a multiple of "
+                          f"rl.micro_batch_size={p.micro_batch_size} x data-parallel size {dp}")
     if p.max_new_tokens > m.max_seq_length - 2:  # encode_prompts needs room for >= 2 prompt tokens
-        raise ConfigError(f"ppo.max_new_tokens={p.max_new_tokens}: leaves no room for a prompt in "
+        raise ConfigError(f"rl.max_new_tokens={p.max_new_tokens}: leaves no room for a prompt in "
                           f"model.max_seq_length={m.max_seq_length}; at most {m.max_seq_length - 2}")
     if p.temperature <= 0:
-        raise ConfigError(f"ppo.temperature={p.temperature}: must be > 0")
+        raise ConfigError(f"rl.temperature={p.temperature}: must be > 0")
     if not 0 < p.top_p <= 1 or p.top_k < 0:
-        raise ConfigError(f"ppo.top_p={p.top_p}, ppo.top_k={p.top_k}: need 0 < top_p <= 1 and top_k >= 0")
+        raise ConfigError(f"rl.top_p={p.top_p}, rl.top_k={p.top_k}: need 0 < top_p <= 1 and top_k >= 0")
     if p.top_k != 0 or p.top_p != 1.0:
         raise ConfigError(
-            f"ppo.top_k={p.top_k}, ppo.top_p={p.top_p}: PPO computes every log-prob (rollout, old, new, "
+            f"rl.top_k={p.top_k}, rl.top_p={p.top_p}: The RL stage computes every log-prob (rollout, old, new, "
             "reference) under the full softmax, so sampling from a top-k/top-p filtered distribution would "
-            "make the rollout off-policy and bias the KL; set ppo.top_k=0 and ppo.top_p=1.0 (use "
-            "ppo.temperature to sharpen or flatten sampling)")
+            "make the rollout off-policy and bias the KL; set rl.top_k=0 and rl.top_p=1.0 (use "
+            "rl.temperature to sharpen or flatten sampling)")
     choices = {"kl_estimator": KL_ESTIMATORS, "kl_controller": KL_CONTROLLERS, "loss_aggregation": LOSS_AGGREGATIONS}
     for key, allowed in choices.items():
         if getattr(p, key) not in allowed:
-            raise ConfigError(f"ppo.{key}={getattr(p, key)!r}: choose one of {allowed}")
+            raise ConfigError(f"rl.{key}={getattr(p, key)!r}: choose one of {allowed}")
     if not p.kl_in_reward and p.kl_estimator == "k1":
         raise ConfigError(
-            "ppo.kl_estimator='k1' with ppo.kl_in_reward=false: in the loss the k1 estimator has zero "
+            "rl.kl_estimator='k1' with rl.kl_in_reward=false: in the loss the k1 estimator has zero "
             "expected gradient (E_pi[grad log pi] = 0), so it adds noise and no regularisation; set "
-            "ppo.kl_estimator=k2 (gradient of KL(pi||ref)) or k3 (GRPO's convention, gradient of KL(ref||pi)), "
-            "or keep k1 in the reward (ppo.kl_in_reward=true)")
+            "rl.kl_estimator=k2 (gradient of KL(pi||ref)) or k3 (GRPO's convention, gradient of KL(ref||pi)), "
+            "or keep k1 in the reward (rl.kl_in_reward=true)")
     if p.kl_clip is not None and p.kl_clip <= 0:
-        raise ConfigError(f"ppo.kl_clip={p.kl_clip}: must be > 0, or null for no bound")
+        raise ConfigError(f"rl.kl_clip={p.kl_clip}: must be > 0, or null for no bound")
     if p.kl_target <= 0 or p.kl_horizon <= 0:
-        raise ConfigError(f"ppo.kl_target={p.kl_target}, ppo.kl_horizon={p.kl_horizon}: must be > 0")
+        raise ConfigError(f"rl.kl_target={p.kl_target}, rl.kl_horizon={p.kl_horizon}: must be > 0")
     if not (0 <= p.gamma <= 1 and 0 <= p.lam <= 1):
-        raise ConfigError(f"ppo.gamma={p.gamma}, ppo.lam={p.lam}: must be in [0, 1]")
+        raise ConfigError(f"rl.gamma={p.gamma}, rl.lam={p.lam}: must be in [0, 1]")
     if p.clip_eps <= 0 or p.value_clip <= 0 or p.reward_clip <= 0:
-        raise ConfigError("ppo.clip_eps, ppo.value_clip and ppo.reward_clip must be > 0")
+        raise ConfigError("rl.clip_eps, rl.value_clip and rl.reward_clip must be > 0")
+
+
+    if p.algorithm in GROUP_BASELINES and p.n_samples_per_prompt < 2:
+        raise ConfigError(f"rl.n_samples_per_prompt={p.n_samples_per_prompt}: rl.algorithm={p.algorithm} compares "
+                          "the samples of one prompt with each other; set rl.n_samples_per_prompt >= 2 (e.g. 4)")
+    if p.dynamic_sampling and p.n_samples_per_prompt < 2:
+        raise ConfigError("rl.dynamic_sampling=true drops groups whose rewards are all equal, which a group of one "
+                          "always is; set rl.n_samples_per_prompt >= 2")
+    if not p.has_critic:
+        set_for_critic = sorted(k for k in given if k.split(".")[:2][-1] in CRITIC_FIELDS and k.startswith("rl."))
+        if set_for_critic:
+            raise ConfigError(f"{set_for_critic[0]}: rl.algorithm={p.algorithm} has no critic, so this setting would "
+                              f"be ignored; remove {', '.join(set_for_critic)} (or use rl.algorithm=ppo)")
+    if p.importance_ratio not in IMPORTANCE_RATIOS:
+        raise ConfigError(f"rl.importance_ratio={p.importance_ratio!r}: choose one of {IMPORTANCE_RATIOS}")
+    if p.clip_eps_high is not None and p.clip_eps_high <= 0:
+        raise ConfigError(f"rl.clip_eps_high={p.clip_eps_high}: must be > 0, or null for rl.clip_eps")
+    if p.dual_clip is not None and p.dual_clip <= 1:
+        raise ConfigError(f"rl.dual_clip={p.dual_clip}: must be > 1 (the bound c * |A| on a negative "
+                          "advantage's loss; typical 3), or null for none")
+
+
+def _validate_pipeline(cfg: Config) -> None:
+    stages = cfg.pipeline.stages
+    for name in stages:
+        if name not in STAGES:
+            hint = " (the RL stage is rl; its algorithm is rl.algorithm)" if name in RL_ALGORITHMS else ""
+            raise ConfigError(f"pipeline.stages: unknown stage {name!r}{hint}; choose from {STAGES}")
+    if len(set(stages)) != len(stages) or not stages:
+        raise ConfigError(f"pipeline.stages={stages}: list each stage once, at least one")
+    for i, name in enumerate(stages):
+        for needed, field_name in STAGE_INPUTS.get(name, {}).items():
+            if needed not in stages[:i] and _get_dotted(cfg, field_name) is None:
+                raise ConfigError(f"pipeline.stages={stages}: {name} starts from a {needed} checkpoint; put {needed} "
+                                  f"before {name} or set {field_name} to an existing {needed} stage directory")
 
 
 def warnings_for(cfg: Config) -> list[str]:
     """Settings that run but are probably not what the user wants; stages log them at start-up."""
-    notes = []
-    p = cfg.ppo
+    notes = list(cfg.notes)
+    p = cfg.rl
     if p.kl_in_reward and p.kl_estimator in ("k2", "k3"):
         notes.append(
-            f"ppo.kl_estimator={p.kl_estimator} with ppo.kl_in_reward=true: a reward cannot carry the gradient of "
+            f"rl.kl_estimator={p.kl_estimator} with rl.kl_in_reward=true: a reward cannot carry the gradient of "
             f"an estimator that depends on the policy, so the policy gradient of the KL penalty is biased; k1 is "
-            f"the unbiased choice in the reward ({p.kl_estimator} belongs in the loss: ppo.kl_in_reward=false)")
+            f"the unbiased choice in the reward ({p.kl_estimator} belongs in the loss: rl.kl_in_reward=false)")
     return notes

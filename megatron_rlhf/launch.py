@@ -1,4 +1,5 @@
-"""nemo-run launcher (optional extra `nemo`): SFT -> RM -> PPO as one nemo-run Experiment.
+"""nemo-run launcher (optional extra `nemo`): the recipe's pipeline.stages (default
+sft -> rm -> rl) as one nemo-run Experiment.
 
     pip install -e '.[nemo]'
     python -m megatron_rlhf.launch --config pipelines/tiny_cpu.yaml --executor local --nproc 1
@@ -6,8 +7,11 @@
         --nodes 8 --tasks-per-node 8 --gpus-per-node 8 --partition batch --account acct \\
         --job-dir /lustre/nemo_run [--dryrun] [key=value ...]
 
-Each stage is the same command the Slurm scripts run (`python -m megatron_rlhf <stage>`), as
-a nemo-run Script; stages depend on each other (afterok on Slurm, sequential locally).
+The stages are the recipe's pipeline.stages after the overrides (loaded and validated, as
+`python -m megatron_rlhf stages` prints them); `--stages sft rm` picks others. Each stage is
+the same command the Slurm scripts run (`python -m megatron_rlhf <stage>`; rl runs the recipe's
+rl.algorithm), as a nemo-run Script; stages depend on each other (afterok on Slurm, sequential
+locally).
 Local runs use torchrun; Slurm runs one srun task per device, as slurm/stage.sh does.
 Requeue-on-USR1 is the Slurm scripts' job: under nemo-run a signalled stage checkpoints and
 exits 42 and the next submission resumes from the checkpoint.
@@ -18,7 +22,12 @@ from __future__ import annotations
 import argparse
 import sys
 
-STAGES = ("sft", "rm", "ppo")
+from megatron_rlhf.config import STAGES, ConfigError, load_config, validate
+
+
+def recipe_stages(config: str, overrides: list[str]) -> list[str]:
+    """The recipe's pipeline.stages with the overrides applied (validated)."""
+    return list(validate(load_config(config, overrides)).pipeline.stages)
 
 
 def stage_script(stage: str, config: str, overrides: list[str], python: str):
@@ -55,7 +64,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--config", required=True)
     ap.add_argument("--executor", choices=("local", "slurm"), default="local")
     ap.add_argument("--name", default="rlhf-pipeline")
-    ap.add_argument("--stages", nargs="+", choices=STAGES, default=list(STAGES))
+    ap.add_argument("--stages", nargs="+", choices=STAGES,
+                    help="stages to run, in order (default: the recipe's pipeline.stages)")
     ap.add_argument("--python", default=sys.executable, help="interpreter that has megatron_rlhf")
     ap.add_argument("--nproc", type=int, default=1, help="local: processes (torchrun)")
     ap.add_argument("--nodes", type=int, default=1)
@@ -68,6 +78,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dryrun", action="store_true", help="print what would be submitted")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_intermixed_args(argv)
+    try:
+        args.stages = args.stages or recipe_stages(args.config, args.overrides)
+    except ConfigError as err:
+        print(f"config error: {err}", file=sys.stderr)
+        return 2
     try:
         import nemo_run  # noqa: F401
     except ImportError:

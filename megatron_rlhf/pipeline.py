@@ -1,11 +1,12 @@
-"""SFT -> RM -> PPO in one launch: each stage reads the previous stage's checkpoint.
+"""The stages of `pipeline.stages` (default sft -> rm -> rl) in one launch: each stage reads
+an earlier stage's checkpoint (config.STAGE_INPUTS).
 
     python -m megatron_rlhf pipeline --config pipelines/tiny_cpu.yaml [key=value ...]
 
 A stage whose summary.json exists is skipped; a stage with checkpoints but no summary
-resumes from its latest complete checkpoint. At the end, the PPO actor (the only model that
-is deployed) as a Hugging Face directory in <run>/export/actor_hf/, and <run>/report.md
-with PNG plots.
+resumes from its latest complete checkpoint. At the end, the RL actor (the only model that
+is deployed) as a Hugging Face directory in <run>/export/actor_hf/ (<run>/export/<algorithm>_actor_hf
+for an algorithm other than ppo), and <run>/report.md with PNG plots.
 """
 
 from __future__ import annotations
@@ -15,48 +16,55 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from megatron_rlhf.config import Config
+from megatron_rlhf.config import Config, validate
 from megatron_rlhf.logging.report import write_report
-from megatron_rlhf.trainers import ppo, rm, sft
-from megatron_rlhf.trainers.common import run_dir, stage_dir
+from megatron_rlhf.trainers import rl, rm, sft
+from megatron_rlhf.trainers.stage_data import run_dir, stage_dir
 
-STAGES = (("sft", sft.train), ("rm", rm.train), ("ppo", ppo.train))
+TRAIN = {"sft": sft.train, "rm": rm.train, "rl": rl.train}
 
 
 def run(cfg: Config) -> dict:
+    validate(cfg)  # the stage list first: a bad one must not cost an SFT run
     summaries = {}
-    for name, train in STAGES:
+    for name in cfg.pipeline.stages:
+        train = TRAIN[name]
         if (stage_dir(cfg, name) / "summary.json").exists():
             if not dist.is_initialized() or dist.get_rank() == 0:
                 print(f"[pipeline] {name}: finished earlier, skipped ({stage_dir(cfg, name)}/summary.json)", flush=True)
             continue
         summaries[name] = train(cfg)
-    export = export_actor(cfg)
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        print(f"[pipeline] PPO actor exported for deployment: {export}", flush=True)
-        report = write_report(run_dir(cfg))
+    rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    if "rl" in cfg.pipeline.stages:
+        export = export_actor(cfg)
+        if rank0:
+            print(f"[pipeline] {cfg.rl.algorithm.upper()} actor exported for deployment: {export}", flush=True)
+    if rank0:
+        report = write_report(run_dir(cfg), [stage_dir(cfg, s).name for s in cfg.pipeline.stages])
         print(f"[pipeline] report: {report}", flush=True)
     return summaries
 
 
 def export_actor(cfg: Config) -> Path:
-    """<run>/export/actor_hf: the final PPO actor with its tokenizer, in Hugging Face format
-    (written by rank 0 under a temporary name, then renamed; kept if it exists already)."""
+    """<run>/export/actor_hf (ppo; <algorithm>_actor_hf otherwise): the final RL actor with
+    its tokenizer, in Hugging Face format (written by rank 0 under a temporary name, then
+    renamed; kept if it exists already)."""
     from megatron_rlhf.convert import export_hf
     from megatron_rlhf.data.tasks import get_task
     from megatron_rlhf.data.tokenizers import load_tokenizer
 
-    out = run_dir(cfg) / "export" / "actor_hf"
+    algorithm = cfg.rl.algorithm
+    out = run_dir(cfg) / "export" / ("actor_hf" if algorithm == "ppo" else f"{algorithm}_actor_hf")
     if (not dist.is_initialized() or dist.get_rank() == 0) and not out.is_dir():
         tmp = out.with_name(out.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         if cfg.data.tokenizer == "builtin":  # written next to the weights, in HF format
             tokenizer = load_tokenizer("builtin", get_task(cfg.data.task).words())
-            export_hf(stage_dir(cfg, "ppo"), "actor", tmp, model_cfg=cfg.model,
+            export_hf(stage_dir(cfg, "rl"), "actor", tmp, model_cfg=cfg.model,
                       special_token_ids={"eos_token_id": tokenizer.eos_id, "pad_token_id": tokenizer.pad_id})
             tokenizer.save_hf(tmp)
         else:
-            export_hf(stage_dir(cfg, "ppo"), "actor", tmp, model_cfg=cfg.model, tokenizer_dir=cfg.data.tokenizer)
+            export_hf(stage_dir(cfg, "rl"), "actor", tmp, model_cfg=cfg.model, tokenizer_dir=cfg.data.tokenizer)
         tmp.rename(out)
     if dist.is_initialized():
         dist.barrier()

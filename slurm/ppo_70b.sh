@@ -1,5 +1,8 @@
 #!/usr/bin/env bash
-# PPO stage of the Llama-3-70B recipe: 8 nodes x 8 GPUs (TP8 PP4 DP2).
+# PPO stage of the Llama-3-70B recipe: 8 nodes x 8 GPUs (TP8 PP4 DP2). The RL stage
+# (python -m megatron_rlhf rl, as slurm/rl_70b.sh) with the PPO recipe pipelines/llama3_70b.yaml
+# (rl.algorithm: ppo) -> <run>/ppo. Kept under this name for existing submissions; a RECIPE
+# given here runs that recipe's rl.algorithm.
 # Any size is overridable from the command line, e.g. the tiny CPU recipe on 2 nodes:
 #   sbatch --nodes=2 --ntasks-per-node=1 --gpus-per-node=0 \
 #     --export=ALL,RECIPE=pipelines/tiny_cpu.yaml,RUN_ROOT=/tmp/runs slurm/ppo_70b.sh
@@ -12,6 +15,6 @@
 #SBATCH --requeue
 #SBATCH --signal=B:USR1@300
 #SBATCH --output=slurm-%x-%j.out
-STAGE=ppo
+STAGE=rl
 RECIPE=${RECIPE:-pipelines/llama3_70b.yaml}
 source "${REPO:-$SLURM_SUBMIT_DIR}/slurm/stage.sh"

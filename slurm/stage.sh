@@ -1,11 +1,14 @@
-# Sourced by the stage scripts (sft_70b.sh, rm_70b.sh, ppo_70b.sh): launches one stage with
-# srun, one task per device, and handles preemption. Environment (all optional):
+# Sourced by the stage scripts (sft_70b.sh, rm_70b.sh, rl_70b.sh; ppo_70b.sh and grpo_70b.sh are
+# rl_70b.sh with the PPO / GRPO recipe), which set STAGE (sft | rm | rl) and the default RECIPE:
+# launches `python -m megatron_rlhf $STAGE` with srun, one task per device, and handles
+# preemption. slurm/submit_pipeline.sh submits one such job per stage of pipeline.stages.
+# Environment (all optional):
 #   REPO       checkout to run from               (default: the sbatch submit directory)
 #   RECIPE     pipelines/*.yaml                   (default: the script's 70B recipe)
 #   PYTHON     interpreter with megatron_rlhf     (default: $REPO/.venv/bin/python)
 #   RUN_ROOT   where runs are written              (checkpoint.root; default: the recipe's)
 #   RUN_NAME   run directory under RUN_ROOT        (checkpoint.run_name; default: the recipe's)
-#   EXTRA_ARGS more config overrides, e.g. "ppo.steps=100 data.tokenizer=/models/llama3"
+#   EXTRA_ARGS more config overrides, e.g. "rl.steps=100 data.tokenizer=/models/llama3"
 #   LAUNCHER   srun (default): one srun task per device.
 #              ft_launcher: one nvidia-resiliency-ext ft_launcher per node starts the node's
 #              ranks and restarts all ranks of the job in place (they resume from the latest
@@ -14,7 +17,7 @@
 #   FT_MAX_RESTARTS  in-job restarts before the job fails                            (default 3)
 #   FT_INITIAL_HEARTBEAT_TIMEOUT  s from a rank's start to its first heartbeat: model build,
 #                    checkpoint load (70B from a shared FS) and first step        (default 1800)
-#   FT_HEARTBEAT_TIMEOUT  s between heartbeats: the longest step or PPO phase, including a
+#   FT_HEARTBEAT_TIMEOUT  s between heartbeats: the longest step or RL phase, including a
 #                    checkpoint save and an eval; a rank silent this long is killed (default 900)
 #   FT_TERM_TIMEOUT  s the ranks get to checkpoint after USR1/SIGTERM before SIGKILL; keep it
 #                    under the --signal lead time                                  (default 280)

@@ -18,8 +18,9 @@ FAULT_SFT = [f"sft.steps={FAULT_SFT_STEPS}", "sft.save_interval=2", "sft.eval_in
 TIMING = ("_seconds", "tokens_per_s", "_peak_memory_bytes", "samples_per_second")  # wall-clock metrics
 
 
-def stage(nproc, command, root, run, *overrides, **torchrun_kwargs):
-    return torchrun(nproc, "-m", "megatron_rlhf", command, *RECIPE, *SIZES,
+def stage(nproc, command, root, run, *overrides, recipe=None, **torchrun_kwargs):
+    recipe = ["--config", recipe] if recipe else RECIPE
+    return torchrun(nproc, "-m", "megatron_rlhf", command, *recipe, *SIZES,
                     f"checkpoint.root={root}", f"checkpoint.run_name={run}", *overrides, **torchrun_kwargs)
 
 
@@ -44,3 +45,37 @@ def assert_same_tensors(want_dir, got_dir):
     assert any("optimizer" in k for k in want), "optimizer state missing from the comparison"
     for key in want:
         assert torch.equal(want[key], got[key]), key
+
+
+def fault(spec: str) -> dict:
+    return {"env": {"MEGATRON_RLHF_FAULT": spec}, "check": False}
+
+
+def iter_dir(root, run, name, step):
+    return root / run / name / f"iter_{step:07d}"
+
+
+def latest(root, run, name) -> str:
+    return (root / run / name / "latest").read_text().strip()
+
+
+def assert_same_trainer_state(want_dir, got_dir):
+    for want_file in sorted((want_dir / "trainer_state").iterdir()):
+        want = torch.load(want_file, weights_only=False)
+        got = torch.load(got_dir / "trainer_state" / want_file.name, weights_only=False)
+        assert want.keys() == got.keys()
+        for key in want:
+            if key != "rng":
+                assert want[key] == got[key], key
+        assert want["rng"]["python"] == got["rng"]["python"]
+        assert all((a == b).all() if hasattr(a, "all") else a == b for a, b in zip(want["rng"]["numpy"], got["rng"]["numpy"]))
+        assert torch.equal(want["rng"]["torch"], got["rng"]["torch"])
+        for name, state in want["rng"]["tracker"].items():
+            assert torch.equal(state, got["rng"]["tracker"][name]), name
+
+
+def assert_same_run(root, want_run, got_run, name, step, roles):
+    for role in roles:
+        assert_same_tensors(iter_dir(root, want_run, name, step) / role, iter_dir(root, got_run, name, step) / role)
+    assert_same_trainer_state(iter_dir(root, want_run, name, step), iter_dir(root, got_run, name, step))
+    assert deterministic_metrics(root, got_run, name) == deterministic_metrics(root, want_run, name)

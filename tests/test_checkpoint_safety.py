@@ -111,7 +111,7 @@ def test_find_checkpoint_errors(tmp_path):
 def test_a_stage_whose_checkpoints_are_all_damaged_stops_instead_of_starting_over(tmp_path):
     from megatron_rlhf.checkpoint.manager import CheckpointManager
     from megatron_rlhf.config import load_config
-    from megatron_rlhf.trainers.common import resume_source
+    from megatron_rlhf.trainers.runner import resume_source
 
     cfg = load_config(None, [])
     manager = CheckpointManager(tmp_path)

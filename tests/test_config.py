@@ -1,5 +1,7 @@
 """Config loading, overrides and validation: every error names the offending field."""
 
+from pathlib import Path
+
 import pytest
 
 from megatron_rlhf.config import Config, ConfigError, load_config, parse_overrides, validate
@@ -97,42 +99,95 @@ def test_task_sizes_are_checked_with_the_field():
     assert cfg_with("data.task_sizes.sft_eval=7").data.task_sizes.sft_eval == 7
 
 
-@pytest.mark.parametrize("recipe, world_size", [
-    ("tiny_cpu.yaml", 1), ("tiny_cpu.yaml", 2), ("llama3_8b.yaml", 8), ("llama3_70b.yaml", 64),
-])
-def test_every_recipe_validates_at_its_layout(recipe, world_size):
-    from pathlib import Path
+RECIPES = {"tiny_cpu.yaml": (1, 2), "tiny_cpu_grpo.yaml": (1, 2), "tiny_cpu_rloo.yaml": (1, 2),
+           "tiny_cpu_reinforce_pp.yaml": (1, 2), "llama3_8b.yaml": (8,), "llama3_70b.yaml": (64,),
+           "llama3_70b_grpo.yaml": (64,)}
+PIPELINES = Path(__file__).resolve().parent.parent / "pipelines"
 
-    cfg = load_config(Path(__file__).resolve().parent.parent / "pipelines" / recipe)
+
+@pytest.mark.parametrize("recipe, world_size", [(r, w) for r, sizes in RECIPES.items() for w in sizes])
+def test_every_recipe_validates_at_its_layout(recipe, world_size):
+    cfg = load_config(PIPELINES / recipe)
     validate(cfg, world_size=world_size)
+    assert not cfg.notes, cfg.notes  # recipes use the current key names
 
 
 def test_recipes_directory_is_fully_covered():
-    from pathlib import Path
-
-    recipes = {p.name for p in (Path(__file__).resolve().parent.parent / "pipelines").glob("*.yaml")}
-    assert recipes == {"tiny_cpu.yaml", "llama3_8b.yaml", "llama3_70b.yaml"}
+    assert {p.name for p in PIPELINES.glob("*.yaml")} == set(RECIPES)
 
 
-def test_ppo_refuses_what_would_bend_its_gradient():
-    # k1 in the loss: zero expected gradient (tests/test_ppo_math.py shows it numerically)
-    msg = assert_error_names("ppo.kl_estimator", "ppo.kl_in_reward=false", "ppo.kl_estimator=k1")
-    assert "ppo.kl_estimator=k2" in msg
-    validate(cfg_with("ppo.kl_in_reward=false", "ppo.kl_estimator=k2"), world_size=1)
+def test_rl_refuses_what_would_bend_its_gradient():
+    # k1 in the loss: zero expected gradient (tests/test_rl_math.py shows it numerically)
+    msg = assert_error_names("rl.kl_estimator", "rl.kl_in_reward=false", "rl.kl_estimator=k1")
+    assert "rl.kl_estimator=k2" in msg
+    validate(cfg_with("rl.kl_in_reward=false", "rl.kl_estimator=k2"), world_size=1)
     # a filtered sampler with log-probs of the full softmax: off-policy rollouts, biased KL
-    assert "ppo.top_k=0 and ppo.top_p=1.0" in assert_error_names("ppo.top_k", "ppo.top_k=20")
-    assert_error_names("ppo.top_p", "ppo.top_p=0.9")
-    assert_error_names("ppo.kl_clip", "ppo.kl_clip=0")
-    assert validate(cfg_with("ppo.kl_clip=null"), world_size=1).ppo.kl_clip is None
-    assert_error_names("ppo.loss_aggregation", "ppo.loss_aggregation=sum")
+    assert "rl.top_k=0 and rl.top_p=1.0" in assert_error_names("rl.top_k", "rl.top_k=20")
+    assert_error_names("rl.top_p", "rl.top_p=0.9")
+    assert_error_names("rl.kl_clip", "rl.kl_clip=0")
+    assert validate(cfg_with("rl.kl_clip=null"), world_size=1).rl.kl_clip is None
+    assert_error_names("rl.loss_aggregation", "rl.loss_aggregation=sum")
     for mode in ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum"):
-        validate(cfg_with(f"ppo.loss_aggregation={mode}"), world_size=1)
+        validate(cfg_with(f"rl.loss_aggregation={mode}"), world_size=1)
 
 
 def test_biased_kl_in_the_reward_is_warned_about():
     from megatron_rlhf.config import warnings_for
 
     assert warnings_for(cfg_with()) == []  # k1 in the reward: unbiased
-    assert warnings_for(cfg_with("ppo.kl_in_reward=false", "ppo.kl_estimator=k3")) == []
-    (warning,) = warnings_for(cfg_with("ppo.kl_estimator=k3"))
-    assert "ppo.kl_estimator=k3" in warning and "biased" in warning
+    assert warnings_for(cfg_with("rl.kl_in_reward=false", "rl.kl_estimator=k3")) == []
+    (warning,) = warnings_for(cfg_with("rl.kl_estimator=k3"))
+    assert "rl.kl_estimator=k3" in warning and "biased" in warning
+
+
+def test_the_old_ppo_section_is_read_as_rl_with_a_note(tmp_path):
+    from megatron_rlhf.config import warnings_for
+
+    recipe = tmp_path / "old.yaml"
+    recipe.write_text("ppo:\n  steps: 7\n  ppo_epochs: 3\n")
+    cfg = load_config(recipe, ["ppo.kl_coef=0.2"])
+    assert (cfg.rl.steps, cfg.rl.epochs, cfg.rl.kl_coef) == (7, 3, 0.2)
+    notes = " ".join(warnings_for(cfg))
+    assert "ppo.ppo_epochs -> rl.epochs" in notes and "ppo.kl_coef -> rl.kl_coef" in notes
+    with pytest.raises(ConfigError, match="ppo.steps and rl.steps are both set"):
+        load_config(recipe, ["rl.steps=3", "ppo.steps=4"])
+
+
+def test_critic_free_algorithms_refuse_critic_settings_and_single_samples():
+    msg = assert_error_names("rl.n_samples_per_prompt", "rl.algorithm=grpo")
+    assert "rl.n_samples_per_prompt >= 2" in msg
+    for algorithm in ("rloo", "reinforce_pp_baseline"):
+        assert_error_names("rl.n_samples_per_prompt", f"rl.algorithm={algorithm}")
+    grpo = ("rl.algorithm=grpo", "rl.n_samples_per_prompt=4", "rl.rollout_batch_size=8")
+    assert not validate(cfg_with(*grpo), world_size=2).rl.has_critic
+    for setting in ("rl.vf_coef=0.5", "rl.critic_optimizer.lr=1e-3", "rl.lam=0.9", "rl.whiten_advantages=false"):
+        field = setting.split("=")[0]
+        assert "has no critic" in assert_error_names(field, *grpo, setting)
+    validate(cfg_with("rl.algorithm=reinforce_pp"), world_size=1)  # no groups needed
+    assert_error_names("rl.algorithm", "rl.algorithm=dpo")
+    assert_error_names("rl.dynamic_sampling", "rl.dynamic_sampling=true")
+    assert_error_names("rl.dual_clip", "rl.dual_clip=0.5")
+    assert_error_names("rl.importance_ratio", "rl.importance_ratio=group")
+    # every rank samples whole groups: prompts must split evenly over data-parallel ranks
+    assert_error_names("rl.rollout_batch_size", *grpo[:2], "rl.rollout_batch_size=6", "rl.mini_batch_size=8",
+                       world_size=4)
+
+
+def test_a_critic_setting_inherited_from_a_base_recipe_is_not_an_error(tmp_path):
+    (tmp_path / "base.yaml").write_text("rl:\n  vf_coef: 0.5\n  steps: 5\n")
+    (tmp_path / "grpo.yaml").write_text("base: base.yaml\nrl:\n  algorithm: grpo\n  n_samples_per_prompt: 2\n")
+    cfg = validate(load_config(tmp_path / "grpo.yaml"), world_size=1)
+    assert (cfg.rl.steps, cfg.rl.vf_coef, cfg.rl.algorithm) == (5, 0.5, "grpo")
+    (tmp_path / "loop.yaml").write_text("base: loop.yaml\n")
+    with pytest.raises(ConfigError, match="cycle"):
+        load_config(tmp_path / "loop.yaml")
+
+
+def test_pipeline_stages_are_checked_against_what_each_stage_starts_from():
+    assert validate(cfg_with(), world_size=1).pipeline.stages == ["sft", "rm", "rl"]
+    assert "rl.algorithm" in assert_error_names("pipeline.stages", "pipeline.stages=[sft,rm,grpo]")
+    assert "rl.rm_from" in assert_error_names("pipeline.stages", "pipeline.stages=[sft,rl]")
+    validate(cfg_with("pipeline.stages=[sft,rl]", "rl.rm_from=/runs/x/rm"), world_size=1)
+    assert "rm.init_from" in assert_error_names("pipeline.stages", "pipeline.stages=[rm,sft]")
+    assert_error_names("pipeline.stages", "pipeline.stages=[sft,sft]")
+    assert_error_names("pipeline.stages", "pipeline.stages=sft")  # not a list

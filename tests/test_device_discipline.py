@@ -15,11 +15,12 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorDeviceMismatchError, FakeTensorMode
 
-from megatron_rlhf.algorithms import ppo as alg
-from megatron_rlhf.config import PPOConfig
+from megatron_rlhf.algorithms.advantages import ESTIMATORS
+from megatron_rlhf.config import LOSS_AGGREGATIONS, RLConfig
 from megatron_rlhf.parallel.collectives import check_backend_device, masked_moments, stack_values
 from megatron_rlhf.rollout import Rollout
-from megatron_rlhf.trainers import ppo as ppo_stage
+from megatron_rlhf.rollout.batch import RolloutBatch
+from megatron_rlhf.trainers import rl as rl_stage
 from megatron_rlhf.trainers.rm import bradley_terry_loss
 from megatron_rlhf.trainers.sft import response_nll, sft_loss
 
@@ -45,44 +46,68 @@ def rollout() -> Rollout:
                    lengths=lengths, logprobs=torch.randn(B, S, device=CUDA), finished=lengths < 10)
 
 
-def ppo_batch(cfg: PPOConfig) -> dict:
+def rl_batch(cfg: RLConfig) -> tuple[Rollout, RolloutBatch]:
+    """What the score phase makes of a rollout (rl_stage.score without the role forwards)."""
     r = rollout()
-    actor_out = {"logprobs": torch.randn(B, S, device=CUDA), "entropy": torch.rand(B, S, device=CUDA)}
-    return r, ppo_stage.assemble_batch(r, actor_out, ref_logprobs=torch.randn(B, S, device=CUDA),
-                                       values=torch.randn(B, S, device=CUDA),
-                                       scores=torch.randn(B, device=CUDA), ppo=cfg)
+    mask = r.response_mask()
+    scores = rl_stage.clip_scores(torch.randn(B, device=CUDA), r, cfg)
+    return r, RolloutBatch(
+        tokens=r.tokens, lengths=r.lengths, prompt_lengths=r.prompt_lengths, mask=mask,
+        group_ids=torch.arange(B, device=CUDA) // cfg.n_samples_per_prompt,
+        old_logprobs=torch.randn(B, S, device=CUDA) * mask, ref_logprobs=torch.randn(B, S, device=CUDA) * mask,
+        scores=scores, values=torch.randn(B, S, device=CUDA) * mask if cfg.has_critic else None)
 
 
+ALGORITHM_SETTINGS = {
+    "ppo": {}, "grpo": {"n_samples_per_prompt": 2, "importance_ratio": "sequence"},
+    "rloo": {"n_samples_per_prompt": 2, "dual_clip": 3.0}, "reinforce_pp": {"clip_eps_high": 0.28},
+    "reinforce_pp_baseline": {"n_samples_per_prompt": 2}, "batch_mean": {},
+}
+
+
+@pytest.mark.parametrize("algorithm", sorted(ESTIMATORS))
 @pytest.mark.parametrize("kl_in_reward", [True, False])
-def test_ppo_glue_and_math_stay_on_the_device(fake, kl_in_reward):
-    cfg = PPOConfig(max_new_tokens=NEW, missing_eos_penalty=-1.0, kl_in_reward=kl_in_reward,
-                    kl_estimator="k1" if kl_in_reward else "k3", entropy_coef=0.01)
-    r, batch = ppo_batch(cfg)
-    on_cuda(**batch)
-    kl_stats = ppo_stage.add_advantages(batch, cfg, kl_coef=0.05)
-    on_cuda(advantages=batch["advantages"], returns=batch["returns"], **kl_stats)
+def test_rl_glue_and_math_stay_on_the_device(fake, algorithm, kl_in_reward):
+    cfg = RLConfig(algorithm=algorithm, max_new_tokens=NEW, missing_eos_penalty=-1.0, kl_in_reward=kl_in_reward,
+                   kl_estimator="k1" if kl_in_reward else "k3", entropy_coef=0.01, **ALGORITHM_SETTINGS[algorithm])
+    r, batch = rl_batch(cfg)
+    on_cuda(**batch.tensors())
+    kl_stats = rl_stage.add_advantages(batch, cfg, kl_coef=0.05)
+    on_cuda(**batch.tensors(), **kl_stats)
+    assert (batch.returns is not None) == cfg.has_critic
 
     outputs = {"logprobs": torch.randn(B, S, device=CUDA, requires_grad=True),
                "entropy": torch.rand(B, S, device=CUDA), "values": torch.randn(B, S, device=CUDA, requires_grad=True)}
-    for mode in alg.LOSS_AGGREGATIONS:
+    for mode in LOSS_AGGREGATIONS:
         cfg.loss_aggregation = mode
-        loss, units, stats = ppo_stage.actor_loss(outputs, batch, cfg, kl_coef=0.05)
+        loss, units, stats = rl_stage.actor_loss(outputs, batch.tensors(), cfg, kl_coef=0.05)
         on_cuda(loss=loss, units=units, **stats)
         assert loss.requires_grad
-        loss, units, stats = ppo_stage.critic_loss(outputs, batch, cfg)
-        on_cuda(loss=loss, units=units, **stats)
-        assert loss.requires_grad
+        if cfg.has_critic:
+            loss, units, stats = rl_stage.critic_loss(outputs, batch.tensors(), cfg)
+            on_cuda(loss=loss, units=units, **stats)
+            assert loss.requires_grad
 
-    sums = ppo_stage.iteration_sums(r, batch, kl_stats, gold=1.5, repetition=0.25)
+    sums = rl_stage.iteration_sums(r, batch, kl_stats, gold=1.5, repetition=0.25,
+                                   sampling={"sampling_rounds": 2, "sampling_shortfall": 1})
     on_cuda(reduced=stack_values(sums, CUDA))
 
 
 def test_response_layout_helpers_follow_their_inputs(fake):
-    r = rollout()
+    r, batch = rl_batch(RLConfig(max_new_tokens=NEW))
     x = torch.randn(B, S, device=CUDA)
-    sliced = ppo_stage.response_slice(x, r.prompt_lengths, NEW)
-    back = ppo_stage.response_unslice(sliced, r.prompt_lengths, S)
-    on_cuda(sliced=sliced, back=back, mask=r.response_mask(), lengths=r.response_lengths())
+    sliced = batch.response(x, NEW)
+    back = batch.sequence(sliced)
+    on_cuda(sliced=sliced, back=back, mask=batch.response_mask(NEW), lengths=r.response_lengths(),
+            selected=batch.select(torch.tensor([2, 0], device=CUDA)).tokens)
+
+
+def test_dynamic_sampling_selection_stays_on_the_device(fake):
+    scores = torch.randn(B, device=CUDA)
+    informative = rl_stage.group_informative(scores, 2)
+    on_cuda(informative=informative)
+    joined = Rollout.cat([rollout(), rollout()], pad_id=1).select(torch.tensor([0, 1, 6, 7], device=CUDA))
+    on_cuda(**vars(joined))
 
 
 def test_sft_glue_stays_on_the_device(fake):

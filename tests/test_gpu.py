@@ -1,12 +1,14 @@
 """GPU path (NCCL, TE spec when installed, bf16): the GPU tests run on a machine with CUDA and
-are skipped on CPU. The `test_gpu_check_*_cpu` tests are not: they exercise the report and
-pre-flight code of benchmarks/gpu_check.py (make gpu-check) on synthetic inputs, in CI."""
+are skipped on CPU. The `test_gpu_check_*_cpu` tests are not: they exercise the report,
+pre-flight and run-orchestration code of benchmarks/gpu_check.py (make gpu-check) on run
+directories written here in the stages' output format, in CI."""
 
 import importlib.util
 import json
 import math
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -61,12 +63,26 @@ def test_gpu_check_pipeline_bf16_on_one_gpu(tmp_path):
     mismatch = res["logprob_mismatch"]
     assert mismatch["first"]["value"] is not None and mismatch["last"]["value"] is not None, mismatch
     assert 0 <= mismatch["first"]["value"] < 1 and 0 <= mismatch["last"]["value"] < 1, mismatch
+    # then GRPO on the same SFT/RM: three roles, no critic, so less memory where PPO holds the critic
+    grpo = res["grpo"]
+    assert grpo["complete"] and grpo["run"]["exit_code"] == 0, grpo
+    assert grpo["algorithm"] == "grpo" and grpo["roles"] == ["actor", "reference", "reward"], grpo
+    assert res["ppo"]["roles"] == ["actor", "critic", "reference", "reward"], res["ppo"]
+    for name, phase in grpo["phases"].items():
+        assert phase["seconds"] > 0 and phase["peak_memory_bytes"] > 0, name
+    saving = res["memory_saving_bytes"]
+    assert saving["train"] > 0 and saving["score"] > 0 and saving["stage"] > 0, saving
+    assert all(math.isfinite(grpo["gold_score"][k]) for k in ("before", "after")), grpo["gold_score"]
 
 
 # --- on every machine (CPU included): the report and pre-flight code of make gpu-check ---
 
-def write_run(run, with_stage_memory=True):
-    """A run directory in the format the stages write (summary.json, ppo/metrics.jsonl)."""
+PPO_ROLES, GRPO_ROLES = ["actor", "critic", "reference", "reward"], ["actor", "reference", "reward"]
+
+
+def write_run(run, with_stage_memory=True, grpo=True):
+    """A run directory in the format the stages write (summary.json, <algorithm>/metrics.jsonl):
+    SFT, RM, PPO and (grpo=True) GRPO on the same SFT/RM."""
     for stage, wall, mem in (("sft", 11.5, 3 * 2**20), ("rm", 9.25, 5 * 2**20)):
         (run / stage).mkdir(parents=True)
         summary = {"stage": stage, "steps": 120, "wall_seconds": wall}
@@ -75,8 +91,9 @@ def write_run(run, with_stage_memory=True):
         (run / stage / "summary.json").write_text(json.dumps(summary))
     (run / "ppo").mkdir()
     phases = ("eval", "generate", "score", "train")
-    (run / "ppo" / "summary.json").write_text(json.dumps({
-        "stage": "ppo", "steps": 40, "gold_score_eval_before": 0.01, "gold_score_eval_after": 0.655,
+    (run / "ppo" / "summary.json").write_text(json.dumps({  # no stage peak: the largest phase peak
+        "stage": "rl", "algorithm": "ppo", "roles": PPO_ROLES, "steps": 40,
+        "gold_score_eval_before": 0.01, "gold_score_eval_after": 0.655,
         "rm_score_eval_before": 0.08, "rm_score_eval_after": 1.5, "kl_mean_final": 3.25,
         "phase_seconds": dict(zip(phases, (2.0, 10.0, 4.0, 20.0))),
         "phase_peak_memory_bytes": dict(zip(phases, (100 * 2**20, 200 * 2**20, 300 * 2**20, 400 * 2**20))),
@@ -86,6 +103,24 @@ def write_run(run, with_stage_memory=True):
     rows += [{"step": s, "gold_score": 0.1 * s, "logprob_mismatch": 1e-3 * s} for s in range(1, 41)]
     rows.append({"step": 40, "logprob_mismatch": 0.0625, "eval_gold_score": 0.655})  # a resumed run re-logs
     (run / "ppo" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    if not grpo:
+        return
+    (run / "grpo").mkdir()
+    (run / "grpo" / "summary.json").write_text(json.dumps({
+        "stage": "rl", "algorithm": "grpo", "roles": GRPO_ROLES, "steps": 40,
+        "gold_score_eval_before": 0.01, "gold_score_eval_after": 0.5,
+        "rm_score_eval_before": 0.08, "rm_score_eval_after": 1.25, "kl_mean_final": 0.125,
+        "phase_seconds": dict(zip(phases, (1.5, 8.0, 3.0, 12.0))),
+        "phase_peak_memory_bytes": dict(zip(phases, (100 * 2**20, 150 * 2**20, 200 * 2**20, 250 * 2**20))),
+        "peak_memory_bytes": 260 * 2**20, "wall_seconds": 30.0,
+    }))
+    rows = [{"step": s, "logprob_mismatch": 5e-4 * s} for s in range(1, 41)]
+    (run / "grpo" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def table_rows(table):
+    """The table's rows by their first cell (the text before two spaces)."""
+    return {line.split("  ")[0].strip(): line for line in table.splitlines()}
 
 
 def test_gpu_check_report_table_and_json_cpu(tmp_path):
@@ -95,21 +130,54 @@ def test_gpu_check_report_table_and_json_cpu(tmp_path):
     out = tmp_path / "out"
     assert gc.main(["--report-only", str(run), "--out", str(out)]) == 0
     res = json.loads((out / "gpu_check.json").read_text())
+    # the PPO keys of the PPO-only check
     assert res["complete"] and res["missing"] == []
     assert res["stages"]["sft"] == {"seconds": 11.5, "peak_memory_bytes": 3 * 2**20}
     assert res["stages"]["rm"] == {"seconds": 9.25, "peak_memory_bytes": 5 * 2**20}
     assert res["stages"]["ppo"] == {"seconds": 40.5, "peak_memory_bytes": 400 * 2**20}
     assert list(res["ppo_phases"]) == ["generate", "score", "train", "eval"]
     assert res["ppo_phases"]["train"] == {"seconds": 20.0, "peak_memory_bytes": 400 * 2**20}
+    assert res["ppo_steps"] == 40 and res["kl_mean_final"] == 3.25
     assert res["gold_score"] == {"before": 0.01, "after": 0.655}
     assert res["logprob_mismatch"] == {"first": {"step": 1, "value": 1e-3}, "last": {"step": 40, "value": 0.0625}}
+    # per algorithm
+    ppo, grpo = res["ppo"], res["grpo"]
+    assert ppo["phases"] == res["ppo_phases"] and ppo["stage"] == res["stages"]["ppo"]
+    assert ppo["roles"] == PPO_ROLES and grpo["roles"] == GRPO_ROLES
+    assert grpo["complete"] and grpo["missing"] == [] and grpo["algorithm"] == "grpo"
+    assert grpo["stage_dir"] == str(run / "grpo") and grpo["steps"] == 40
+    assert res["stages"]["grpo"] == grpo["stage"] == {"seconds": 30.0, "peak_memory_bytes": 260 * 2**20}
+    assert grpo["phases"]["train"] == {"seconds": 12.0, "peak_memory_bytes": 250 * 2**20}
+    assert grpo["gold_score"] == {"before": 0.01, "after": 0.5} and grpo["kl_mean_final"] == 0.125
+    assert grpo["rm_score"] == {"before": 0.08, "after": 1.25}
+    assert grpo["logprob_mismatch"] == {"first": {"step": 1, "value": 5e-4}, "last": {"step": 40, "value": 0.02}}
+    # the memory GRPO saves: PPO minus GRPO per phase and for the stage peak
+    assert res["memory_saving_bytes"] == {"generate": 50 * 2**20, "score": 100 * 2**20, "train": 150 * 2**20,
+                                          "eval": 0, "stage": 140 * 2**20}
+
     table = (out / "gpu_check.txt").read_text()
-    lines = {line.split("  ")[0].strip(): line for line in table.splitlines()}
-    assert lines["SFT stage"].split()[-3:] == ["11.5", "3.0", "MiB"]
-    assert lines["PPO generate"].split()[-3:] == ["10.0", "200.0", "MiB"]
-    assert lines["PPO eval"].split()[-3:] == ["2.0", "100.0", "MiB"]
-    assert "before 0.010   after 0.655   change +0.645" in table
-    assert "first 1.000e-03 (step 1)   last 6.250e-02 (step 40)" in table
+    rows = table_rows(table)
+    assert rows["SFT stage"].split()[-3:] == ["11.5", "3.0", "MiB"]
+    assert rows["RM stage"].split()[-3:] == ["9.2", "5.0", "MiB"]
+    assert rows["RL phase"].split() == ["RL", "phase", "PPO", "s", "GRPO", "s", "PPO", "peak", "GRPO", "peak",
+                                        "saving", "(PPO", "-", "GRPO)"]
+    # phase, PPO s, GRPO s, PPO peak, GRPO peak, saving (share of PPO's peak)
+    assert rows["generate"].split() == ["generate", "10.0", "8.0", "200.0", "MiB", "150.0", "MiB",
+                                        "50.0", "MiB", "(25%)"]
+    assert rows["score"].split()[1:] == ["4.0", "3.0", "300.0", "MiB", "200.0", "MiB", "100.0", "MiB", "(33%)"]
+    assert rows["train"].split()[1:] == ["20.0", "12.0", "400.0", "MiB", "250.0", "MiB", "150.0", "MiB", "(38%)"]
+    assert rows["eval"].split()[1:] == ["2.0", "1.5", "100.0", "MiB", "100.0", "MiB", "0.0", "MiB", "(0%)"]
+    assert rows["RL stage (wall)"].split()[3:] == ["40.5", "30.0", "400.0", "MiB", "260.0", "MiB",
+                                                   "140.0", "MiB", "(35%)"]
+    assert rows["roles"].split(None, 1)[1] == ("PPO: actor, critic, reference, reward (4)   "
+                                               "GRPO: actor, reference, reward (3)")
+    # gold before, after, change, RM before, after, KL final, logprob_mismatch first -> last
+    assert rows["PPO"].split() == ["PPO", "0.010", "0.655", "+0.645", "0.080", "1.500", "3.250",
+                                   "1.000e-03", "(step", "1)", "->", "6.250e-02", "(step", "40)"]
+    assert rows["GRPO"].split() == ["GRPO", "0.010", "0.500", "+0.490", "0.080", "1.250", "0.125",
+                                    "5.000e-04", "(step", "1)", "->", "2.000e-02", "(step", "40)"]
+    assert not [line for line in table.splitlines() if line.startswith(("missing", "GRPO:", "GRPO      missing"))]
+    assert "peak memory" in table and "peak GPU memory" not in table  # no environment: CPU wording
 
 
 def test_gpu_check_report_missing_numbers_cpu(tmp_path):
@@ -128,6 +196,162 @@ def test_gpu_check_report_missing_numbers_cpu(tmp_path):
     assert not res["complete"] and res["missing"] == [str(run / "ppo" / "summary.json")]
     assert res["gold_score"] == {"before": None, "after": None}
     assert res["logprob_mismatch"]["first"] == {"step": 1, "value": None}
+    assert res["grpo"]["complete"]  # GRPO's numbers stand; the savings it cannot be compared with are null
+    assert res["memory_saving_bytes"] == dict.fromkeys(("generate", "score", "train", "eval", "stage"))
+    rows = table_rows((tmp_path / "out" / "gpu_check.txt").read_text())
+    assert rows["train"].split()[1:] == ["n/a", "12.0", "n/a", "250.0", "MiB", "n/a"]
+    assert rows["PPO"].split()[1:4] == ["n/a", "n/a", "n/a"]
+    assert rows["missing: " + str(run / "ppo" / "summary.json")]
+
+
+def test_gpu_check_report_grpo_missing_cpu(tmp_path):
+    """A run without GRPO (it failed, or a PPO-only run): the PPO numbers are all reported, the
+    GRPO columns n/a, GRPO marked missing, exit code 1; with --no-grpo, exit code 0."""
+    gc = load_gpu_check()
+    run = tmp_path / "gpu_check"
+    write_run(run, grpo=False)
+    out = tmp_path / "out"
+    assert gc.main(["--report-only", str(run), "--out", str(out)]) == 1
+    res = json.loads((out / "gpu_check.json").read_text())
+    assert res["complete"] and res["missing"] == []  # the PPO pipeline is complete
+    assert res["stages"]["ppo"] == {"seconds": 40.5, "peak_memory_bytes": 400 * 2**20}
+    assert res["ppo_phases"]["train"] == {"seconds": 20.0, "peak_memory_bytes": 400 * 2**20}
+    assert res["gold_score"] == {"before": 0.01, "after": 0.655} and res["kl_mean_final"] == 3.25
+    grpo = res["grpo"]
+    assert not grpo["complete"]
+    assert grpo["missing"] == [str(run / "grpo" / "summary.json"), str(run / "grpo" / "metrics.jsonl")]
+    assert grpo["stage"] == res["stages"]["grpo"] == {"seconds": None, "peak_memory_bytes": None}
+    assert grpo["gold_score"] == {"before": None, "after": None} and grpo["kl_mean_final"] is None
+    assert set(res["memory_saving_bytes"].values()) == {None}
+    table = (out / "gpu_check.txt").read_text()
+    rows = table_rows(table)
+    assert rows["train"].split()[1:] == ["20.0", "n/a", "400.0", "MiB", "n/a", "n/a"]
+    assert rows["RL stage (wall)"].split()[3:] == ["40.5", "n/a", "400.0", "MiB", "n/a", "n/a"]
+    assert rows["PPO"].split()[1:4] == ["0.010", "0.655", "+0.645"]
+    assert rows["GRPO"].split() == ["GRPO", "missing"]
+    assert rows["roles"].split(None, 1)[1] == "PPO: actor, critic, reference, reward (4)   GRPO: n/a"
+    assert f"GRPO: missing {run / 'grpo' / 'summary.json'}, {run / 'grpo' / 'metrics.jsonl'}" in table
+    assert "\nmissing:" not in table  # nothing of SFT -> RM -> PPO is missing
+    # PPO-only on purpose
+    assert gc.main(["--report-only", str(run), "--out", str(out), "--no-grpo"]) == 0
+    assert "GRPO: not run: --no-grpo" in (out / "gpu_check.txt").read_text()
+
+
+GPU_ENV = {"python": "3.12.3", "torch": "2.11.0", "cuda": "13.0", "megatron_core": "0.19.2",
+           "megatron_rlhf": str(REPO / "megatron_rlhf" / "__init__.py"), "transformer_engine": False,
+           "device": "NVIDIA H200", "device_memory_bytes": 140 * 2**30}
+
+
+@pytest.mark.parametrize("grpo_outcome", ["ok", "fails", "rm_unfinished"])
+def test_gpu_check_runs_ppo_then_grpo_cpu(tmp_path, monkeypatch, grpo_outcome):
+    """main()'s two runs, with our own launcher replaced by one that writes what the stages
+    write: GRPO gets the PPO run's overrides minus the critic's and rl.algorithm, in the same run
+    directory, with what PPO left of --timeout; PPO is reported whatever GRPO does."""
+    gc = load_gpu_check()
+    calls = []
+
+    def fake_run_pipeline(py, overrides, log_path, timeout, recipe=gc.RECIPE):
+        calls.append({"recipe": recipe, "overrides": list(overrides), "timeout": timeout, "log": log_path.name})
+        log_path.write_text("pipeline output\n")
+        root = Path(next(o.split("=", 1)[1] for o in overrides if o.startswith("checkpoint.root=")))
+        run = root / next(o.split("=", 1)[1] for o in overrides if o.startswith("checkpoint.run_name="))
+        if recipe == gc.RECIPE:
+            write_run(run, grpo=False)
+            if grpo_outcome == "rm_unfinished":
+                (run / "rm" / "summary.json").unlink()
+                return 1, 100.0
+            return 0, 100.0
+        assert recipe == gc.GRPO_RECIPE and (run / "ppo").is_dir()  # the same run directory
+        if grpo_outcome == "fails":
+            return 1, 20.0
+        write_run(tmp_path / "grpo_only", grpo=True)
+        (tmp_path / "grpo_only" / "grpo").rename(run / "grpo")
+        return 0, 45.0
+
+    monkeypatch.setattr(gc, "run_pipeline", fake_run_pipeline)
+    monkeypatch.setattr(gc, "find_python", lambda explicit, allow_cpu: {
+        "executable": sys.executable, "version": [3, 12, 3], "torch": "2.11.0", "device_name": "NVIDIA H200"})
+    monkeypatch.setattr(gc, "verify", lambda py: dict(GPU_ENV))
+    out, root = tmp_path / "out", tmp_path / "root"
+    rc = gc.main(["--no-install", "--out", str(out), "--run-root", str(root), "--timeout", "400", "--",
+                  "rl.critic_optimizer.lr=1e-3", "ppo.steps=5", "ppo.vf_coef=0.5", "rl.max_new_tokens=8"])
+    res = json.loads((out / "gpu_check.json").read_text())
+    table = (out / "gpu_check.txt").read_text()
+
+    base = [f"checkpoint.root={root}", "checkpoint.run_name=gpu_check", "model.params_dtype=bfloat16"]
+    ppo_overrides = base + ["rl.critic_optimizer.lr=1e-3", "rl.steps=5", "rl.vf_coef=0.5", "rl.max_new_tokens=8"]
+    assert calls[0] == {"recipe": "pipelines/tiny_cpu.yaml", "overrides": ppo_overrides,
+                        "timeout": pytest.approx(280.0), "log": "gpu_check.log"}  # 400 s less GRPO's 30%
+    assert res["overrides"] == ppo_overrides and res["ppo"]["run"]["overrides"] == ppo_overrides
+    assert res["exit_code"] == res["ppo"]["run"]["exit_code"] == (1 if grpo_outcome == "rm_unfinished" else 0)
+    assert res["total_seconds"] == 100.0 and res["environment"]["params_dtype"] == "bfloat16"
+    assert res["command"].endswith("--config pipelines/tiny_cpu.yaml")
+    assert res["grpo_command"].endswith("--config pipelines/tiny_cpu_grpo.yaml")
+    # PPO's numbers whatever GRPO did
+    assert res["ppo_phases"]["train"] == {"seconds": 20.0, "peak_memory_bytes": 400 * 2**20}
+    assert res["gold_score"] == {"before": 0.01, "after": 0.655}
+    assert table_rows(table)["PPO"].split()[1:4] == ["0.010", "0.655", "+0.645"]
+    assert "peak GPU memory" in table and "PPO GPU peak" in table and "offload between RL phases: on" in table
+    grpo_run = res["grpo"]["run"]
+    if grpo_outcome == "rm_unfinished":
+        assert len(calls) == 1 and rc == 1
+        assert grpo_run == {"recipe": "pipelines/tiny_cpu_grpo.yaml", "overrides": base + ["rl.steps=5",
+                            "rl.max_new_tokens=8"], "overrides_not_passed": ["rl.critic_optimizer.lr=1e-3",
+                            "rl.vf_coef=0.5"], "log": "gpu_check_grpo.log",
+                            "skipped": "RM did not finish in the PPO pipeline"}
+        assert table_rows(table)["GRPO"].split() == ["GRPO", "missing"]
+        assert "GRPO: not run: RM did not finish in the PPO pipeline" in table
+        return
+    assert calls[1] == {"recipe": "pipelines/tiny_cpu_grpo.yaml", "log": "gpu_check_grpo.log",
+                        "overrides": base + ["rl.steps=5", "rl.max_new_tokens=8"],  # no critic settings
+                        "timeout": pytest.approx(300.0)}  # what PPO left of --timeout 400
+    assert grpo_run["overrides_not_passed"] == ["rl.critic_optimizer.lr=1e-3", "rl.vf_coef=0.5"]
+    assert grpo_run["timeout_seconds"] == pytest.approx(300.0)
+    files = sorted(p.name for p in out.iterdir())
+    assert len(files) <= 8  # the device tool brings back at most 8 files
+    summaries = json.loads((out / "summaries.json").read_text())
+    if grpo_outcome == "fails":
+        assert rc == 1 and grpo_run["exit_code"] == 1 and grpo_run["seconds"] == 20.0
+        assert not res["grpo"]["complete"] and res["complete"]
+        assert files == ["gpu_check.json", "gpu_check.log", "gpu_check.txt", "gpu_check_grpo.log",
+                         "ppo_metrics.jsonl", "summaries.json"]
+        assert sorted(summaries) == ["ppo", "rm", "sft"]
+        rows = table_rows(table)
+        assert rows["GRPO"].split() == ["GRPO", "missing"]
+        assert rows["train"].split()[1:] == ["20.0", "n/a", "400.0", "MiB", "n/a", "n/a"]
+        assert f"GRPO: the pipeline exited 1; missing {root / 'gpu_check' / 'grpo' / 'summary.json'}" in table
+        assert "GRPO incl. start-up: 20.0 s" in table
+        return
+    assert rc == 0 and grpo_run["exit_code"] == 0 and res["grpo"]["complete"]
+    assert files == ["gpu_check.json", "gpu_check.log", "gpu_check.txt", "gpu_check_grpo.log",
+                     "grpo_metrics.jsonl", "ppo_metrics.jsonl", "summaries.json"]
+    assert sorted(summaries) == ["grpo", "ppo", "rm", "sft"] and summaries["grpo"]["algorithm"] == "grpo"
+    assert res["memory_saving_bytes"]["stage"] == 140 * 2**20
+    assert "SFT -> RM -> PPO incl. start-up: 100.0 s   GRPO incl. start-up: 45.0 s" in table
+    assert not [line for line in table.splitlines() if line.startswith(("missing", "GRPO:", "GRPO      missing"))]
+
+
+def test_gpu_check_grpo_overrides_cpu():
+    """The GRPO run's overrides load with the GRPO recipe (which refuses critic settings given on
+    the command line); gpu_check's copy of the critic fields is the config's."""
+    from megatron_rlhf.config import CRITIC_FIELDS, ConfigError, load_config, validate
+
+    gc = load_gpu_check()
+    assert gc.CRITIC_FIELDS == CRITIC_FIELDS
+    assert gc.modern_overrides(["ppo.ppo_epochs=1", "ppo.kl_coef=0.1", "sft.steps=2", "model.ppo.x=1"]) == \
+        ["rl.epochs=1", "rl.kl_coef=0.1", "sft.steps=2", "model.ppo.x=1"]
+    overrides = ["checkpoint.root=/tmp/r", "checkpoint.run_name=gpu_check", "model.params_dtype=bfloat16",
+                 "rl.critic_optimizer.lr=1e-3", "ppo.lam=0.9", "rl.algorithm=ppo", "rl.steps=3", "ppo.epochs=1"]
+    keep, dropped = gc.grpo_overrides(overrides)
+    assert dropped == ["rl.critic_optimizer.lr=1e-3", "rl.lam=0.9", "rl.algorithm=ppo"]
+    assert keep == overrides[:3] + ["rl.steps=3", "rl.epochs=1"]
+    cfg = validate(load_config(REPO / gc.GRPO_RECIPE, keep), world_size=1)
+    assert cfg.rl.algorithm == "grpo" and not cfg.rl.has_critic and cfg.model.params_dtype == "bfloat16"
+    assert cfg.rl.steps == 3 and cfg.checkpoint.run_name == "gpu_check"
+    with pytest.raises(ConfigError, match="critic"):
+        validate(load_config(REPO / gc.GRPO_RECIPE, overrides[:4]), world_size=1)  # what it would refuse
+    cfg = validate(load_config(REPO / gc.RECIPE, gc.modern_overrides(overrides[:3])), world_size=1)
+    assert cfg.rl.algorithm == "ppo" and cfg.rl.has_critic
 
 
 def test_gpu_check_preflight_messages_cpu():

@@ -10,47 +10,13 @@ import torch
 from distributed import read_global_tensors
 from stages import FAULT_SFT as SFT
 from stages import FAULT_SFT_STEPS as STEPS
-from stages import TIMING, assert_same_tensors, deterministic_metrics, metrics, stage
+from stages import TIMING, assert_same_run, assert_same_tensors, fault, iter_dir, latest, metrics, stage
 
 pytestmark = pytest.mark.slow
 
 PPO_STEPS = 4
 PPO = [f"ppo.steps={PPO_STEPS}", "ppo.save_interval=2", "ppo.eval_interval=4", "ppo.log_interval=1",
        "ppo.rollout_batch_size=16", "ppo.mini_batch_size=8", "ppo.micro_batch_size=4"]
-
-
-def fault(spec: str) -> dict:
-    return {"env": {"MEGATRON_RLHF_FAULT": spec}, "check": False}
-
-
-def iter_dir(root, run, name, step):
-    return root / run / name / f"iter_{step:07d}"
-
-
-def latest(root, run, name) -> str:
-    return (root / run / name / "latest").read_text().strip()
-
-
-def assert_same_trainer_state(want_dir, got_dir):
-    for want_file in sorted((want_dir / "trainer_state").iterdir()):
-        want = torch.load(want_file, weights_only=False)
-        got = torch.load(got_dir / "trainer_state" / want_file.name, weights_only=False)
-        assert want.keys() == got.keys()
-        for key in want:
-            if key != "rng":
-                assert want[key] == got[key], key
-        assert want["rng"]["python"] == got["rng"]["python"]
-        assert all((a == b).all() if hasattr(a, "all") else a == b for a, b in zip(want["rng"]["numpy"], got["rng"]["numpy"]))
-        assert torch.equal(want["rng"]["torch"], got["rng"]["torch"])
-        for name, state in want["rng"]["tracker"].items():
-            assert torch.equal(state, got["rng"]["tracker"][name]), name
-
-
-def assert_same_run(root, want_run, got_run, name, step, roles):
-    for role in roles:
-        assert_same_tensors(iter_dir(root, want_run, name, step) / role, iter_dir(root, got_run, name, step) / role)
-    assert_same_trainer_state(iter_dir(root, want_run, name, step), iter_dir(root, got_run, name, step))
-    assert deterministic_metrics(root, got_run, name) == deterministic_metrics(root, want_run, name)
 
 
 # ------------------------------------------------------------------------------------- SFT

@@ -23,7 +23,7 @@ from distributed import TINY_MODEL
 from megatron_rlhf.checkpoint.safe_load import load_pt, read_dcp_metadata, restricted_dcp_unpickling
 from megatron_rlhf.checkpoint.validate import CheckpointError, find_checkpoint
 from megatron_rlhf.logging.metrics import MetricsLogger
-from megatron_rlhf.trainers.common import write_summary
+from megatron_rlhf.trainers.runner import write_summary
 
 REPO = Path(__file__).resolve().parent.parent
 REFUSED = "holds objects other than tensors, numbers and strings"

@@ -1,6 +1,7 @@
 """The real sbatch scripts on a real (local, 2 emulated nodes) Slurm cluster: a stage across
-2 nodes x 1 task, the dependent SFT -> RM -> PPO chain, and preemption: USR1 to the batch
-shell mid-PPO -> checkpoint -> requeue -> resume -> finish. The cluster comes from
+2 nodes x 1 task, the dependent SFT -> RM -> RL (PPO) chain of pipeline.stages (and a shorter
+pipeline.stages), and preemption: USR1 to the batch shell mid-PPO -> checkpoint -> requeue ->
+resume -> finish. The cluster comes from
 slurm/local_cluster.sh, which installs Debian's Slurm when it is missing (needs root)."""
 
 import os
@@ -59,9 +60,9 @@ def submit(env, script, out, extra_args, *options):
 def test_ppo_script_runs_on_two_nodes(cluster, sft_rm_root):
     state, env = cluster
     env = {**env, "RUN_ROOT": str(sft_rm_root), "RUN_NAME": "slurm_ppo"}
-    args = ["ppo.steps=3", "ppo.eval_interval=3",
-            f"ppo.sft_from={sft_rm_root}/main/sft", f"ppo.rm_from={sft_rm_root}/main/rm"]
-    (job_id,) = submit(env, "ppo_70b.sh", state, args)
+    args = ["rl.steps=3", "rl.eval_interval=3",
+            f"rl.sft_from={sft_rm_root}/main/sft", f"rl.rm_from={sft_rm_root}/main/rm"]
+    (job_id,) = submit(env, "ppo_70b.sh", state, args)  # the RL stage with the (PPO) recipe
     info = wait_for(env, job_id)
     log = (state / f"slurm-{job_id}.out").read_text()
     assert info["JobState"] == "COMPLETED", log[-3000:]
@@ -79,24 +80,38 @@ def test_ppo_script_runs_on_two_nodes(cluster, sft_rm_root):
 def test_pipeline_submits_dependent_stages_in_order(cluster, tmp_path):
     state, env = cluster
     short = ["sft.steps=6", "sft.eval_interval=6", "sft.optimizer.warmup_steps=1",
-             "rm.steps=6", "rm.eval_interval=6", "rm.optimizer.warmup_steps=1", "ppo.steps=2", "ppo.eval_interval=2"]
+             "rm.steps=6", "rm.eval_interval=6", "rm.optimizer.warmup_steps=1", "rl.steps=2", "rl.eval_interval=2"]
     ids = submit(env, "submit_pipeline.sh", state, [f"checkpoint.root={tmp_path}", "checkpoint.run_name=chain", *short])
     assert len(ids) == 3
+    assert [job(env, i)["JobName"] for i in ids] == ["rlhf-sft-70b", "rlhf-rm-70b", "rlhf-rl-70b"]
     assert job(env, ids[2])["Dependency"].startswith(f"afterok:{ids[1]}")
     infos = [wait_for(env, i) for i in ids]
     assert [i["JobState"] for i in infos] == ["COMPLETED"] * 3
     starts = [i["StartTime"] for i in infos]
     ends = [i["EndTime"] for i in infos]
     assert ends[0] <= starts[1] and ends[1] <= starts[2]  # ISO timestamps compare as strings
-    for stage_name in ("sft", "rm", "ppo"):
+    for stage_name in ("sft", "rm", "ppo"):  # the rl stage writes <run>/<rl.algorithm>
         assert summary(tmp_path, "chain", stage_name)["stage"] == stage_name
+
+
+def test_pipeline_submits_the_recipes_stages(cluster):
+    """pipeline.stages (here overridden to sft, rm) decides the jobs; held, so nothing runs."""
+    state, env = cluster
+    ids = submit(env, "submit_pipeline.sh", state, ["pipeline.stages=[sft,rm]"], "--hold")
+    try:
+        assert len(ids) == 2
+        infos = [job(env, i) for i in ids]
+        assert [i["Command"] for i in infos] == [str(REPO / "slurm" / s) for s in ("sft_70b.sh", "rm_70b.sh")]
+        assert infos[1]["Dependency"].startswith(f"afterok:{ids[0]}")
+    finally:
+        subprocess.run(["scancel", *ids], env=env, check=True)
 
 
 def test_usr1_checkpoints_requeues_and_resumes(cluster, sft_rm_root):
     state, env = cluster
-    args = [f"checkpoint.root={sft_rm_root}", "checkpoint.run_name=slurm_preempt", "ppo.steps=10",
-            "ppo.eval_interval=10", f"ppo.sft_from={sft_rm_root}/main/sft", f"ppo.rm_from={sft_rm_root}/main/rm"]
-    (job_id,) = submit(env, "ppo_70b.sh", state, args)
+    args = [f"checkpoint.root={sft_rm_root}", "checkpoint.run_name=slurm_preempt", "rl.steps=10",
+            "rl.eval_interval=10", f"rl.sft_from={sft_rm_root}/main/sft", f"rl.rm_from={sft_rm_root}/main/rm"]
+    (job_id,) = submit(env, "rl_70b.sh", state, args)
     out = state / f"slurm-{job_id}.out"
     deadline = time.time() + 600
     while "step 2/10" not in (out.read_text() if out.exists() else ""):

@@ -1,5 +1,5 @@
 """The run report: PNG plots of each stage's main curves and a markdown summary with sample
-generations before and after PPO. Reads only what the stages wrote (metrics.jsonl,
+generations before and after RL (any algorithm). Reads only what the stages wrote (metrics.jsonl,
 summary.json), so it can be rebuilt for any finished or partial run."""
 
 from __future__ import annotations
@@ -10,8 +10,9 @@ from pathlib import Path
 CURVES = {
     "sft": ["loss", "eval_loss"],
     "rm": ["loss", "eval_accuracy"],
-    "ppo": ["rm_score", "gold_score", "kl_mean", "response_length", "entropy", "value_loss", "clip_fraction",
-            "eval_gold_score"],
+    # every RL algorithm (<run>/ppo, <run>/grpo, ...); a curve a run did not log is left out
+    "rl": ["rm_score", "gold_score", "kl_mean", "response_length", "entropy", "value_loss", "clip_fraction",
+           "sampling_shortfall", "sampling_rounds", "eval_gold_score"],
 }
 
 
@@ -48,11 +49,17 @@ def plot_stage(stage_dir: Path, names: list[str], out: Path) -> Path | None:
     return out
 
 
-def write_report(run_dir: str | Path) -> Path:
+def write_report(run_dir: str | Path, stages: list[str] | None = None) -> Path:
+    """<run>/report.md for the stage directories `stages` (default: sft, rm and every RL
+    algorithm's directory that exists)."""
     run_dir = Path(run_dir)
+    if stages is None:
+        from megatron_rlhf.config import RL_ALGORITHMS
+
+        stages = ["sft", "rm", *(a for a in RL_ALGORITHMS if (run_dir / a).is_dir())]
     lines = [f"# Run report: {run_dir.name}", ""]
-    for stage, names in CURVES.items():
-        stage_dir = run_dir / stage
+    for stage in stages:
+        names, stage_dir = CURVES.get(stage, CURVES["rl"]), run_dir / stage
         summary_path = stage_dir / "summary.json"
         if not summary_path.exists():
             lines += [f"## {stage}", "", "not finished", ""]
@@ -67,7 +74,7 @@ def write_report(run_dir: str | Path) -> Path:
                   for k, v in summary.items() if not isinstance(v, (dict, list))]
         for key in ("samples_before", "samples_after"):
             if summary.get(key):
-                lines += ["", f"**{key.replace('_', ' ')} PPO** (prompt || response):", ""]
+                lines += ["", f"**{key.replace('_', ' ')} {stage.upper()}** (prompt || response):", ""]
                 lines += [f"- {s}" for s in summary[key]]
         lines.append("")
     out = run_dir / "report.md"

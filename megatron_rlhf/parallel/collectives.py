@@ -76,8 +76,8 @@ def dp_sums(values: dict[str, Tensor | float], device: torch.device) -> dict[str
 
 def masked_moments(x: Tensor, mask: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """(count, mean, unbiased variance) of x where mask is 1, over every data-parallel rank:
-    algorithms.ppo.masked_moments (two passes, float64) with its sums reduced over DP."""
-    from megatron_rlhf.algorithms.ppo import masked_moments as moments
+    algorithms.stats.masked_moments (two passes, float64) with its sums reduced over DP."""
+    from megatron_rlhf.algorithms.stats import masked_moments as moments
 
     return moments(x, mask, reduce=dp_sum)
 

@@ -1,4 +1,4 @@
-"""The rollout interface the PPO loop talks to, and the sampling step every engine shares."""
+"""The rollout interface the RL loop talks to, and the sampling step every engine shares."""
 
 from __future__ import annotations
 
@@ -71,6 +71,25 @@ class Rollout:
 
     def to(self, device: torch.device | str) -> Rollout:
         return Rollout(**{name: t.to(device) for name, t in vars(self).items()})
+
+    def __len__(self) -> int:
+        return self.tokens.size(0)
+
+    def select(self, rows: torch.Tensor) -> Rollout:
+        """The rows `rows` (an index tensor on the tokens' device), in that order."""
+        return Rollout(**{name: t[rows] for name, t in vars(self).items()})
+
+    @staticmethod
+    def cat(parts: list[Rollout], pad_id: int) -> Rollout:
+        """Rows of several rollouts, right-padded to the widest (tokens with pad_id, log-probs 0)."""
+        width = max(p.tokens.size(1) for p in parts)
+
+        def pad(t: torch.Tensor, value) -> torch.Tensor:
+            return torch.nn.functional.pad(t, (0, width - t.size(1)), value=value)
+
+        return Rollout(torch.cat([pad(p.tokens, pad_id) for p in parts]), torch.cat([p.prompt_lengths for p in parts]),
+                       torch.cat([p.lengths for p in parts]), torch.cat([pad(p.logprobs, 0.0) for p in parts]),
+                       torch.cat([p.finished for p in parts]))
 
     def response_lengths(self) -> torch.Tensor:
         """[B] generated tokens per row (EOS included when one was generated), on the tokens' device."""

@@ -17,21 +17,15 @@ import torch.nn.functional as F
 
 from megatron_rlhf import parallel
 from megatron_rlhf.checkpoint.dist import load_model_weights
-from megatron_rlhf.checkpoint.manager import CheckpointManager, resolve_checkpoint
-from megatron_rlhf.colocation import peak_memory_bytes, reset_peak_memory
+from megatron_rlhf.checkpoint.manager import resolve_checkpoint
 from megatron_rlhf.config import Config
 from megatron_rlhf.data.encode import collate_preferences, collate_sft, encode_preferences, encode_sft
 from megatron_rlhf.data.sampler import EpochSampler
-from megatron_rlhf.logging import MetricsLogger
-from megatron_rlhf.resilience.faults import FAULTS
-from megatron_rlhf.resilience.heartbeat import Heartbeat
-from megatron_rlhf.resilience.preemption import PreemptionHandler
 from megatron_rlhf.models.roles import RewardModel, summed
 from megatron_rlhf.parallel.collectives import dp_sums, masked_moments
-from megatron_rlhf.trainers.common import (
-    checkpoint_if_due, data_parallel, dp_slice, load_stage_data, padded_forward, resume,
-    skipped_steps, stage_dir, trainer_state, write_summary,
-)
+from megatron_rlhf.trainers.batching import data_parallel, dp_slice, padded_forward
+from megatron_rlhf.trainers.runner import StageRunner, skipped_steps
+from megatron_rlhf.trainers.stage_data import load_stage_data, stage_dir
 
 
 def bradley_terry_loss(outputs: dict, microbatch: dict):
@@ -71,12 +65,8 @@ def reward_statistics(rm: RewardModel, examples: list, pad_id: int, seq_len: int
 
 
 def train(cfg: Config) -> dict:
-    start = time.perf_counter()
-    preemption = PreemptionHandler()
-    parallel.initialize(cfg)
-    reset_peak_memory()  # this stage's own peak, also after an earlier stage in the same process
-    heartbeat = Heartbeat.from_env()
-    st, out = cfg.rm, stage_dir(cfg, "rm")
+    st = cfg.rm
+    runner = StageRunner(cfg, "rm", st.steps, st.log_interval, st.save_interval)
     data = load_stage_data(cfg, ("preference_train", "preference_eval", "sft_eval"))
     pad, ovf = data.tokenizer.pad_id, cfg.data.overflow
     fit = {"tokenizer": data.tokenizer, "max_len": st.seq_length, "overflow": ovf, "max_len_field": "rm.seq_length"}
@@ -87,57 +77,40 @@ def train(cfg: Config) -> dict:
     rm = RewardModel(cfg, trainable=True, optimizer=st.optimizer, total_steps=st.steps)
     roles = {"reward": rm}
     sampler = EpochSampler(len(train_set), seed=cfg.seed)
-    ckpt = CheckpointManager(out, cfg.checkpoint.keep_last, cfg.checkpoint.async_save)
-    step, init_note, _ = resume(cfg, ckpt, roles, sampler)
+    runner.resume(roles, sampler)
+    init_note = runner.resumed
     if init_note is None:
         sft_ckpt = resolve_checkpoint(st.init_from or stage_dir(cfg, "sft"))
         load_model_weights(rm, sft_ckpt / "actor", skip_prefixes=("output_layer.",))
         init_note = f"initialised from {sft_ckpt} (fresh value head)"
-    log = MetricsLogger(out, "rm", st.steps, resume_step=step, tensorboard=cfg.logging.tensorboard)
-    log.info(init_note)
-    log.info(f"train pairs: {train_report}; eval pairs: {eval_report}")
+    runner.log.info(init_note)
+    runner.log.info(f"train pairs: {train_report}; eval pairs: {eval_report}")
     eval_args = (pad, st.seq_length, st.micro_batch_size)
     dp_rank, dp_size = data_parallel()
 
     metrics = {}
-    while step < st.steps:
+    for step in runner.steps():
         t0 = time.perf_counter()
-        FAULTS.begin_step(step + 1)
         indices = dp_slice(sampler.next_indices(st.global_batch_size), dp_rank, dp_size)
         batch = collate_preferences([train_set[i] for i in indices], pad, st.seq_length)
         result = rm.train_step({k: batch[k] for k in ("tokens", "lengths")}, 2 * st.micro_batch_size,
                                bradley_terry_loss)
-        step += 1
         tokens = dp_sums({"tokens": int(batch["lengths"].sum())}, parallel.device())["tokens"]
         metrics = {"loss": result["loss"], "accuracy": result["accuracy"], "margin": result["margin"],
                    "lr": result["lr"], "grad_norm": result["grad_norm"],
                    **skipped_steps(roles), "tokens_per_s": tokens / (time.perf_counter() - t0)}
-        if step % st.eval_interval == 0 or step == st.steps:
+        evaluated = runner.due(st.eval_interval)
+        if evaluated:
             metrics.update(evaluate(rm, eval_set, *eval_args))
-        if step % st.log_interval == 0 or "eval_accuracy" in metrics:
-            log.log(step, metrics)
         if step == st.steps and st.normalize:
             rm.reward_mean, rm.reward_std = 0.0, 1.0
             rm.reward_mean, rm.reward_std = reward_statistics(rm, sft_samples, pad, st.seq_length, st.micro_batch_size)
-            log.info(f"reward normalisation: mean {rm.reward_mean:.4f}, std {rm.reward_std:.4f}")
-        checkpoint_if_due(ckpt, log, preemption, step, st.steps, st.save_interval, roles,
-                          trainer_state(step, step * st.global_batch_size, sampler, roles))
-        heartbeat.beat()
-
-    ckpt.wait()
+            runner.log.info(f"reward normalisation: mean {rm.reward_mean:.4f}, std {rm.reward_std:.4f}")
+        runner.end_step(metrics, step * st.global_batch_size, evaluated)
 
     final = evaluate(rm, eval_set, *eval_args)
-    summary = {
-        "stage": "rm", "steps": step,
-        "final_train_loss": metrics.get("loss"),
-        **final,
+    return runner.finish({
+        "final_train_loss": metrics.get("loss"), **final,
         "reward_mean": rm.reward_mean, "reward_std": rm.reward_std,
         "train_data": vars(train_report), "eval_data": vars(eval_report),
-        "wall_seconds": time.perf_counter() - start, "peak_memory_bytes": peak_memory_bytes(),
-        "checkpoint": str(ckpt.latest()),
-    }
-    write_summary(out, summary)
-    log.info(f"done: eval accuracy {final['eval_accuracy']:.3f}, margin {final['eval_margin']:.3f}")
-    heartbeat.close()
-    log.close()
-    return summary
+    }, f"done: eval accuracy {final['eval_accuracy']:.3f}, margin {final['eval_margin']:.3f}")

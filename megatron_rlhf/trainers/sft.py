@@ -14,21 +14,14 @@ from functools import partial
 import torch
 
 from megatron_rlhf import parallel
-from megatron_rlhf.checkpoint.manager import CheckpointManager
-from megatron_rlhf.colocation import peak_memory_bytes, reset_peak_memory
 from megatron_rlhf.config import Config
 from megatron_rlhf.data.encode import collate_sft, encode_sft
 from megatron_rlhf.data.sampler import EpochSampler
-from megatron_rlhf.logging import MetricsLogger
-from megatron_rlhf.resilience.faults import FAULTS
-from megatron_rlhf.resilience.heartbeat import Heartbeat
-from megatron_rlhf.resilience.preemption import PreemptionHandler
 from megatron_rlhf.models.roles import Actor
 from megatron_rlhf.parallel.collectives import dp_sums
-from megatron_rlhf.trainers.common import (
-    checkpoint_if_due, data_parallel, dp_slice, load_stage_data, padded_forward, resume,
-    skipped_steps, stage_dir, trainer_state, write_summary,
-)
+from megatron_rlhf.trainers.batching import data_parallel, dp_slice, padded_forward
+from megatron_rlhf.trainers.runner import StageRunner, skipped_steps
+from megatron_rlhf.trainers.stage_data import load_stage_data
 
 
 def response_nll(logprobs: torch.Tensor, loss_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -59,12 +52,8 @@ def evaluate(actor: Actor, examples: list, pad_id: int, seq_len: int, micro_batc
 
 
 def train(cfg: Config) -> dict:
-    start = time.perf_counter()
-    preemption = PreemptionHandler()
-    parallel.initialize(cfg)
-    reset_peak_memory()  # this stage's own peak, also after an earlier stage in the same process
-    heartbeat = Heartbeat.from_env()
-    st, out = cfg.sft, stage_dir(cfg, "sft")
+    st = cfg.sft
+    runner = StageRunner(cfg, "sft", st.steps, st.log_interval, st.save_interval)
     data = load_stage_data(cfg, ("sft_train", "sft_eval"))
     pad = data.tokenizer.pad_id
     encode = partial(encode_sft, tokenizer=data.tokenizer, max_len=st.seq_length, overflow=cfg.data.overflow,
@@ -75,17 +64,16 @@ def train(cfg: Config) -> dict:
     actor = Actor(cfg, trainable=True, optimizer=st.optimizer, total_steps=st.steps)
     roles = {"actor": actor}
     sampler = EpochSampler(len(train_set), seed=cfg.seed)
-    ckpt = CheckpointManager(out, cfg.checkpoint.keep_last, cfg.checkpoint.async_save)
-    step, resumed, _ = resume(cfg, ckpt, roles, sampler)
-    if resumed is None and cfg.model.init_from_hf:
+    runner.resume(roles, sampler)
+    if runner.resumed is None and cfg.model.init_from_hf:
         from megatron_rlhf.convert import check_model_matches_hf, load_hf_weights
 
         check_model_matches_hf(cfg, cfg.model.init_from_hf)
         load_hf_weights(actor, cfg.model.init_from_hf)
-    log = MetricsLogger(out, "sft", st.steps, resume_step=step, tensorboard=cfg.logging.tensorboard)
+    log = runner.log
     log.info(f"train data: {train_report}; eval data: {eval_report}")
-    if resumed:
-        log.info(resumed)
+    if runner.resumed:
+        log.info(runner.resumed)
     elif cfg.model.init_from_hf:
         log.info(f"initialised from the Hugging Face checkpoint {cfg.model.init_from_hf}")
     eval_args = (data.tokenizer.pad_id, st.seq_length, st.micro_batch_size)
@@ -93,37 +81,21 @@ def train(cfg: Config) -> dict:
     dp_rank, dp_size = data_parallel()
 
     metrics = {}
-    while step < st.steps:
+    for step in runner.steps():
         t0 = time.perf_counter()
-        FAULTS.begin_step(step + 1)
         indices = dp_slice(sampler.next_indices(st.global_batch_size), dp_rank, dp_size)
         batch = collate_sft([train_set[i] for i in indices], pad, st.seq_length)
         result = actor.train_step(batch, st.micro_batch_size, sft_loss)
-        step += 1
         tokens = dp_sums({"tokens": int(batch["lengths"].sum())}, parallel.device())["tokens"]
         metrics = {"loss": result["loss"], "lr": result["lr"], "grad_norm": result["grad_norm"],
                    **skipped_steps(roles), "tokens_per_s": tokens / (time.perf_counter() - t0)}
-        if step % st.eval_interval == 0 or step == st.steps:
+        evaluated = runner.due(st.eval_interval)
+        if evaluated:
             metrics["eval_loss"] = evaluate(actor, eval_set, *eval_args)
-        if step % st.log_interval == 0 or "eval_loss" in metrics:
-            log.log(step, metrics)
-        checkpoint_if_due(ckpt, log, preemption, step, st.steps, st.save_interval, roles,
-                          trainer_state(step, step * st.global_batch_size, sampler, roles))
-        heartbeat.beat()
+        runner.end_step(metrics, step * st.global_batch_size, evaluated)
 
-    ckpt.wait()
-
-    summary = {
-        "stage": "sft", "steps": step,
-        "final_train_loss": metrics.get("loss"),
-        "eval_loss_start": eval_loss_start,
-        "eval_loss": metrics.get("eval_loss", evaluate(actor, eval_set, *eval_args)),
+    eval_loss = metrics.get("eval_loss", evaluate(actor, eval_set, *eval_args))
+    return runner.finish({
+        "final_train_loss": metrics.get("loss"), "eval_loss_start": eval_loss_start, "eval_loss": eval_loss,
         "train_data": vars(train_report), "eval_data": vars(eval_report),
-        "wall_seconds": time.perf_counter() - start, "peak_memory_bytes": peak_memory_bytes(),
-        "checkpoint": str(ckpt.latest()),
-    }
-    write_summary(out, summary)
-    log.info(f"done: eval loss {summary['eval_loss_start']:.4f} -> {summary['eval_loss']:.4f}")
-    heartbeat.close()
-    log.close()
-    return summary
+    }, f"done: eval loss {eval_loss_start:.4f} -> {eval_loss:.4f}")

@@ -22,12 +22,12 @@ from functools import partial
 import torch
 
 from megatron_rlhf import parallel
-from megatron_rlhf.algorithms.ppo import masked_whiten, whiten
+from megatron_rlhf.algorithms.stats import masked_whiten, whiten
 from megatron_rlhf.checkpoint.dist import load_role, save_role
-from megatron_rlhf.config import PPOConfig
+from megatron_rlhf.config import RLConfig
 from megatron_rlhf.models.roles import Actor, Critic, Reference, RewardModel
 from megatron_rlhf.parallel.collectives import masked_moments
-from megatron_rlhf.trainers.ppo import actor_loss, critic_loss
+from megatron_rlhf.trainers.rl import actor_loss, critic_loss
 from megatron_rlhf.trainers.rm import bradley_terry_loss
 from megatron_rlhf.trainers.sft import sft_loss
 from workers import start_layout_worker
@@ -38,13 +38,13 @@ BATCH, SEQ, MBS, VOCAB, PROMPT = 8, 16, 2, 100, 3
 # The first half (data-parallel rank 0 at DP2) is long, the second short: microbatches and
 # ranks hold very different token counts, which a per-microbatch mean would weigh equally.
 LENGTHS = [16, 15, 16, 14, 4, 5, 6, 4]
-PPO = partial(PPOConfig, entropy_coef=0.01, kl_in_reward=False, kl_estimator="k2", clip_eps=0.2, value_clip=0.2)
+PPO = partial(RLConfig, entropy_coef=0.01, kl_in_reward=False, kl_estimator="k2", clip_eps=0.2, value_clip=0.2)
 # name -> (role, loss function). Rows alternate chosen/rejected for the reward model.
 LOSSES = {
     "sft": ("actor", sft_loss),
-    "ppo_actor": ("actor", partial(actor_loss, ppo=PPO(), kl_coef=0.1)),
-    "ppo_actor_seq_mean": ("actor", partial(actor_loss, ppo=PPO(loss_aggregation="seq_mean_token_mean"), kl_coef=0.1)),
-    "critic": ("critic", partial(critic_loss, ppo=PPO())),
+    "ppo_actor": ("actor", partial(actor_loss, rl=PPO(), kl_coef=0.1)),
+    "ppo_actor_seq_mean": ("actor", partial(actor_loss, rl=PPO(loss_aggregation="seq_mean_token_mean"), kl_coef=0.1)),
+    "critic": ("critic", partial(critic_loss, rl=PPO())),
     "reward": ("reward", bradley_terry_loss),
 }
 STEP_LOSSES = {"actor": "ppo_actor", "critic": "critic", "reward": "reward"}
@@ -73,7 +73,7 @@ def ppo_inputs(roles, batch, seed: int = 5) -> dict[str, torch.Tensor]:
     noise = lambda scale: scale * torch.randn(BATCH, SEQ, generator=g)  # noqa: E731
     mask = batch["mask"]
     return {"old_logprobs": (logprobs + noise(0.2)) * mask, "ref_logprobs": (logprobs + noise(0.5)) * mask,
-            "old_values": (values + noise(0.3)) * mask}
+            "values": (values + noise(0.3)) * mask}
 
 
 def dp_shard(batch):

@@ -68,7 +68,7 @@ def main() -> None:
         (p - q).abs().max().item() for p, q in zip(actor.module.parameters(), twin.module.parameters())
     )
     # Advantage whitening summed over data-parallel ranks equals the single-process formula.
-    from megatron_rlhf.algorithms.ppo import masked_whiten, whiten
+    from megatron_rlhf.algorithms.stats import masked_whiten, whiten
     from megatron_rlhf.parallel.collectives import masked_moments
 
     x, m = torch.randn(4, 6, generator=g), (torch.rand(4, 6, generator=g) > 0.3).float()

@@ -1,0 +1,110 @@
+"""Seconds per RL phase, samples/s, tokens/s and memory for PPO and a critic-free algorithm
+(GRPO) on the tiny recipe on CPU.
+
+    python benchmarks/rl_step.py [--iterations 3] [--out benchmarks/results/rl_step.json]
+
+Runs the RL stage's own phase functions (generate -> score -> advantages -> train) on
+randomly initialised roles of the tiny_cpu model, so every response runs to the full 32 new
+tokens; 4 epochs; 16 sequences per iteration (PPO: 16 prompts; GRPO: 4 prompts x 4 samples).
+One process per algorithm (TP1 PP1), so each peak RSS is its own. Also the bytes of model
+state each algorithm holds (weights of every role; gradients and Adam states of the trained
+ones): what the missing critic saves, independent of the allocator. Times are means over
+--iterations after one warm-up iteration. Prints a table, writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+ALGORITHMS = {"ppo": [], "grpo": ["rl.n_samples_per_prompt=4", "rl.kl_in_reward=false", "rl.kl_estimator=k3"]}
+
+
+def state_bytes(roles: dict) -> int:
+    """Weights of every role, plus fp32 main gradients and two Adam moments of the trained ones."""
+    total = 0
+    for role in roles.values():
+        n = sum(p.numel() for p in role.module.parameters())
+        total += n * next(role.module.parameters()).element_size() + (n * 4 * 3 if role.trainable else 0)
+    return total
+
+
+def run(algorithm: str, iterations: int) -> dict:
+    from megatron_rlhf import parallel
+    from megatron_rlhf.colocation import ColocationScheduler, phases_for
+    from megatron_rlhf.config import load_config
+    from megatron_rlhf.rollout import MegatronRolloutEngine, SamplingParams
+    from megatron_rlhf.trainers import rl as stage
+
+    n = 4 if algorithm != "ppo" else 1
+    cfg = load_config(REPO / "pipelines/tiny_cpu.yaml", [
+        f"rl.algorithm={algorithm}", f"rl.rollout_batch_size={16 // n}", "rl.mini_batch_size=8",
+        "rl.micro_batch_size=4", "rl.epochs=4", "rl.max_new_tokens=32", "rl.steps=100", *ALGORITHMS[algorithm]])
+    parallel.initialize(cfg)
+    roles = stage.build_roles(cfg)
+    trained = {k: roles[k] for k in ("actor", "critic") if k in roles}
+    sched = ColocationScheduler(roles, phases_for(roles))
+    engine = MegatronRolloutEngine(roles["actor"], eos_id=-1, pad_id=0)  # no EOS: full-length responses
+    sampling = SamplingParams(max_new_tokens=32)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, cfg.model.vocab_size, (int(k),), generator=g).tolist()
+               for k in torch.randint(3, 7, (16 // n,), generator=g)]
+    for it in range(iterations + 1):
+        if it == 1:
+            sched.stats.clear()  # drop the warm-up iteration
+        with sched.phase("generate") as phase:
+            rollout, scores, _ = stage.generate(engine, roles["reward"], lambda: prompts, cfg.rl, sampling, seed=it)
+            phase.tokens = int(rollout.response_lengths().sum())
+        with sched.phase("score") as phase:
+            batch = stage.score(rollout, scores, roles, cfg.rl)
+            phase.tokens = int(rollout.lengths.sum())
+        with sched.phase("train") as phase:
+            stage.add_advantages(batch, cfg.rl, 0.05)
+            stage.train_on_rollout(trained, batch, cfg.rl, 0.05, seed=it)
+            phase.tokens = int(rollout.lengths.sum()) * cfg.rl.epochs
+    phases = {p: {"seconds": v["seconds"] / iterations, "tokens_per_s": v["tokens_per_s"]}
+              for p, v in sched.summary().items()}
+    total = sum(p["seconds"] for p in phases.values())
+    parallel.destroy()
+    return {"algorithm": algorithm, "roles": sorted(roles), "sequences": len(rollout), "response_tokens": 32,
+            "epochs": 4, "phases": phases, "seconds_per_iteration": total, "samples_per_s": len(rollout) / total,
+            "tokens_per_s": float(rollout.lengths.sum()) / total, "model_state_mib": state_bytes(roles) / 2**20,
+            "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--iterations", type=int, default=3)
+    ap.add_argument("--out", type=Path, default=REPO / "benchmarks/results/rl_step.json")
+    ap.add_argument("--one", choices=sorted(ALGORITHMS), help=argparse.SUPPRESS)  # child process
+    args = ap.parse_args()
+    if args.one:
+        print(json.dumps(run(args.one, args.iterations)))
+        return
+    rows = []
+    for algorithm in ALGORITHMS:
+        out = subprocess.run([sys.executable, __file__, "--one", algorithm, "--iterations", str(args.iterations)],
+                             check=True, capture_output=True, text=True).stdout
+        rows.append(json.loads(out.strip().splitlines()[-1]))
+    print(f"{'algorithm':>9} {'roles':>5} {'generate s':>10} {'score s':>8} {'train s':>8} {'iter s':>7} "
+          f"{'samples/s':>9} {'state MiB':>9} {'peak RSS MiB':>12}")
+    for r in rows:
+        p = r["phases"]
+        print(f"{r['algorithm']:>9} {len(r['roles']):>5} {p['generate']['seconds']:>10.2f} {p['score']['seconds']:>8.2f} "
+              f"{p['train']['seconds']:>8.2f} {r['seconds_per_iteration']:>7.2f} {r['samples_per_s']:>9.2f} "
+              f"{r['model_state_mib']:>9.2f} {r['peak_rss_mib']:>12.0f}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"benchmark": "RL iteration phases, tiny_cpu model, fp32, CPU, TP1 PP1",
+                                    "iterations": args.iterations, "rows": rows}, indent=2))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,365 @@
+"""The RL stage: PPO or a critic-free algorithm on colocated megatron roles, time-shared.
+
+    python -m megatron_rlhf rl --config pipelines/tiny_cpu.yaml [key=value ...]   (alias: ppo)
+
+Actor and reference start from the SFT checkpoint, the reward model (and PPO's critic) from
+the RM checkpoint. Each iteration: generate (n samples per prompt; with dynamic sampling,
+more groups until the batch is full) -> score (old/reference log-probs, RM score, values) ->
+advantages (algorithms/advantages.py, one estimator per rl.algorithm) -> train (epochs x
+minibatches) -> eval when due. The math is in algorithms/; this file wires it. Writes
+<run>/<rl.algorithm>/.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+
+from megatron_rlhf import parallel
+from megatron_rlhf.algorithms.advantages import ESTIMATORS, Settings
+from megatron_rlhf.algorithms.kl import kl_estimate, make_kl_controller
+from megatron_rlhf.algorithms.losses import aggregate, log_importance_ratio, policy_loss, value_loss
+from megatron_rlhf.algorithms.stats import explained_variance, response_repetition_rate
+from megatron_rlhf.checkpoint.dist import load_model_weights, load_role
+from megatron_rlhf.checkpoint.manager import resolve_checkpoint
+from megatron_rlhf.colocation import ColocationScheduler, phases_for
+from megatron_rlhf.config import Config, RLConfig, warnings_for
+from megatron_rlhf.data.encode import encode_prompts
+from megatron_rlhf.data.sampler import EpochSampler
+from megatron_rlhf.models.roles import Actor, Critic, Reference, RewardModel
+from megatron_rlhf.parallel.collectives import any_rank, dp_sum, dp_sums, masked_moments
+from megatron_rlhf.rollout import MegatronRolloutEngine, Rollout, SamplingParams
+from megatron_rlhf.rollout.batch import RolloutBatch
+from megatron_rlhf.trainers.batching import data_parallel, dp_slice, padded_forward
+from megatron_rlhf.trainers.runner import StageRunner, skipped_steps
+from megatron_rlhf.trainers.stage_data import load_stage_data, stage_dir
+
+
+# ----------------------------------------------------------------------------- generate
+def sequence_rewards(reward, rollout: Rollout, rl: RLConfig) -> torch.Tensor:
+    """[B] reward-model scores of the rollout's sequences (clip_scores applied)."""
+    scores = padded_forward(reward, {"tokens": rollout.tokens, "lengths": rollout.lengths}, rl.micro_batch_size)["rewards"]
+    return clip_scores(scores, rollout, rl)
+
+
+def clip_scores(scores: torch.Tensor, rollout: Rollout, rl: RLConfig) -> torch.Tensor:
+    """Missing-EOS penalty applied, clipped to +-rl.reward_clip."""
+    if rl.missing_eos_penalty is not None:
+        scores = torch.where(rollout.finished, scores, torch.full_like(scores, rl.missing_eos_penalty))
+    return scores.clamp(-rl.reward_clip, rl.reward_clip)
+
+
+def generate(engine, reward, draw_prompts, rl: RLConfig, sampling, seed: int) -> tuple[Rollout, torch.Tensor | None, dict]:
+    """This rank's rollout: each prompt of `draw_prompts()` sampled n times (a group: n
+    consecutive rows). With dynamic sampling, groups whose rewards are all equal are dropped
+    and new prompts drawn, at most rl.max_sampling_rounds rounds (every rank runs as many, so
+    the global sampler stays in step); a shortfall is filled with dropped groups. Returns the
+    rollout, its scores (None without dynamic sampling: the score phase computes them) and,
+    with dynamic sampling, {"sampling_rounds": generation rounds, "sampling_shortfall":
+    uninformative groups this rank had to keep to fill its quota}."""
+    n = rl.n_samples_per_prompt
+    prompts = draw_prompts()
+    rollout = engine.generate([p for p in prompts for _ in range(n)], sampling, seed)
+    if not rl.dynamic_sampling:
+        return rollout, None, {}
+    quota, parts, scores = len(prompts), [rollout], [sequence_rewards(reward, rollout, rl)]
+    informative = [group_informative(scores[0], n)]
+    for extra in range(1, rl.max_sampling_rounds):
+        if not any_rank(int(sum(int(i.sum()) for i in informative)) < quota):
+            break
+        more = engine.generate([p for p in draw_prompts() for _ in range(n)], sampling, seed + 7919 * extra)
+        parts.append(more)
+        scores.append(sequence_rewards(reward, more, rl))
+        informative.append(group_informative(scores[-1], n))
+    keep = torch.cat(informative)
+    rows = select_groups(keep, quota, n)
+    rollout = Rollout.cat(parts, engine.pad_id).select(rows)
+    return rollout, torch.cat(scores)[rows], {"sampling_rounds": len(parts),
+                                              "sampling_shortfall": max(quota - int(keep.sum()), 0)}
+
+
+def select_groups(informative: torch.Tensor, quota: int, n: int) -> torch.Tensor:
+    """Row indices of `quota` groups: the informative ones first (in sampling order), then
+    uninformative ones to fill a shortfall. informative: [groups] bool -> [quota * n] long."""
+    order = torch.cat([informative.nonzero().flatten(), (~informative).nonzero().flatten()])[:quota]
+    return (order[:, None] * n + torch.arange(n, device=order.device)).flatten()
+
+
+def group_informative(scores: torch.Tensor, n: int) -> torch.Tensor:
+    """[B] -> [B / n] bool: the group's rewards are not all equal (it carries a learning signal)."""
+    groups = scores.view(-1, n)
+    return groups.max(dim=1).values != groups.min(dim=1).values
+
+
+# ----------------------------------------------------------------------------- score
+def score(rollout: Rollout, scores: torch.Tensor | None, roles: dict, rl: RLConfig) -> RolloutBatch:
+    """The train phase's batch from one forward of each role (on the roles' device)."""
+    seqs, micro = {"tokens": rollout.tokens, "lengths": rollout.lengths}, rl.micro_batch_size
+    mask = rollout.response_mask()
+    values = padded_forward(roles["critic"], seqs, micro)["values"] * mask if "critic" in roles else None
+    return RolloutBatch(
+        tokens=rollout.tokens, lengths=rollout.lengths, prompt_lengths=rollout.prompt_lengths, mask=mask,
+        group_ids=torch.arange(len(rollout), device=mask.device) // rl.n_samples_per_prompt,
+        old_logprobs=padded_forward(roles["actor"], seqs, micro)["logprobs"] * mask,
+        ref_logprobs=padded_forward(roles["reference"], seqs, micro)["logprobs"] * mask,
+        scores=sequence_rewards(roles["reward"], rollout, rl) if scores is None else scores, values=values)
+
+
+# ----------------------------------------------------------------------------- advantages
+def add_advantages(batch: RolloutBatch, rl: RLConfig, kl_coef: float) -> dict[str, torch.Tensor]:
+    """KL penalty -> the algorithm's advantages (and PPO's returns), set on `batch`. Returns
+    this rank's KL sums and, with a critic, the explained variance over all data-parallel ranks."""
+    width = rl.max_new_tokens  # the longest response possible: no host sync for the real one
+    mask = batch.response_mask(width)
+    resp = partial(batch.response, width=width)
+    kl = kl_estimate(resp(batch.old_logprobs), resp(batch.ref_logprobs), rl.kl_estimator, rl.kl_clip) * mask
+    kl_penalty = -kl_coef * (kl if rl.kl_in_reward else torch.zeros_like(kl))
+    values = resp(batch.values) if batch.values is not None else None
+    settings = Settings(gamma=rl.gamma, lam=rl.lam, whiten=rl.whiten_advantages, group_size=rl.n_samples_per_prompt,
+                        group_std=rl.group_std_normalization, reduce=dp_sum)
+    advantages, returns = ESTIMATORS[rl.algorithm](batch.scores, kl_penalty, mask, values, settings)
+    batch.advantages = batch.sequence(advantages)
+    stats = {"kl": kl.sum(), "kl_tokens": mask.sum()}
+    if returns is not None:
+        batch.returns = batch.sequence(returns)
+        _, _, var_returns = masked_moments(returns, mask)
+        _, _, var_residual = masked_moments(returns - values * mask, mask)
+        stats["explained_variance"] = explained_variance(var_residual, var_returns)
+    return stats
+
+
+# ----------------------------------------------------------------------------- train
+def actor_loss(outputs: dict, microbatch: dict, rl: RLConfig, kl_coef: float):
+    """Clipped policy loss - c2 * entropy (+ kl_coef * KL when the KL is in the loss), as
+    (sum, units, stats) over rl.loss_aggregation's unit (see models/roles.py: LossFn)."""
+    mb, logprobs = RolloutBatch.of(microbatch), outputs["logprobs"]
+    agg = partial(aggregate, mask=mb.mask, mode=rl.loss_aggregation)
+    log_ratio = log_importance_ratio(logprobs, mb.old_logprobs, mb.mask, rl.importance_ratio)
+    policy, clipped = policy_loss(log_ratio, mb.advantages, rl.clip_eps, rl.clip_eps_high, rl.dual_clip)
+    objective = policy - rl.entropy_coef * outputs["entropy"]
+    if not rl.kl_in_reward:
+        objective = objective + kl_coef * kl_estimate(logprobs, mb.ref_logprobs, rl.kl_estimator, rl.kl_clip)
+    loss, units = agg(objective)
+    token_log_ratio = (logprobs - mb.old_logprobs).detach()
+    stats = {"policy_loss": agg(policy.detach())[0], "entropy": agg(outputs["entropy"].detach())[0],
+             "clip_fraction": agg(clipped.float())[0], "approx_kl": agg(0.5 * token_log_ratio**2)[0],
+             "ratio_mean": agg(log_ratio.detach().exp())[0]}
+    return loss, units, stats
+
+
+def critic_loss(outputs: dict, microbatch: dict, rl: RLConfig):
+    mb = RolloutBatch.of(microbatch)
+    per_token, clipped = value_loss(outputs["values"], mb.values, mb.returns, rl.value_clip)
+    agg = partial(aggregate, mask=mb.mask, mode=rl.loss_aggregation)
+    loss, units = agg(rl.vf_coef * per_token)
+    return loss, units, {"value_loss": agg(per_token.detach())[0], "value_clip_fraction": agg(clipped.float())[0]}
+
+
+def train_on_rollout(trained: dict, batch: RolloutBatch, rl: RLConfig, kl_coef: float, seed: int) -> dict[str, float]:
+    """rl.epochs x minibatches, reshuffled every epoch, for each role in `trained` (actor
+    and/or critic); returns the mean of each statistic."""
+    losses = {"actor": partial(actor_loss, rl=rl, kl_coef=kl_coef), "critic": partial(critic_loss, rl=rl)}
+    rows, mini = len(batch), rl.mini_batch_size // data_parallel()[1]
+    generator = torch.Generator().manual_seed(seed)
+    means: dict[str, list[float]] = {}
+    for _ in range(rl.epochs):
+        order = torch.randperm(rows, generator=generator).to(batch.tokens.device)
+        for start in range(0, rows, mini):
+            mb = batch.select(order[start : start + mini]).tensors()
+            for role, model in trained.items():
+                for k, v in model.train_step(mb, rl.micro_batch_size, losses[role]).items():
+                    if k not in ("update_ok", "skipped"):
+                        means.setdefault(f"{role}_{k}" if k in ("loss", "grad_norm", "lr") else k, []).append(float(v))
+    return {k: sum(v) / len(v) for k, v in means.items()}
+
+
+# ----------------------------------------------------------------------------- metrics and eval
+def iteration_sums(rollout: Rollout, batch: RolloutBatch, kl_stats: dict, gold: float, repetition: float,
+                   sampling: dict) -> dict:
+    """This rank's sums of the per-iteration metrics (device tensors, host numbers for the
+    text-based ones); `dp_sums` adds them over data-parallel ranks."""
+    n = len(rollout)
+    return {
+        "responses": n, "rm_score": batch.scores.sum(), "gold_score": gold,
+        "response_length": rollout.response_lengths().sum(), "kl": kl_stats["kl"], "kl_tokens": kl_stats["kl_tokens"],
+        "logprob_mismatch": ((rollout.logprobs - batch.old_logprobs).abs() * batch.mask).sum(),
+        "scored_tokens": batch.mask.sum(), "repetition_rate": repetition * n, **sampling,
+    }
+
+
+def iteration_metrics(rollout, batch, kl_stats, texts, task, sampling: dict, kl_coef: float) -> dict[str, float]:
+    """The per-iteration means over every data-parallel rank (one collective); the dynamic
+    sampling shortfall summed over ranks."""
+    gold = sum(task.gold_score(p, r) for p, r in texts) if task else 0.0
+    repetition = response_repetition_rate(rollout.response_ids())
+    sums = dp_sums(iteration_sums(rollout, batch, kl_stats, gold, repetition, sampling), parallel.device())
+    n = sums["responses"]
+    return {
+        "responses": n, "rm_score": sums["rm_score"] / n, **({"gold_score": sums["gold_score"] / n} if task else {}),
+        "kl_mean": sums["kl"] / n, "kl_per_token": sums["kl"] / max(sums["kl_tokens"], 1.0),
+        "kl_coef": kl_coef,  # the coefficient this iteration used
+        "response_length": sums["response_length"] / n, "repetition_rate": sums["repetition_rate"] / n,
+        "logprob_mismatch": sums["logprob_mismatch"] / max(sums["scored_tokens"], 1.0),
+        **({"explained_variance": float(kl_stats["explained_variance"])} if "explained_variance" in kl_stats else {}),
+        **({"sampling_rounds": sums["sampling_rounds"] / data_parallel()[1],  # every rank runs as many
+            "sampling_shortfall": sums["sampling_shortfall"]} if sampling else {}),
+    }
+
+
+def evaluate(engine, reward, tokenizer, task, prompts, sampling, micro, seed) -> tuple[dict, list[str], int]:
+    """Gold and RM scores of responses to held-out prompts (sharded over DP ranks)."""
+    rank, size = data_parallel()
+    rollout = engine.generate(prompts[rank::size], sampling, seed)
+    rm = padded_forward(reward, {"tokens": rollout.tokens, "lengths": rollout.lengths}, micro)["rewards"]
+    texts = decode_responses(rollout, tokenizer)
+    gold = [task.gold_score(p, r) for p, r in texts] if task else []
+    sums = dp_sums({"n": len(texts), "rm": rm.sum(), "gold": sum(gold)}, rm.device)
+    samples = [f"{p} || {r}" for p, r in texts]
+    scores = {"eval_rm_score": sums["rm"] / sums["n"], **({"eval_gold_score": sums["gold"] / sums["n"]} if task else {})}
+    return scores, samples, int(rollout.response_lengths().sum())
+
+
+def decode_responses(rollout: Rollout, tokenizer) -> list[tuple[str, str]]:
+    prompts = [row[:p] for row, p in zip(rollout.tokens.tolist(), rollout.prompt_lengths.tolist())]  # one host copy
+    return [(tokenizer.decode(p), tokenizer.decode(r)) for p, r in zip(prompts, rollout.response_ids())]
+
+
+# ----------------------------------------------------------------------------- roles
+def build_roles(cfg: Config) -> dict:
+    """Actor, reference, reward model; and the critic when the algorithm has one."""
+    rl = cfg.rl
+    # LR schedules run over every optimizer step: epochs x minibatches per iteration
+    total_steps = rl.steps * rl.epochs * (rl.samples_per_iteration // rl.mini_batch_size)
+    roles = {
+        "actor": Actor(cfg, trainable=True, temperature=rl.temperature, optimizer=rl.actor_optimizer,
+                       total_steps=total_steps),
+        "reference": Reference(cfg, temperature=rl.temperature),
+        "reward": RewardModel(cfg),
+    }
+    if rl.has_critic:
+        roles["critic"] = Critic(cfg, trainable=True, optimizer=rl.critic_optimizer, total_steps=total_steps)
+    return roles
+
+
+def load_inputs(cfg: Config, roles: dict, fresh_start: bool) -> str:
+    """Reference from SFT and reward model from RM; on a fresh start also the actor (from
+    SFT) and the critic (from RM); a resumed run has them from its own checkpoint."""
+    sft = resolve_checkpoint(cfg.rl.sft_from or stage_dir(cfg, "sft"))
+    rm = resolve_checkpoint(cfg.rl.rm_from or stage_dir(cfg, "rm"))
+    load_role(roles["reference"], sft / "actor", with_optimizer=False)
+    load_role(roles["reward"], rm / "reward", with_optimizer=False)
+    if not fresh_start:
+        return f"reference from {sft}, reward model from {rm}"
+    load_model_weights(roles["actor"], sft / "actor")
+    if "critic" not in roles:
+        return f"actor/reference from {sft}, reward model from {rm} (no critic: rl.algorithm={cfg.rl.algorithm})"
+    load_model_weights(roles["critic"], rm / "reward")  # value head starts as the reward head
+    fold_reward_normalization(roles["critic"], roles["reward"])
+    return f"actor/reference from {sft}, reward model/critic from {rm}"
+
+
+@torch.no_grad()
+def fold_reward_normalization(critic, reward) -> None:
+    """The critic predicts returns in normalised reward units: fold the RM's (mean, std) into
+    the value head it starts from, w' = w/std, b' = (b - mean)/std."""
+    head = critic.module.output_layer if hasattr(critic.module, "output_layer") else None
+    if head is not None:  # only the last pipeline stage holds the head
+        head.weight.div_(reward.reward_std)
+        head.bias.sub_(reward.reward_mean).div_(reward.reward_std)
+    critic.optimizer.reload_model_params()
+
+
+# ----------------------------------------------------------------------------- the stage
+def train(cfg: Config) -> dict:
+    rl = cfg.rl
+    runner = StageRunner(cfg, "rl", rl.steps, rl.log_interval, rl.save_interval)
+    data = load_stage_data(cfg, ("prompts_train", "prompts_eval"))
+    tok, max_prompt = data.tokenizer, cfg.model.max_seq_length - rl.max_new_tokens
+    train_prompts, train_report = encode_prompts(data.splits["prompts_train"], tok, max_prompt)
+    eval_prompts, _ = encode_prompts(data.splits["prompts_eval"], tok, max_prompt)
+    roles = build_roles(cfg)
+    trained = {name: roles[name] for name in ("actor", "critic") if name in roles}
+    engine = MegatronRolloutEngine(roles["actor"], eos_id=tok.eos_id, pad_id=tok.pad_id)
+    sched = ColocationScheduler(roles, phases_for(roles, reward_in_generate=rl.dynamic_sampling))
+    kl_ctl = make_kl_controller(rl.kl_controller, rl.kl_coef, rl.kl_target, rl.kl_horizon)
+    sampler = EpochSampler(len(train_prompts), seed=cfg.seed)
+    state = runner.resume(trained, sampler)
+    if runner.resumed:
+        kl_ctl.load_state_dict(state["kl_controller"])
+    log = runner.log
+    for line in (load_inputs(cfg, roles, fresh_start=not runner.resumed), runner.resumed,
+                 f"prompts: {train_report}", *(f"warning: {w}" for w in warnings_for(cfg))):
+        if line:
+            log.info(line)
+    sampling = SamplingParams(rl.temperature, rl.top_k, rl.top_p, rl.max_new_tokens)
+    dp_rank, dp = data_parallel()
+    draw_prompts = lambda: [train_prompts[i] for i in dp_slice(sampler.next_indices(rl.rollout_batch_size), dp_rank, dp)]  # noqa: E731
+    run_eval = partial(evaluate, engine, roles["reward"], tok, data.task, eval_prompts, sampling, rl.micro_batch_size,
+                       cfg.seed + 17)
+    with sched.phase("eval") as phase:
+        eval_metrics, samples, phase.tokens = run_eval()
+    log.info(f"eval at step {runner.step}: {eval_metrics}; e.g. {samples[: rl.eval_samples_logged]}")
+    # "before" means the SFT policy: a resumed run keeps the numbers its first start measured
+    before = state["before"] if runner.resumed else {"eval": eval_metrics, "samples": samples}
+    if not runner.resumed:
+        log.log(0, eval_metrics)  # the SFT policy: the eval curves start here
+
+    samples_seen, metrics = state.get("consumed_samples", 0), {}
+    for step in runner.steps():
+        seed = cfg.seed * 100_003 + step * 1_009 + dp_rank
+        with sched.phase("generate") as phase:
+            rollout, scores, sampling_stats = generate(engine, roles["reward"], draw_prompts, rl, sampling, seed)
+            phase.tokens = int(rollout.response_lengths().sum())
+        runner.heartbeat.beat()
+        with sched.phase("score") as phase:
+            batch = score(rollout, scores, roles, rl)
+            phase.tokens = int(rollout.lengths.sum())
+        runner.heartbeat.beat()
+        with sched.phase("train") as phase:
+            kl_coef, train_actor = kl_ctl.value, step > rl.critic_warmup_steps
+            kl_stats = add_advantages(batch, rl, kl_coef)
+            training = {k: r for k, r in trained.items() if k == "critic" or train_actor}
+            train_stats = train_on_rollout(training, batch, rl, kl_coef, seed=seed)
+            phase.tokens = int(rollout.lengths.sum()) * rl.epochs
+        engine.update_weights()  # weight sync: a no-op for the in-place engine (it samples from the actor)
+        metrics = iteration_metrics(rollout, batch, kl_stats, decode_responses(rollout, tok), data.task,
+                                    sampling_stats, kl_coef)
+        samples_seen += int(metrics.pop("responses"))
+        if train_actor:  # the actor does not move during critic warm-up: nothing to steer yet
+            kl_ctl.update(metrics["kl_mean"], int(rl.samples_per_iteration))
+        metrics.update(train_stats, **skipped_steps(trained, by_role=True), **sched.step_metrics())
+        evaluated = runner.due(rl.eval_interval)
+        if evaluated:
+            with sched.phase("eval") as phase:
+                eval_metrics, samples, phase.tokens = run_eval()
+            metrics.update(eval_metrics)
+            log.info(f"step {step} samples: {samples[: rl.eval_samples_logged]}")
+        runner.end_step(metrics, samples_seen, evaluated, kl_controller=kl_ctl.state_dict(), before=before)
+
+    return runner.finish(rl_summary(rl, before, eval_metrics, metrics, kl_ctl, sched, samples_seen, samples, roles),
+                         done_message(before["eval"], eval_metrics))
+
+
+def rl_summary(rl, before, eval_metrics, metrics, kl_ctl, sched, samples_seen, samples, roles) -> dict:
+    phases = sched.summary()
+    return {
+        "algorithm": rl.algorithm, "roles": sorted(roles),
+        # null without a gold scorer (data.task: null)
+        "gold_score_eval_before": before["eval"].get("eval_gold_score"),
+        "gold_score_eval_after": eval_metrics.get("eval_gold_score"),
+        "rm_score_eval_before": before["eval"]["eval_rm_score"], "rm_score_eval_after": eval_metrics["eval_rm_score"],
+        "kl_mean_final": metrics.get("kl_mean"), "kl_coef_final": kl_ctl.value,
+        "samples_per_second": samples_seen / max(sum(v["seconds"] for p, v in phases.items() if p != "eval"), 1e-9),
+        "phase_seconds": {p: v["seconds"] for p, v in phases.items()},
+        "phase_peak_memory_bytes": {p: v["peak_memory_bytes"] for p, v in phases.items()},
+        "phase_tokens_per_s": {p: v["tokens_per_s"] for p, v in phases.items()},
+        "samples_before": before["samples"][: rl.eval_samples_logged],
+        "samples_after": samples[: rl.eval_samples_logged],
+    }
+
+
+def done_message(before: dict, after: dict) -> str:
+    gold = ("no gold scorer" if after.get("eval_gold_score") is None else
+            f"gold {before['eval_gold_score']:.3f} -> {after['eval_gold_score']:.3f}")
+    return f"done: {gold}, RM {before['eval_rm_score']:.3f} -> {after['eval_rm_score']:.3f}"

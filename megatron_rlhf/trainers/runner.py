@@ -1,0 +1,169 @@
+"""The stage lifecycle, written once: start-up (signal handler, process groups, heartbeat),
+resume, the step loop with its cadences (log, checkpoint, preemption), the summary and close.
+
+A stage builds its roles and data, then:
+
+    runner = StageRunner(cfg, "sft", total_steps=..., log_interval=..., save_interval=...)
+    ...build roles, sampler...
+    state = runner.resume(trained_roles, sampler)      # {} on a fresh start
+    for step in runner.steps():
+        metrics = ...one step...
+        if runner.due(eval_interval): metrics.update(evaluate())
+        runner.end_step(metrics, consumed_samples, evaluated=...)   # log, checkpoint, heartbeat
+    runner.finish({...stage fields...}, "done: ...")
+
+`periodic` is the one cadence rule (every `interval` steps and at the last step).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch.distributed as dist
+
+from megatron_rlhf import parallel
+from megatron_rlhf.checkpoint.manager import CheckpointManager
+from megatron_rlhf.colocation import peak_memory_bytes, reset_peak_memory
+from megatron_rlhf.config import Config
+from megatron_rlhf.logging import MetricsLogger
+from megatron_rlhf.logging.metrics import nonfinite_to_null
+from megatron_rlhf.resilience.faults import FAULTS
+from megatron_rlhf.resilience.heartbeat import Heartbeat
+from megatron_rlhf.resilience.preemption import Preempted, PreemptionHandler
+from megatron_rlhf.trainers.stage_data import stage_dir
+
+
+def periodic(step: int, interval: int, total: int) -> bool:
+    """Every `interval` steps (0: never) and at the last step."""
+    return (interval > 0 and step % interval == 0) or step == total
+
+
+class StageRunner:
+    def __init__(self, cfg: Config, stage: str, total_steps: int, log_interval: int, save_interval: int):
+        self.start_time = time.perf_counter()
+        self.preemption = PreemptionHandler()  # first: a signal during start-up is not lost
+        parallel.initialize(cfg)
+        reset_peak_memory()  # this stage's own peak, also after an earlier stage in the same process
+        self.heartbeat = Heartbeat.from_env()
+        self.cfg, self.stage, self.total = cfg, stage, total_steps
+        self.log_interval, self.save_interval = log_interval, save_interval
+        self.out = stage_dir(cfg, stage)
+        self.step, self.resumed, self.trained, self.sampler = 0, None, {}, None
+        self.ckpt: CheckpointManager | None = None
+        self.log: MetricsLogger | None = None
+
+    # ------------------------------------------------------------------ start
+    def resume(self, trained: dict, sampler) -> dict:
+        """Load the stage's checkpoint to resume from, if any, into the trained roles and the
+        sampler; open the metrics log at that step. Returns the trainer state ({} fresh)."""
+        self.trained, self.sampler = trained, sampler
+        self.ckpt = CheckpointManager(self.out, self.cfg.checkpoint.keep_last, self.cfg.checkpoint.async_save)
+        self.step, self.resumed, state = resume(self.cfg, self.ckpt, trained, sampler)
+        self.log = MetricsLogger(self.out, self.stage_name, self.total, resume_step=self.step,
+                                 tensorboard=self.cfg.logging.tensorboard)
+        return state
+
+    @property
+    def stage_name(self) -> str:
+        return self.out.name
+
+    # ------------------------------------------------------------------ the loop
+    def steps(self) -> Iterator[int]:
+        while self.step < self.total:
+            self.step += 1
+            FAULTS.begin_step(self.step)
+            yield self.step
+
+    def due(self, interval: int) -> bool:
+        return periodic(self.step, interval, self.total)
+
+    def end_step(self, metrics: dict, consumed_samples: int, evaluated: bool = False, **state) -> None:
+        """Log (on the interval and after an eval), checkpoint when due or signalled (with the
+        stage-specific trainer `state`), beat the heartbeat."""
+        if self.due(self.log_interval) or evaluated:
+            self.log.log(self.step, metrics)
+        checkpoint_if_due(self.ckpt, self.log, self.preemption, self.step, self.total, self.save_interval,
+                          self.trained, trainer_state(self.step, consumed_samples, self.sampler, self.trained, **state))
+        self.heartbeat.beat()
+
+    # ------------------------------------------------------------------ end
+    def finish(self, fields: dict, message: str) -> dict:
+        """Wait for the last checkpoint, write summary.json, close the logs; returns the summary."""
+        self.ckpt.wait()
+        summary = {"stage": self.stage_name, "steps": self.step, **fields,
+                   "wall_seconds": time.perf_counter() - self.start_time, "peak_memory_bytes": peak_memory_bytes(),
+                   "checkpoint": str(self.ckpt.latest())}
+        write_summary(self.out, summary)
+        self.log.info(message)
+        self.heartbeat.close()
+        self.log.close()
+        return summary
+
+
+# ---------------------------------------------------------------------- checkpoint lifecycle
+def resume_source(cfg: Config, ckpt) -> Path | str | None:
+    """Where to resume from: checkpoint.load, else the stage's own complete checkpoint, else
+    nothing (a fresh start); see CheckpointManager.has_checkpoint for damaged ones."""
+    if cfg.checkpoint.load:
+        return cfg.checkpoint.load
+    if cfg.checkpoint.resume and ckpt.has_checkpoint():
+        return ckpt.stage_dir
+    return None
+
+
+def resume(cfg: Config, ckpt, roles: dict, sampler) -> tuple[int, str | None, dict]:
+    """(step, lines for the log, the trainer state; step 0, None and {} on a fresh start).
+    Restores the sampler and the non-finite guards of the trained roles."""
+    source = resume_source(cfg, ckpt)
+    if source is None:
+        return 0, None, {}
+    state = ckpt.load(roles, source)
+    sampler.load_state_dict(state["sampler"])
+    for name, guard in state.get("guards", {}).items():
+        roles[name].guard.load_state_dict(guard)
+    notes = [*state.get("checkpoint_warnings", []), f"resumed from {state['checkpoint']} at step {state['step']}"]
+    return state["step"], "\n".join(notes), state
+
+
+def trainer_state(step: int, consumed_samples: int, sampler, roles: dict, **extra) -> dict:
+    """What every stage saves besides the roles: the step, the samples consumed, the data
+    order and position, the skipped-step counters, and stage-specific `extra` (RNG states
+    are added by the checkpoint manager)."""
+    return {"step": step, "consumed_samples": consumed_samples, "sampler": sampler.state_dict(),
+            "guards": {name: role.guard.state_dict() for name, role in roles.items()}, **extra}
+
+
+def skipped_steps(roles: dict, by_role: bool = False) -> dict[str, int]:
+    """Optimizer steps skipped so far for a NaN/Inf loss or gradient, per trained role
+    (`<role>_skipped_steps`; a stage with one role and by_role False: `skipped_steps`)."""
+    return {f"{name}_skipped_steps" if by_role or len(roles) > 1 else "skipped_steps": role.guard.skipped
+            for name, role in roles.items()}
+
+
+def write_summary(directory: Path, summary: dict[str, Any]) -> None:
+    """summary.json (rank 0); NaN/Inf are written as null, so that strict JSON parsers read it."""
+    if dist.get_rank() == 0:
+        tmp = directory / "summary.json.tmp"
+        tmp.write_text(json.dumps(nonfinite_to_null(summary), indent=2, allow_nan=False) + "\n")
+        tmp.replace(directory / "summary.json")
+
+
+def checkpoint_if_due(ckpt, log, preemption, step: int, total: int, save_interval: int,
+                      roles: dict, state: dict) -> None:
+    """Save on the interval, at the last step, or when any rank was signalled; after a
+    signalled save, wait for it to be committed and exit for requeue
+    (resilience/preemption.py). Commits finished async saves on the way."""
+    preempted = preemption.should_stop()
+    # An interval save waits for a good step: a run that keeps producing NaN must stop with
+    # its last checkpoint from before the trouble, not one taken in the middle of it.
+    in_nonfinite_streak = any(role.guard.consecutive for role in roles.values())
+    if (periodic(step, save_interval, total) and not in_nonfinite_streak) or step == total or preempted:
+        ckpt.save(step, roles, state)
+    ckpt.poll()
+    if preempted and step < total:
+        ckpt.wait()
+        log.info(f"signalled: checkpoint at step {step} saved, exiting for requeue")
+        raise Preempted(step)
