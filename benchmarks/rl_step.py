@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
-ALGORITHMS = {"ppo": [], "grpo": ["rl.n_samples_per_prompt=4", "rl.kl_in_reward=false", "rl.kl_estimator=k3"]}
+RECIPES = {"ppo": "pipelines/tiny_cpu.yaml", "grpo": "pipelines/tiny_cpu_grpo.yaml"}  # grpo: n=4, k3 in the loss
 
 
 def state_bytes(roles: dict) -> int:
@@ -43,10 +43,10 @@ def run(algorithm: str, iterations: int) -> dict:
     from megatron_rlhf.rollout import MegatronRolloutEngine, SamplingParams
     from megatron_rlhf.trainers import rl as stage
 
-    n = 4 if algorithm != "ppo" else 1
-    cfg = load_config(REPO / "pipelines/tiny_cpu.yaml", [
-        f"rl.algorithm={algorithm}", f"rl.rollout_batch_size={16 // n}", "rl.mini_batch_size=8",
-        "rl.micro_batch_size=4", "rl.epochs=4", "rl.max_new_tokens=32", "rl.steps=100", *ALGORITHMS[algorithm]])
+    n = load_config(REPO / RECIPES[algorithm]).rl.n_samples_per_prompt
+    cfg = load_config(REPO / RECIPES[algorithm], [
+        f"rl.rollout_batch_size={16 // n}", "rl.mini_batch_size=8", "rl.micro_batch_size=4", "rl.epochs=4",
+        "rl.max_new_tokens=32", "rl.steps=100"])
     parallel.initialize(cfg)
     roles = stage.build_roles(cfg)
     trained = {k: roles[k] for k in ("actor", "critic") if k in roles}
@@ -83,13 +83,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--iterations", type=int, default=3)
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks/results/rl_step.json")
-    ap.add_argument("--one", choices=sorted(ALGORITHMS), help=argparse.SUPPRESS)  # child process
+    ap.add_argument("--one", choices=sorted(RECIPES), help=argparse.SUPPRESS)  # child process
     args = ap.parse_args()
     if args.one:
         print(json.dumps(run(args.one, args.iterations)))
         return
     rows = []
-    for algorithm in ALGORITHMS:
+    for algorithm in RECIPES:
         out = subprocess.run([sys.executable, __file__, "--one", algorithm, "--iterations", str(args.iterations)],
                              check=True, capture_output=True, text=True).stdout
         rows.append(json.loads(out.strip().splitlines()[-1]))

@@ -614,8 +614,13 @@ def _validate_rl(p: RLConfig, m: ModelConfig, dp: int, given: frozenset = frozen
     if not p.has_critic:
         set_for_critic = sorted(k for k in given if k.split(".")[:2][-1] in CRITIC_FIELDS and k.startswith("rl."))
         if set_for_critic:
-            raise ConfigError(f"{set_for_critic[0]}: rl.algorithm={p.algorithm} has no critic, so this setting would "
-                              f"be ignored; remove {', '.join(set_for_critic)} (or use rl.algorithm=ppo)")
+            raise ConfigError(
+                f"{set_for_critic[0]}: rl.algorithm={p.algorithm} has no critic, so this setting would be ignored; "
+                f"remove {', '.join(set_for_critic)} from the recipe and the overrides, or keep them in a base recipe "
+                "and set the algorithm in one that starts with `base: <that recipe>` (as pipelines/tiny_cpu_grpo.yaml)")
+    if "rl.group_std_normalization" in given and p.algorithm != "grpo":
+        raise ConfigError(f"rl.group_std_normalization: only rl.algorithm=grpo divides by the group's std "
+                          f"(rl.algorithm={p.algorithm}); remove it")
     if p.importance_ratio not in IMPORTANCE_RATIOS:
         raise ConfigError(f"rl.importance_ratio={p.importance_ratio!r}: choose one of {IMPORTANCE_RATIOS}")
     if p.clip_eps_high is not None and p.clip_eps_high <= 0:
@@ -649,4 +654,11 @@ def warnings_for(cfg: Config) -> list[str]:
             f"rl.kl_estimator={p.kl_estimator} with rl.kl_in_reward=true: a reward cannot carry the gradient of "
             f"an estimator that depends on the policy, so the policy gradient of the KL penalty is biased; k1 is "
             f"the unbiased choice in the reward ({p.kl_estimator} belongs in the loss: rl.kl_in_reward=false)")
+    if p.importance_ratio == "sequence" and p.loss_aggregation != "seq_mean_token_mean":
+        notes.append(
+            f"rl.importance_ratio=sequence with rl.loss_aggregation={p.loss_aggregation}: GSPO's objective weighs "
+            "every sequence the same (rl.loss_aggregation=seq_mean_token_mean); here tokens of long responses "
+            "weigh more")
+    if "rl.max_sampling_rounds" in cfg.given and not p.dynamic_sampling:
+        notes.append("rl.max_sampling_rounds is set but rl.dynamic_sampling=false: one generation round per iteration")
     return notes

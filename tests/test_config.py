@@ -138,6 +138,11 @@ def test_biased_kl_in_the_reward_is_warned_about():
     assert warnings_for(cfg_with("rl.kl_in_reward=false", "rl.kl_estimator=k3")) == []
     (warning,) = warnings_for(cfg_with("rl.kl_estimator=k3"))
     assert "rl.kl_estimator=k3" in warning and "biased" in warning
+    (warning,) = warnings_for(cfg_with("rl.importance_ratio=sequence"))
+    assert "seq_mean_token_mean" in warning
+    assert warnings_for(cfg_with("rl.importance_ratio=sequence", "rl.loss_aggregation=seq_mean_token_mean")) == []
+    (warning,) = warnings_for(cfg_with("rl.max_sampling_rounds=5"))
+    assert "rl.dynamic_sampling=false" in warning
 
 
 def test_the_old_ppo_section_is_read_as_rl_with_a_note(tmp_path):
@@ -168,6 +173,9 @@ def test_critic_free_algorithms_refuse_critic_settings_and_single_samples():
     assert_error_names("rl.dynamic_sampling", "rl.dynamic_sampling=true")
     assert_error_names("rl.dual_clip", "rl.dual_clip=0.5")
     assert_error_names("rl.importance_ratio", "rl.importance_ratio=group")
+    assert_error_names("rl.group_std_normalization", "rl.algorithm=rloo", "rl.n_samples_per_prompt=2",
+                       "rl.group_std_normalization=false")
+    validate(cfg_with(*grpo, "rl.group_std_normalization=false"), world_size=1)  # Dr.GRPO
     # every rank samples whole groups: prompts must split evenly over data-parallel ranks
     assert_error_names("rl.rollout_batch_size", *grpo[:2], "rl.rollout_batch_size=6", "rl.mini_batch_size=8",
                        world_size=4)
