@@ -11,6 +11,7 @@ from stages import metrics, stage, summary
 from stages import assert_same_run, fault, latest
 
 MIN_GOLD_GAIN, KL_BOUND = 0.3, 6.0  # as tests/test_ppo_stage.py
+GRPO_STEPS = 30  # the recipe runs 40 (gold -0.007 -> 0.52 on the full data); 30 keep CI shorter
 ROLES = ["actor", "reference", "reward"]
 SHORT = ["rl.steps=2", "rl.eval_interval=2", "rl.rollout_batch_size=8", "rl.mini_batch_size=8", "rl.micro_batch_size=4"]
 # GRPO at DP2 with clip-higher, dual-clip, the GSPO ratio and dynamic sampling; short
@@ -24,7 +25,7 @@ OPTIONS = [f"rl.steps={OPTIONS_STEPS}", "rl.save_interval=2", "rl.eval_interval=
 
 @pytest.fixture(scope="module")
 def root(sft_rm_root):
-    stage(1, "rl", sft_rm_root, "main", recipe="pipelines/tiny_cpu_grpo.yaml")
+    stage(1, "rl", sft_rm_root, "main", f"rl.steps={GRPO_STEPS}", recipe="pipelines/tiny_cpu_grpo.yaml")
     stage(1, "rl", sft_rm_root, "main", *SHORT, recipe="pipelines/tiny_cpu_rloo.yaml")
     stage(1, "rl", sft_rm_root, "main", *SHORT, recipe="pipelines/tiny_cpu_reinforce_pp.yaml")
     return sft_rm_root
@@ -39,14 +40,14 @@ def options_root(sft_rm_root):
 
 def test_grpo_improves_true_quality_within_the_kl_bound(root):
     s = summary(root, "main", "grpo")
-    assert s["algorithm"] == "grpo" and s["roles"] == ROLES and s["steps"] == 40
+    assert s["algorithm"] == "grpo" and s["roles"] == ROLES and s["steps"] == GRPO_STEPS
     gain = s["gold_score_eval_after"] - s["gold_score_eval_before"]
     assert gain >= MIN_GOLD_GAIN, s
     assert s["rm_score_eval_after"] > s["rm_score_eval_before"]
     assert 0 <= s["kl_mean_final"] < KL_BOUND
     # the same SFT policy and eval prompts as PPO's run: the same "before"
     lines = metrics(root, "main", "grpo")
-    assert lines[0]["step"] == 0 and [x["step"] for x in lines[1:]] == list(range(1, 41))
+    assert lines[0]["step"] == 0 and [x["step"] for x in lines[1:]] == list(range(1, GRPO_STEPS + 1))
 
 
 def test_critic_free_runs_hold_no_critic(root):
@@ -62,13 +63,13 @@ def test_critic_free_runs_hold_no_critic(root):
 
 
 def test_rloo_and_reinforce_pp_recipes_run(root):
-    for algorithm in ("rloo", "reinforce_pp"):
+    # rollout_batch_size counts prompts: rloo samples each 4 times, reinforce_pp once
+    for algorithm, sequences_per_step in (("rloo", 8 * 4), ("reinforce_pp", 8)):
         s = summary(root, "main", algorithm)
         assert s["algorithm"] == algorithm and s["steps"] == 2
         assert -1 <= s["gold_score_eval_after"] <= 1
-        # rloo: 8 prompts x 4 samples; reinforce_pp: 8 prompts x 1
-        trained = summary(root, "main", algorithm)
-        assert trained["samples_per_second"] > 0
+        ckpt = root / "main" / algorithm / "iter_0000002" / "trainer_state" / "rank_00000.pt"
+        assert torch.load(ckpt, weights_only=False)["consumed_samples"] == 2 * sequences_per_step
 
 
 def test_grpo_options_and_dynamic_sampling_at_dp2(options_root):
