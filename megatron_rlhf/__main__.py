@@ -95,16 +95,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_intermixed_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
+        if args.command == "stages":  # before anything imports torch: Slurm submission scripts wait on it
+            print("\n".join(validate(cfg).pipeline.stages))
+            return 0
     except ConfigError as err:
         print(f"config error: {err}", file=sys.stderr)
         return 2
-    if args.command == "stages":  # before anything imports torch: Slurm submission scripts wait on it
-        try:
-            print("\n".join(validate(cfg).pipeline.stages))
-        except ConfigError as err:
-            print(f"config error: {err}", file=sys.stderr)
-            return 2
-        return 0
     from megatron_rlhf.checkpoint.validate import CheckpointError
     from megatron_rlhf.convert import ConvertError
     from megatron_rlhf.data.jsonl import DataError

@@ -408,8 +408,9 @@ def _leaf_keys(tree: dict[str, Any], prefix: str = "") -> set[str]:
     return keys
 
 
-def read_recipe(path: Path, chain: tuple[Path, ...] = ()) -> tuple[dict[str, Any], list[str]]:
-    """A YAML recipe as a dict, on top of the recipe its `base:` names (a path relative to it)."""
+def read_recipe(path: Path, chain: tuple[Path, ...] = ()) -> tuple[dict[str, Any], list[str], set[str]]:
+    """A YAML recipe as a dict, on top of the recipe its `base:` names (a path relative to it);
+    the notes on renamed keys; the dotted keys this file itself sets (not its base)."""
     if not path.is_file():
         raise ConfigError(f"{'base' if chain else '--config'}: file not found: {path}")
     if path.resolve() in chain:
@@ -419,22 +420,19 @@ def read_recipe(path: Path, chain: tuple[Path, ...] = ()) -> tuple[dict[str, Any
         raise ConfigError(f"{path}: top level must be a mapping of sections")
     data, notes = rename_legacy_keys(data, str(path))
     base = data.pop("base", None)
+    own = _leaf_keys(data)
     if base is None:
-        return data, notes
-    parent, parent_notes = read_recipe(path.parent / base, (*chain, path.resolve()))
-    return _merge(parent, data), parent_notes + notes
+        return data, notes, own
+    parent, parent_notes, _ = read_recipe(path.parent / base, (*chain, path.resolve()))
+    return _merge(parent, data), parent_notes + notes, own
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
-    data, notes, own = {}, [], {}
-    if path is not None:
-        data, notes = read_recipe(Path(path))
-        own = yaml.safe_load(Path(path).read_text()) or {}
-        own, _ = rename_legacy_keys({k: v for k, v in own.items() if k != "base"}, str(path))
+    data, notes, own = ({}, [], set()) if path is None else read_recipe(Path(path))
     cli, cli_notes = rename_legacy_keys(parse_overrides(overrides or []), "overrides")
     cfg = from_dict(Config, _merge(data, cli))
     cfg.notes = notes + cli_notes
-    cfg.given = frozenset(_leaf_keys(own) | _leaf_keys(cli))
+    cfg.given = frozenset(own | _leaf_keys(cli))
     return cfg
 
 
@@ -612,7 +610,7 @@ def _validate_rl(p: RLConfig, m: ModelConfig, dp: int, given: frozenset = frozen
         raise ConfigError("rl.dynamic_sampling=true drops groups whose rewards are all equal, which a group of one "
                           "always is; set rl.n_samples_per_prompt >= 2")
     if not p.has_critic:
-        set_for_critic = sorted(k for k in given if k.split(".")[:2][-1] in CRITIC_FIELDS and k.startswith("rl."))
+        set_for_critic = sorted(k for k in given if k.startswith("rl.") and k.split(".")[1] in CRITIC_FIELDS)
         if set_for_critic:
             raise ConfigError(
                 f"{set_for_critic[0]}: rl.algorithm={p.algorithm} has no critic, so this setting would be ignored; "

@@ -17,7 +17,7 @@ from functools import partial
 import torch
 
 from megatron_rlhf import parallel
-from megatron_rlhf.algorithms.advantages import ESTIMATORS, Settings
+from megatron_rlhf.algorithms.advantages import ESTIMATORS, Settings, group_view
 from megatron_rlhf.algorithms.kl import kl_estimate, make_kl_controller
 from megatron_rlhf.algorithms.losses import aggregate, log_importance_ratio, policy_loss, value_loss
 from megatron_rlhf.algorithms.stats import explained_variance, response_repetition_rate
@@ -88,7 +88,7 @@ def select_groups(informative: torch.Tensor, quota: int, n: int) -> torch.Tensor
 
 def group_informative(scores: torch.Tensor, n: int) -> torch.Tensor:
     """[B] -> [B / n] bool: the group's rewards are not all equal (it carries a learning signal)."""
-    groups = scores.view(-1, n)
+    groups = group_view(scores, n)
     return groups.max(dim=1).values != groups.min(dim=1).values
 
 

@@ -44,6 +44,10 @@ LOSSES = {
     "sft": ("actor", sft_loss),
     "ppo_actor": ("actor", partial(actor_loss, rl=PPO(), kl_coef=0.1)),
     "ppo_actor_seq_mean": ("actor", partial(actor_loss, rl=PPO(loss_aggregation="seq_mean_token_mean"), kl_coef=0.1)),
+    # the critic-free policy-loss options: GSPO's sequence ratio, clip-higher, dual-clip, k3 in the loss
+    "grpo_actor_options": ("actor", partial(actor_loss, kl_coef=0.1, rl=PPO(
+        algorithm="grpo", n_samples_per_prompt=2, importance_ratio="sequence", clip_eps_high=0.28, dual_clip=3.0,
+        kl_estimator="k3", loss_aggregation="seq_mean_token_mean"))),
     "critic": ("critic", partial(critic_loss, rl=PPO())),
     "reward": ("reward", bradley_terry_loss),
 }
