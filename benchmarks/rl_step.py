@@ -42,11 +42,13 @@ def run(algorithm: str, iterations: int) -> dict:
     from megatron_rlhf.config import load_config
     from megatron_rlhf.rollout import MegatronRolloutEngine, SamplingParams
     from megatron_rlhf.trainers import rl as stage
+    from megatron_rlhf.trainers.stage_data import resolve_vocab_size, tokenizer_for
 
     n = load_config(REPO / RECIPES[algorithm]).rl.n_samples_per_prompt
     cfg = load_config(REPO / RECIPES[algorithm], [
         f"rl.rollout_batch_size={16 // n}", "rl.mini_batch_size=8", "rl.micro_batch_size=4", "rl.epochs=4",
         "rl.max_new_tokens=32", "rl.steps=100"])
+    resolve_vocab_size(cfg, tokenizer_for(cfg))  # the built-in task's, as a stage would
     parallel.initialize(cfg)
     roles = stage.build_roles(cfg)
     trained = {k: roles[k] for k in ("actor", "critic") if k in roles}

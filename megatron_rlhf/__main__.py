@@ -1,14 +1,24 @@
 """`python -m megatron_rlhf <command> --config recipe.yaml [key=value ...]`
 
-Launch with torchrun (or srun) for more than one process; every rank runs the same command.
+Launch with `python -m megatron_rlhf.torchrun` (our torchrun) or srun for more than one
+process; every rank runs the same command. Exit codes: 0 done, 2 config/data/checkpoint
+error, 3 non-finite training, 42 preempted (checkpointed; rerun or requeue to resume).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
+from pathlib import Path
 
 from megatron_rlhf.config import ConfigError, load_config, validate
+from megatron_rlhf.logging import quiet
+
+# Set by megatron_rlhf/torchrun.py: a handled error goes to <dir>/rank_<RANK>.json instead of
+# the console, and the launcher prints it once for all ranks, last.
+ERROR_DIR_ENV = "MEGATRON_RLHF_ERROR_DIR"
 
 COMMANDS = {
     "smoke": "the four roles at the configured TP x PP: forward + one optimizer step each",
@@ -40,6 +50,10 @@ def convert_command(args, cfg) -> None:
         # Without a recipe or model overrides, use the model config the checkpoint recorded
         # (import-hf checkpoints do); the defaults would only be a guess.
         given = args.config or any(o.startswith("model.") for o in args.overrides)
+        if given and cfg.model.vocab_size is None:  # the recipe's tokenizer's size, as in training
+            from megatron_rlhf.trainers.stage_data import resolve_vocab_size, tokenizer_for
+
+            resolve_vocab_size(cfg, tokenizer_for(cfg))
         path = export_hf(args.ckpt, args.role, args.out, model_cfg=cfg.model if given else None,
                          tokenizer_dir=tokenizer, drop_score_bias=args.drop_score_bias)
         print(f"[export-hf] {args.role} of {args.ckpt} -> {path}", flush=True)
@@ -79,12 +93,15 @@ def run_command(command: str, cfg) -> None:
         pipeline.run(cfg)
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m megatron_rlhf", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("command", choices=sorted(COMMANDS), help="; ".join(f"{k}: {v}" for k, v in COMMANDS.items()))
     parser.add_argument("--config", help="YAML recipe (pipelines/*.yaml)")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. parallel.tensor_parallel=2")
+    parser.add_argument("--verbose", action="store_true",
+                        help="show every third-party warning (default: the known harmless ones are hidden, "
+                             "megatron_rlhf/logging/quiet.py) and every metric on the console; = logging.verbose=true")
     parser.add_argument("--hf", help="import-hf: local Hugging Face model directory")
     parser.add_argument("--ckpt", help="export-hf: a stage or iter_* checkpoint directory")
     parser.add_argument("--role", choices=("actor", "reward", "critic", "reference"), help="export-hf: the role to export")
@@ -92,20 +109,45 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokenizer", help="export-hf: tokenizer directory to copy (default: data.tokenizer)")
     parser.add_argument("--drop-score-bias", action="store_true",
                         help="export-hf of reward/critic: drop the value head's constant offset (HF's score has no bias)")
-    args = parser.parse_intermixed_args(argv)
-    try:
+    return parser
+
+
+def report_error(message: str, code: int) -> int:
+    """Print a handled error; under our launcher, leave it for the launcher to print instead."""
+    if directory := os.environ.get(ERROR_DIR_ENV):
+        rank = int(os.environ.get("RANK", "0"))
+        try:
+            (Path(directory) / f"rank_{rank}.json").write_text(
+                json.dumps({"rank": rank, "exit_code": code, "message": message}))
+            return code
+        except OSError:
+            pass
+    print(message, file=sys.stderr)
+    return code
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_intermixed_args(argv)
+    try:  # cheap: no torch yet
         cfg = load_config(args.config, args.overrides)
         if args.command == "stages":  # before anything imports torch: Slurm submission scripts wait on it
             print("\n".join(validate(cfg).pipeline.stages))
             return 0
     except ConfigError as err:
-        print(f"config error: {err}", file=sys.stderr)
-        return 2
+        return report_error(f"config error: {err}", 2)
+    verbose = cfg.logging.verbose = args.verbose or cfg.logging.verbose  # also: every metric on the console
+    quiet.install(verbose)  # before torch and megatron-core are imported
+
     from megatron_rlhf.checkpoint.validate import CheckpointError
     from megatron_rlhf.convert import ConvertError
     from megatron_rlhf.data.jsonl import DataError
     from megatron_rlhf.data.tokenizers import TokenizerError
+    from megatron_rlhf.parallel import cpu
     from megatron_rlhf.resilience.nonfinite import NonFiniteError
+    from megatron_rlhf.resilience.preemption import Preempted
+
+    if cpu.needed():
+        quiet.install_cpu(verbose)
 
     try:
         if args.command in ("import-hf", "export-hf"):
@@ -113,20 +155,20 @@ def main(argv: list[str] | None = None) -> int:
         else:
             run_command(args.command, cfg)
     except ConfigError as err:  # checks that need the launched world size or the data
-        print(f"config error: {err}", file=sys.stderr)
-        return 2
+        return report_error(f"config error: {err}", 2)
     except (DataError, TokenizerError) as err:
-        print(f"data error: {err}", file=sys.stderr)
-        return 2
+        return report_error(f"data error: {err}", 2)
     except ConvertError as err:
-        print(f"conversion error: {err}", file=sys.stderr)
-        return 2
+        return report_error(f"conversion error: {err}", 2)
     except CheckpointError as err:  # damaged checkpoints: a person decides, not a requeue loop
-        print(f"checkpoint error: {err}", file=sys.stderr)
-        return 2
+        return report_error(f"checkpoint error: {err}", 2)
     except NonFiniteError as err:  # not requeued: resuming would diverge again
-        print(f"training error: {err}", file=sys.stderr)
-        return 3
+        return report_error(f"training error: {err}", 3)
+    except Preempted as err:  # the runner logged it; the launcher's last line says it too
+        if os.environ.get(ERROR_DIR_ENV):
+            report_error(f"preempted: checkpoint at step {err.step} saved; exit {err.code}: rerun or requeue "
+                         "to resume", err.code)
+        raise
     finally:
         parallel = sys.modules.get("megatron_rlhf.parallel")  # not imported (e.g. `stages`): nothing to tear down
         if parallel is not None:

@@ -9,6 +9,7 @@ moves are no-ops and the peak is the process's peak RSS so far).
 
 from __future__ import annotations
 
+import dataclasses
 import resource
 import time
 from contextlib import contextmanager
@@ -20,9 +21,10 @@ import torch
 # phase -> roles whose parameters must be on the device; "+optimizer" marks roles that train.
 PHASES: dict[str, dict[str, str]] = {
     "generate": {"actor": "params"},
-    "score": {"actor": "params", "reference": "params", "reward": "params", "critic": "params"},
+    "score": {"actor": "params", "reference": "params", "reward": "params", "critic": "params",
+              "holdout_reward": "params"},
     "train": {"actor": "params+optimizer", "critic": "params+optimizer"},
-    "eval": {"actor": "params", "reward": "params"},
+    "eval": {"actor": "params", "reward": "params", "holdout_reward": "params"},
 }
 
 
@@ -46,17 +48,20 @@ class PhaseStats:
 @dataclass
 class ColocationScheduler:
     roles: dict  # name -> Role
-    phases: dict[str, dict[str, str]] = field(default_factory=lambda: PHASES)
+    phases: dict[str, dict[str, str]] | None = None  # default: phases_for(roles)
     stats: dict[str, PhaseStats] = field(default_factory=dict)
     on_device: dict[str, str] = field(default_factory=dict)  # name -> "params" | "params+optimizer" | "host"
 
     def __post_init__(self):
+        self.phases = phases_for(self.roles) if self.phases is None else self.phases
         unknown = {r for needs in self.phases.values() for r in needs} - set(self.roles)
         if unknown:
             raise ValueError(f"phase table names roles that do not exist: {sorted(unknown)}")
         self.on_device = {name: "params+optimizer" if role.trainable else "params"
                           for name, role in self.roles.items()}
         self._current, self._start = None, 0.0
+        self._reported: dict[str, tuple[float, int]] = {}  # step_metrics: totals at its last call
+        self._calls_reported: dict[str, int] = {}
 
     def enter(self, phase: str) -> None:
         """Close the current phase (if any), move memory for `phase`, start its clock."""
@@ -84,11 +89,25 @@ class ColocationScheduler:
         self.exit(tokens=counter.tokens)
 
     def step_metrics(self) -> dict[str, float]:
-        """Per phase: mean seconds per call, tokens/s and peak memory so far (for the step's log line)."""
-        summary = self.summary()
-        return {**{f"{p}_seconds": s.seconds / s.calls for p, s in self.stats.items()},
-                **{f"{p}_tokens_per_s": v["tokens_per_s"] for p, v in summary.items()},
-                **{f"{p}_peak_memory_bytes": s.peak_memory_bytes for p, s in self.stats.items()}}
+        """The phases run since the last call (a step's): their seconds and tokens/s in that
+        time, and each one's peak memory so far. A phase that did not run is left out, so a
+        step without evaluation logs no eval numbers."""
+        since = {p: (s.seconds - self._reported.get(p, (0.0, 0))[0], s.tokens - self._reported.get(p, (0.0, 0))[1])
+                 for p, s in self.stats.items() if s.calls > self._calls_reported.get(p, 0)}
+        self._reported = {p: (s.seconds, s.tokens) for p, s in self.stats.items()}
+        self._calls_reported = {p: s.calls for p, s in self.stats.items()}
+        return {**{f"{p}_seconds": sec for p, (sec, _) in since.items()},
+                **{f"{p}_tokens_per_s": tok / sec if sec else 0.0 for p, (sec, tok) in since.items()},
+                **{f"{p}_peak_memory_bytes": self.stats[p].peak_memory_bytes for p in since}}
+
+    def state_dict(self) -> dict:
+        """The per-phase totals so far: a resumed run's summary then covers the whole run."""
+        return {p: dataclasses.asdict(s) for p, s in self.stats.items()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.stats = {p: PhaseStats(**s) for p, s in state.items()}
+        self._reported = {p: (s.seconds, s.tokens) for p, s in self.stats.items()}
+        self._calls_reported = {p: s.calls for p, s in self.stats.items()}
 
     def _place(self, name: str, role, want: str) -> None:
         have = self.on_device[name]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,9 +50,11 @@ class ModelConfig:
     # Grouped-query attention: number of key/value heads. None means one per query head.
     num_query_groups: int | None = None
     ffn_hidden_size: int = 256
-    # The tokenizer's vocabulary; the embedding is padded up to a multiple of
+    # Embedding rows before padding. null: the tokenizer's size (set when a stage loads its
+    # tokenizer). It may exceed the tokenizer's (Hugging Face models often have spare rows):
+    # ids the tokenizer lacks are masked like padding rows. Padded up to a multiple of
     # make_vocab_size_divisible_by (independent of TP, so checkpoints reshard freely).
-    vocab_size: int = 128
+    vocab_size: int | None = None
     make_vocab_size_divisible_by: int = 128
     max_seq_length: int = 128
     rotary_base: float = 10000.0
@@ -63,8 +66,20 @@ class ModelConfig:
     # run starts from these weights; the fields above must match its config.json.
     init_from_hf: str | None = None
 
+    # The tokenizer's size when it is smaller than vocab_size (set with it, not a recipe
+    # field): sampling and log-probs never give mass to ids it cannot decode.
+    tokenizer_vocab_size = None
+
+    @property
+    def token_vocab_size(self) -> int:
+        """Ids that are real tokens: the tokenizer's size, else vocab_size."""
+        return self.tokenizer_vocab_size or self.vocab_size
+
     @property
     def padded_vocab_size(self) -> int:
+        if self.vocab_size is None:
+            raise ConfigError("model.vocab_size is not known yet: a stage sets it from its tokenizer (data.tokenizer); "
+                              "set model.vocab_size=N to build a model without one")
         multiple = self.make_vocab_size_divisible_by
         return -(-self.vocab_size // multiple) * multiple
 
@@ -117,6 +132,9 @@ class DataConfig:
     prompts_eval: str | None = None
     # Sequences longer than the stage's seq_length: "truncate" or "drop" (always counted).
     overflow: str = "truncate"
+    # A *_train file without its *_eval file: this fraction of its records (chosen from
+    # `seed`) is held out for evaluation and the rest trains; recorded in the stage summary.
+    eval_fraction: float = 0.05
 
 
 @dataclass
@@ -144,6 +162,10 @@ class RMConfig(StageConfig):
     normalize: bool = True
     # Stage (or iter_*) directory of the SFT checkpoint; default: <run>/sft.
     init_from: str | None = None
+    # > 0: hold out this fraction of the training pairs (chosen from `seed`) and train a
+    # second, independent reward model on them (<run>/rm_holdout). The RL stage scores with
+    # it too: a proxy reward that rises while the holdout score falls is reward hacking.
+    holdout_fraction: float = 0.0
 
 
 @dataclass
@@ -208,6 +230,9 @@ class RLConfig:
     eval_samples_logged: int = 3
     log_interval: int = 1
     save_interval: int = 0           # 0: save only at the end
+    # Reward-hacking alarm: the proxy (RM) score's trend over this many iterations against an
+    # independent one (gold scorer, or the holdout RM of rm.holdout_fraction); 0: off.
+    reward_hacking_window: int = 10
     actor_optimizer: OptimizerConfig = field(default_factory=lambda: OptimizerConfig(lr=1e-5))
     critic_optimizer: OptimizerConfig = field(default_factory=lambda: OptimizerConfig(lr=1e-5))
     # Stage (or iter_*) directories of the inputs; default <run>/sft and <run>/rm.
@@ -256,6 +281,9 @@ class ResilienceConfig:
 @dataclass
 class LoggingConfig:
     tensorboard: bool = True
+    # Show every third-party warning at start-up (the CLI flag --verbose does the same);
+    # false hides the known harmless ones (megatron_rlhf/logging/quiet.py lists them).
+    verbose: bool = False
 
 
 @dataclass
@@ -445,7 +473,7 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
     positive = {
         "model.num_layers": m.num_layers, "model.hidden_size": m.hidden_size,
         "model.num_attention_heads": m.num_attention_heads, "model.ffn_hidden_size": m.ffn_hidden_size,
-        "model.vocab_size": m.vocab_size, "model.max_seq_length": m.max_seq_length,
+        "model.vocab_size": 1 if m.vocab_size is None else m.vocab_size, "model.max_seq_length": m.max_seq_length,
         "model.make_vocab_size_divisible_by": m.make_vocab_size_divisible_by,
         "parallel.tensor_parallel": p.tensor_parallel, "parallel.pipeline_parallel": p.pipeline_parallel,
     }
@@ -484,7 +512,8 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
     if m.make_vocab_size_divisible_by % tp:
         raise ConfigError(
             f"model.make_vocab_size_divisible_by={m.make_vocab_size_divisible_by}: must be a "
-            f"multiple of parallel.tensor_parallel={tp} so the padded vocabulary splits evenly"
+            f"multiple of parallel.tensor_parallel={tp} so the padded vocabulary splits evenly; "
+            f"set model.make_vocab_size_divisible_by={math.lcm(m.make_vocab_size_divisible_by, tp)}"
         )
     pp = p.pipeline_parallel
     if pp > m.num_layers:
@@ -502,6 +531,11 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
             f"divide the world size {world_size}; launch a multiple of TP*PP processes"
         )
     dp = (world_size or tp * pp) // (tp * pp)
+    if not 0 <= cfg.data.eval_fraction < 1:
+        raise ConfigError(f"data.eval_fraction={cfg.data.eval_fraction}: must be in [0, 1) (e.g. 0.05); 0 needs "
+                          "an *_eval file (or data.task) for every *_train file")
+    if not 0 <= cfg.rm.holdout_fraction < 1:
+        raise ConfigError(f"rm.holdout_fraction={cfg.rm.holdout_fraction}: must be in [0, 1) (e.g. 0.5; 0: no holdout RM)")
     if cfg.data.overflow not in OVERFLOW_POLICIES:
         raise ConfigError(f"data.overflow={cfg.data.overflow!r}: choose one of {OVERFLOW_POLICIES}")
     for name in ("sft", "rm"):
@@ -559,6 +593,9 @@ def _validate_rl(p: RLConfig, m: ModelConfig, dp: int, given: frozenset = frozen
                 "max_new_tokens", "eval_interval", "log_interval"):
         if getattr(p, key) < 1:
             raise ConfigError(f"rl.{key}={getattr(p, key)}: must be >= 1")
+    if p.reward_hacking_window != 0 and p.reward_hacking_window < 5:
+        raise ConfigError(f"rl.reward_hacking_window={p.reward_hacking_window}: a trend needs >= 5 iterations "
+                          "(e.g. 10), or 0 to turn the alarm off")
     if p.algorithm not in RL_ALGORITHMS:
         raise ConfigError(f"rl.algorithm={p.algorithm!r}: choose one of {RL_ALGORITHMS}")
     if p.samples_per_iteration % p.mini_batch_size:

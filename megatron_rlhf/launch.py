@@ -20,6 +20,8 @@ exits 42 and the next submission resumes from the checkpoint.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib
 import sys
 
 from megatron_rlhf.config import STAGES, ConfigError, load_config, validate
@@ -58,7 +60,9 @@ def add_stages(experiment, args) -> list[str]:
     return ids
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, with args.stages resolved from the recipe when --stages is not given
+    (raises ConfigError if the recipe or the overrides are invalid)."""
     ap = argparse.ArgumentParser(prog="python -m megatron_rlhf.launch", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", required=True)
@@ -78,20 +82,35 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dryrun", action="store_true", help="print what would be submitted")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_intermixed_args(argv)
-    try:
-        args.stages = args.stages or recipe_stages(args.config, args.overrides)
-    except ConfigError as err:
-        print(f"config error: {err}", file=sys.stderr)
-        return 2
-    try:
-        import nemo_run  # noqa: F401
-    except ImportError:
-        print("nemo-run is not installed: pip install -e '.[nemo]'", file=sys.stderr)
-        return 2
+    args.stages = args.stages or recipe_stages(args.config, args.overrides)
+    return args
+
+
+@contextlib.contextmanager
+def build_experiment(args: argparse.Namespace):
+    """The nemo-run Experiment of args.stages on args' executor, with the stages added and its
+    context entered (nemo-run adds and runs tasks only inside it); nothing is submitted until
+    the caller runs it (`experiment.run()`) or dry-runs it (`experiment.dryrun()`)."""
     import nemo_run as run
 
     with run.Experiment(args.name, executor=make_executor(args)) as experiment:
         add_stages(experiment, args)
+        yield experiment
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = parse_args(argv)
+    except ConfigError as err:
+        print(f"config error: {err}", file=sys.stderr)
+        return 2
+    try:
+        importlib.import_module("nemo_run")
+    except ImportError as err:
+        print(f"nemo-run is not installed ({err}): pip install -e '.[nemo]'", file=sys.stderr)
+        return 2
+
+    with build_experiment(args) as experiment:
         if args.dryrun:
             experiment.dryrun()
         else:

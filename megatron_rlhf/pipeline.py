@@ -19,7 +19,7 @@ import torch.distributed as dist
 from megatron_rlhf.config import Config, validate
 from megatron_rlhf.logging.report import write_report
 from megatron_rlhf.trainers import rl, rm, sft
-from megatron_rlhf.trainers.stage_data import run_dir, stage_dir
+from megatron_rlhf.trainers.stage_data import resolve_vocab_size, run_dir, stage_dir, tokenizer_for
 
 TRAIN = {"sft": sft.train, "rm": rm.train, "rl": rl.train}
 
@@ -50,16 +50,16 @@ def export_actor(cfg: Config) -> Path:
     its tokenizer, in Hugging Face format (written by rank 0 under a temporary name, then
     renamed; kept if it exists already)."""
     from megatron_rlhf.convert import export_hf
-    from megatron_rlhf.data.tasks import get_task
-    from megatron_rlhf.data.tokenizers import load_tokenizer
 
+    tokenizer = tokenizer_for(cfg)
+    if cfg.model.vocab_size is None:  # every stage finished earlier: none has read the tokenizer
+        resolve_vocab_size(cfg, tokenizer)
     algorithm = cfg.rl.algorithm
     out = run_dir(cfg) / "export" / ("actor_hf" if algorithm == "ppo" else f"{algorithm}_actor_hf")
     if (not dist.is_initialized() or dist.get_rank() == 0) and not out.is_dir():
         tmp = out.with_name(out.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         if cfg.data.tokenizer == "builtin":  # written next to the weights, in HF format
-            tokenizer = load_tokenizer("builtin", get_task(cfg.data.task).words())
             export_hf(stage_dir(cfg, "rl"), "actor", tmp, model_cfg=cfg.model,
                       special_token_ids={"eos_token_id": tokenizer.eos_id, "pad_token_id": tokenizer.pad_id})
             tokenizer.save_hf(tmp)

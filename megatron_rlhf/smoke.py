@@ -19,6 +19,10 @@ from megatron_rlhf.models.roles import Actor, Critic, Reference, RewardModel, su
 
 def run(cfg: Config, batch_size: int = 8, micro_batch_size: int = 2, seq_len: int = 32) -> dict:
     env = parallel.initialize(cfg)
+    if cfg.model.vocab_size is None:  # the tokenizer's size, as in the stages
+        from megatron_rlhf.trainers.stage_data import resolve_vocab_size, tokenizer_for
+
+        resolve_vocab_size(cfg, tokenizer_for(cfg))
     g = torch.Generator().manual_seed(cfg.seed)
     seq_len = min(seq_len, cfg.model.max_seq_length)
     batch = {

@@ -37,6 +37,24 @@ def test_time_memory_and_tokens_are_recorded_per_phase():
     assert summary["train"]["peak_memory_bytes"] > 0
 
 
+def test_step_metrics_report_only_the_phases_a_step_ran():
+    sched = ColocationScheduler(roles())
+    for phase in ("generate", "train", "eval"):
+        with sched.phase(phase) as p:
+            time.sleep(0.01)
+            p.tokens = 10
+    first = sched.step_metrics()
+    assert {"generate_seconds", "train_seconds", "eval_seconds"} <= first.keys()
+    with sched.phase("generate") as p:
+        time.sleep(0.03)
+        p.tokens = 30
+    second = sched.step_metrics()  # no eval in this step: no stale eval_seconds
+    assert set(second) == {"generate_seconds", "generate_tokens_per_s", "generate_peak_memory_bytes"}
+    assert second["generate_seconds"] >= 0.03 and second["generate_tokens_per_s"] == pytest.approx(
+        30 / second["generate_seconds"])
+    assert sched.summary()["generate"]["calls"] == 2
+
+
 def test_unknown_role_in_the_table_is_an_error():
     with pytest.raises(ValueError, match="critic"):
         ColocationScheduler({"actor": SimpleNamespace(trainable=True)}, phases={"train": {"critic": "params"}})

@@ -347,7 +347,7 @@ def test_cli_reports_data_that_never_fits_as_a_data_error(tmp_path):
     command = [
         sys.executable, "-m", "megatron_rlhf", "sft", "--config", "pipelines/tiny_cpu.yaml",
         f"data.sft_train={train}", "data.overflow=drop", f"checkpoint.root={tmp_path}",
-        "data.task_sizes.sft_eval=8",
+        "data.task_sizes.sft_eval=8", "data.eval_fraction=0",  # the task's eval split, not a held-out part
     ]
     env = {k: v for k, v in os.environ.items() if k != "MEGATRON_RLHF_FAULT"}
     proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)

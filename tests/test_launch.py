@@ -1,9 +1,10 @@
 """The nemo-run launcher runs the recipe's pipeline.stages as dependent jobs of our stage
-command. The dry run needs the optional `nemo` extra (skipped without it; not installed in
-CI); choosing the stages does not."""
+command. The experiment tests build the Experiment through launch.py and dry-run it for real
+(nemo-run writes the sbatch scripts): they need the optional `nemo` extra, which `make test`
+(CI) installs; without it they are skipped. Choosing the stages does not need it."""
 
-import os
-import subprocess
+import io
+import logging
 import sys
 from pathlib import Path
 
@@ -27,22 +28,76 @@ def test_default_stages_are_the_recipes_pipeline_stages(tmp_path, monkeypatch, c
     assert "config error: pipeline.stages=['rl']: rl starts from a sft checkpoint" in capsys.readouterr().err
 
 
-def test_slurm_dryrun_submits_the_recipes_stages_in_order(tmp_path):
-    pytest.importorskip("nemo_run")
-    env = {**os.environ, "NEMORUN_HOME": str(tmp_path / "home"), "PYTHONPATH": str(REPO)}
+@pytest.fixture
+def nemo_run(tmp_path, monkeypatch):
+    """nemo_run with NEMORUN_HOME in tmp_path; the root logger is restored afterwards (every
+    nemo-run Experiment reconfigures it with logging.basicConfig(force=True)). Slurm packaging
+    runs shell commands through invoke, which reads stdin: give it an empty one (pytest's raises)."""
+    run = pytest.importorskip("nemo_run")  # the `nemo` extra (CI installs it)
+    monkeypatch.setattr(sys, "stdin", io.StringIO())
+    root = logging.getLogger()
+    handlers, level, home = root.handlers[:], root.level, run.config.get_nemorun_home()
+    monkeypatch.setenv("NEMORUN_HOME", str(tmp_path / "home"))
+    run.config.set_nemorun_home(str(tmp_path / "home"))
+    yield run
+    run.config.set_nemorun_home(home)
+    root.handlers[:] = handlers
+    root.setLevel(level)
 
-    def dryrun(*overrides):
-        proc = subprocess.run(
-            [sys.executable, "-m", "megatron_rlhf.launch", "--config", "pipelines/llama3_70b.yaml", "--executor",
-             "slurm", "--nodes", "8", "--tasks-per-node", "8", "--gpus-per-node", "8", "--partition", "batch",
-             "--account", "acct", "--job-dir", str(tmp_path / "jobs"), "--dryrun", *overrides],
-            env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        return proc.stdout
 
-    out = dryrun("rl.steps=7")
-    positions = [out.index(f"-m megatron_rlhf {stage} --config") for stage in ("sft", "rm", "rl")]
-    assert positions == sorted(positions)
-    assert "#SBATCH --nodes=8" in out and "#SBATCH --ntasks-per-node=8" in out and "rl.steps=7" in out
-    out = dryrun("pipeline.stages=[sft,rm]")
-    assert "-m megatron_rlhf rm --config" in out and "-m megatron_rlhf rl --config" not in out
+SLURM = ["--config", "pipelines/llama3_70b.yaml", "--executor", "slurm", "--nodes", "8", "--tasks-per-node", "8",
+         "--gpus-per-node", "8", "--partition", "batch", "--account", "acct", "--time", "04:00:00"]
+
+
+def test_slurm_dryrun_submits_the_recipes_stages_in_order(nemo_run, tmp_path, monkeypatch):
+    monkeypatch.chdir(REPO)
+
+    def dryrun(*argv):
+        """The experiment launch.main would submit, dry-run for real (nemo-run writes each stage's
+        sbatch script); its jobs and their sbatch scripts by stage."""
+        args = launch.parse_args([*SLURM, "--job-dir", str(tmp_path / "jobs"), *argv])
+        with launch.build_experiment(args) as experiment:
+            experiment.dryrun(log=False, delete_exp_dir=False)
+            exp_dir = Path(experiment._exp_dir)
+            jobs = list(experiment.jobs)
+        assert exp_dir.is_relative_to(tmp_path / "home")
+        return jobs, {job.id: (exp_dir / f"{job.executor.job_name}_sbatch.sh").read_text() for job in jobs}
+
+    jobs, sbatch = dryrun("rl.steps=7")
+    assert [job.id for job in jobs] == ["sft", "rm", "rl"]
+    assert [job.dependencies for job in jobs] == [[], ["sft"], ["rm"]]
+    for job in jobs:
+        stage = job.id
+        command = [sys.executable, "-m", "megatron_rlhf", stage, "--config", "pipelines/llama3_70b.yaml", "rl.steps=7"]
+        assert isinstance(job.task, nemo_run.Script) and job.task.to_command(with_entrypoint=True) == command
+        executor = job.executor
+        assert isinstance(executor, nemo_run.SlurmExecutor) and executor.dependency_type == "afterok"
+        assert (executor.nodes, executor.ntasks_per_node, executor.gpus_per_node) == (8, 8, 8)
+        assert (executor.partition, executor.account, executor.time) == ("batch", "acct", "04:00:00")
+        script = sbatch[stage]
+        for line in ("#SBATCH --nodes=8", "#SBATCH --ntasks-per-node=8", "#SBATCH --gpus-per-node=8",
+                     "#SBATCH --partition=batch", "#SBATCH --account=acct", "#SBATCH --time=04:00:00"):
+            assert line in script.splitlines(), (stage, line, script)
+        srun = [line for line in script.splitlines() if line.startswith("srun ")]
+        assert len(srun) == 1 and srun[0].endswith(" " + " ".join(command)), script
+        assert str(tmp_path / "jobs") in srun[0]  # logs go to the --job-dir
+
+    jobs, sbatch = dryrun("pipeline.stages=[sft,rm]")
+    assert [job.id for job in jobs] == ["sft", "rm"] and sorted(sbatch) == ["rm", "sft"]
+    assert [job.dependencies for job in jobs] == [[], ["sft"]]
+    jobs, _ = dryrun("--stages", "rm", "rl")
+    assert [job.id for job in jobs] == ["rm", "rl"] and jobs[1].dependencies == ["rm"]
+
+
+def test_local_experiment_runs_the_stages_under_torchrun(nemo_run, monkeypatch):
+    monkeypatch.chdir(REPO)
+    args = launch.parse_args(["--config", "pipelines/tiny_cpu.yaml", "--nproc", "2", "rl.steps=3"])
+    with launch.build_experiment(args) as experiment:
+        jobs = list(experiment.jobs)
+        experiment.dryrun(log=False)
+    assert [(job.id, job.dependencies) for job in jobs] == [("sft", []), ("rm", ["sft"]), ("rl", ["rm"])]
+    for job in jobs:
+        assert isinstance(job.executor, nemo_run.LocalExecutor) and job.executor.ntasks_per_node == 2
+        assert isinstance(job.executor.get_launcher(), nemo_run.Torchrun)
+        assert job.task.to_command() == ["-m", "megatron_rlhf", job.id, "--config", "pipelines/tiny_cpu.yaml",
+                                         "rl.steps=3"]

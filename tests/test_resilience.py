@@ -10,7 +10,7 @@ import torch
 from distributed import read_global_tensors
 from stages import FAULT_SFT as SFT
 from stages import FAULT_SFT_STEPS as STEPS
-from stages import TIMING, assert_same_run, assert_same_tensors, fault, iter_dir, latest, metrics, stage
+from stages import TIMING, assert_same_run, assert_same_tensors, fault, iter_dir, latest, metrics, stage, summary
 
 pytestmark = pytest.mark.slow
 
@@ -113,6 +113,8 @@ def test_ppo_rank_killed_mid_step_resumes_bitwise(ppo_root):
     assert latest(root, "ppo_killed", "ppo") == "iter_0000002"
     stage(2, "ppo", root, "ppo_killed", *args)
     assert_same_run(root, "ppo_reference", "ppo_killed", "ppo", PPO_STEPS, ["actor", "critic"])
+    # the phase totals cover the whole run, not only the process that finished it
+    assert summary(root, "ppo_killed", "ppo")["phase_calls"]["train"] == PPO_STEPS
 
 
 @pytest.mark.parametrize("layout", [["parallel.pipeline_parallel=2"], []], ids=["TP1xPP2", "TP1xPP1"])
@@ -128,11 +130,13 @@ def test_ppo_saved_at_tp2_resumes_at_another_layout(ppo_root, layout):
     assert sorted(got) == [3, 4]
     # Same weights, optimizer state, data and sampling seeds; only the layout's float
     # rounding differs (measured: final weights and Adam moments within 1.2e-7). Clip
-    # fractions count values at a threshold, so rounding can move a few across it.
+    # fractions count values at a threshold, so rounding can move a few across it; so can win
+    # rates (one of the 200 held-out prompts is 0.005).
     for step in (3, 4):
         for key, value in want[step].items():
             if not key.endswith(TIMING):
-                tolerance = {"abs": 0.02} if key.endswith("clip_fraction") else {"rel": 1e-3, "abs": 1e-4}
+                thresholded = key.endswith("clip_fraction") or key.startswith("eval_win_rate")
+                tolerance = {"abs": 0.02} if thresholded else {"rel": 1e-3, "abs": 1e-4}
                 assert got[step][key] == pytest.approx(value, **tolerance), (step, key)
     for role in ("actor", "critic"):
         ref = read_global_tensors(iter_dir(root, "ppo_reference", "ppo", PPO_STEPS) / role)

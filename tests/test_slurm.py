@@ -114,7 +114,7 @@ def test_usr1_checkpoints_requeues_and_resumes(cluster, sft_rm_root):
     (job_id,) = submit(env, "rl_70b.sh", state, args)
     out = state / f"slurm-{job_id}.out"
     deadline = time.time() + 600
-    while "step 2/10" not in (out.read_text() if out.exists() else ""):
+    while "[ppo] 2/10 " not in (out.read_text() if out.exists() else ""):  # the console line of step 2
         assert time.time() < deadline, "PPO never reached step 2"
         time.sleep(1)
     subprocess.run(["scancel", "--batch", "--signal=USR1", job_id], env=env, check=True)

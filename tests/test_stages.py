@@ -39,7 +39,7 @@ def test_sft_lowers_eval_loss(root):
 def test_rm_learns_the_preferences(root):
     s = summary(root, "main", "rm")
     assert s["eval_accuracy"] >= RM_MIN_ACCURACY, s
-    assert s["eval_margin"] > 0
+    assert s["eval_margin_normalized"] > 0
     # normalisation over SFT responses is stored with the checkpoint
     assert s["reward_std"] > 0 and s["reward_mean"] != 0.0
 
@@ -92,18 +92,20 @@ def test_checkpoint_saved_at_tp2_loads_at_tp1_with_identical_outputs(root):
 
 
 def test_sft_on_user_jsonl_with_a_local_hf_tokenizer(tmp_path):
-    """The path users take: their own JSONL files and tokenizer directory, no built-in task."""
+    """The path users take: one JSONL file (its eval part held out) and a tokenizer directory,
+    no built-in task, no model.vocab_size (the tokenizer's)."""
     from test_data import make_hf_dir
 
     tok = make_hf_dir(tmp_path / "tok", {"eos_token": "</s>", "pad_token": "<pad>"})
     rows = [{"prompt": "hello", "response": "world again", "source": "kept-and-ignored"}] * 16
     (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    (tmp_path / "eval.jsonl").write_text(json.dumps({"prompt": "hello world", "response": "again"}) + "\n")
-    stage(1, "sft", tmp_path, "user", "data.task=null", f"data.tokenizer={tok}", "model.vocab_size=6",
-          f"data.sft_train={tmp_path / 'train.jsonl'}", f"data.sft_eval={tmp_path / 'eval.jsonl'}",
+    stage(1, "sft", tmp_path, "user", "data.task=null", f"data.tokenizer={tok}", "data.eval_fraction=0.25",
+          f"data.sft_train={tmp_path / 'train.jsonl'}",
           "sft.steps=3", "sft.optimizer.warmup_steps=0", "sft.global_batch_size=8", "sft.micro_batch_size=4")
     s = summary(tmp_path, "user", "sft")
-    assert s["steps"] == 3 and s["train_data"]["total"] == 16 and s["eval_loss"] < s["eval_loss_start"]
+    assert s["steps"] == 3 and s["train_data"]["total"] == 12 and s["eval_data"]["total"] == 4
+    assert s["eval_loss"] < s["eval_loss_start"]
+    assert "4 of 16 records" in s["data_sources"]["sft_eval"]
 
 
 def test_bad_user_data_stops_with_file_line_and_field(tmp_path):

@@ -250,10 +250,11 @@ def _check_checkpoint(ck: TorchDistCheckpoint, layers: _Layers, d: Dims, value_m
     rows, hidden = ck.shape(emb)
     if hidden != d.hidden:
         raise ConvertError(f"{ck.path}: hidden size {hidden}, but model.hidden_size={d.hidden}; "
-                           "pass the run's model config")
+                           "give `export-hf --config <the run's recipe>` (or model.* overrides)")
     if rows != d.padded_vocab:
         raise ConvertError(f"{ck.path}: {rows} embedding rows, but model.vocab_size={d.vocab} padded to "
-                           f"model.make_vocab_size_divisible_by gives {d.padded_vocab}; pass the run's model config")
+                           f"model.make_vocab_size_divisible_by gives {d.padded_vocab}; "
+                           "give `export-hf --config <the run's recipe>` (or model.* overrides)")
     hd = d.head_dim
     checks = {"qkv": ((d.heads + 2 * d.kv_heads) * hd, "model.num_attention_heads / model.num_query_groups"),
               "fc1": (2 * d.ffn, "model.ffn_hidden_size")}
@@ -262,13 +263,14 @@ def _check_checkpoint(ck: TorchDistCheckpoint, layers: _Layers, d: Dims, value_m
         shape = ck.shape(key)
         got = shape[1] if span else shape[0]
         if got != want:
-            raise ConvertError(f"{ck.path}: {key} has {got} rows, {field} give {want}; pass the run's model config")
+            raise ConvertError(f"{ck.path}: {key} has {got} rows, {field} give {want}; "
+                               "give `export-hf --config <the run's recipe>` (or model.* overrides)")
     key, span = layers.key("qkv", 0)
     stored = ck.shape(key)[0] if span else sum(
         1 for k in ck.tensors if k.startswith("decoder.layers.") and k.endswith(CKPT_LAYER_KEYS["qkv"][0]))
     if stored != d.num_layers:
         raise ConvertError(f"{ck.path}: {stored} layers, but model.num_layers={d.num_layers}; "
-                           "pass the run's model config")
+                           "give `export-hf --config <the run's recipe>` (or model.* overrides)")
     head = ck.shape("output_layer.weight") if "output_layer.weight" in ck else None
     is_value = head is not None and head[0] == 1 and "output_layer.bias" in ck
     if is_value != value_model:
@@ -329,7 +331,8 @@ def _value_head(ck: TorchDistCheckpoint, role: str, drop_bias: bool) -> tuple[to
             raise ConvertError(
                 f"{ck.path}: output_layer.bias (value-head bias {b:.6g}{normalised}"
                 f") gives scores a constant offset {offset:.6g}, which LlamaForSequenceClassification cannot "
-                "hold (its score has no bias); export with drop_score_bias=True to write scores shifted by "
+                "hold (its score has no bias); export with --drop-score-bias (export_hf(drop_score_bias=True)) "
+                "to write scores shifted by "
                 f"{-offset:.6g} (rankings and pairwise preferences unchanged; the offset is recorded in "
                 "config.json as megatron_rlhf_export.score_offset)")
         info["score_offset"] = offset

@@ -1,5 +1,3 @@
-"""Metrics out of a run: TensorBoard event files, metrics.jsonl, console progress."""
-
-from megatron_rlhf.logging.metrics import MetricsLogger
-
-__all__ = ["MetricsLogger"]
+"""Out of a run: metrics (metrics.py), the console's quiet start (quiet.py), the
+reward-hacking alarm (reward_hacking.py), the report (report.py). Nothing is imported here,
+so that quiet.py can filter warnings before torch is imported."""

@@ -1,5 +1,6 @@
 """One writer per run (global rank 0; every logged value is already identical on all ranks):
-TensorBoard scalars `<stage>/<name>`, one JSON line per logged step, a console progress line.
+TensorBoard scalars `<stage>/<name>`, one JSON line per logged step with every metric, and a
+compact console line with the few a user watches (CONSOLE; logging.verbose: all of them).
 
 On resume from step k, lines and events after k are dropped first (they are about to be
 recomputed), so a resumed run's logs equal an uninterrupted run's. NaN/Inf values are written
@@ -30,10 +31,27 @@ def nonfinite_to_null(value: Any) -> Any:
     return value
 
 
+# The numbers on the console line (those a step measured), by stage kind, with short labels.
+CONSOLE = {
+    "sft": {"loss": "loss", "eval_loss": "eval loss", "grad_norm": "grad norm"},
+    "rm": {"loss": "loss", "accuracy": "acc", "eval_accuracy": "eval acc", "eval_margin_raw": "eval margin(raw)"},
+    "rl": {"rm_score": "reward", "gold_score": "gold", "holdout_rm_score": "holdout rm", "kl_mean": "kl",
+           "response_length": "len", "eval_rm_score": "eval reward", "eval_gold_score": "eval gold",
+           "eval_win_rate_gold": "win(gold)", "eval_win_rate_rm": "win(rm)",
+           "reward_hacking": "REWARD-HACKING ALARM"},  # shown only while on
+}
+
+
+def console_kind(stage: str) -> str:
+    """sft | rm (also rm_holdout) | rl (every algorithm's directory)."""
+    return "rm" if stage.startswith("rm") else stage if stage in CONSOLE else "rl"
+
+
 class MetricsLogger:
     def __init__(self, out_dir: str | Path, stage: str, total_steps: int, resume_step: int = 0,
-                 tensorboard: bool = True):
-        self.stage, self.total_steps = stage, total_steps
+                 tensorboard: bool = True, verbose: bool = False):
+        self.stage, self.total_steps, self.verbose = stage, total_steps, verbose
+        self._last = (time.perf_counter(), resume_step)  # (time, step) of the last console line
         self.active = not dist.is_initialized() or dist.get_rank() == 0
         self.jsonl = Path(out_dir) / "metrics.jsonl"
         self.writer = None
@@ -69,11 +87,22 @@ class MetricsLogger:
             for key, value in clean.items():
                 self.writer.add_scalar(f"{self.stage}/{key}", value, step)
             self.writer.flush()
-        done = step - self._first_step
-        elapsed = time.perf_counter() - self._start
-        eta = f"  eta {elapsed / done * (self.total_steps - step):.0f}s" if done > 0 else ""
-        shown = "  ".join(f"{k} {v:.4g}" for k, v in clean.items())
-        print(f"[{self.stage}] step {step}/{self.total_steps}  {shown}{eta}", flush=True)
+        print(self.console_line(step, clean), flush=True)
+
+    def console_line(self, step: int, metrics: dict[str, float]) -> str:
+        """`[ppo] 12/40  reward 0.41  gold 0.35  kl 0.81  len 9.2  | 1.7 s/step  eta 48s`"""
+        now = time.perf_counter()
+        labels = {k: k for k in metrics} if self.verbose else CONSOLE[console_kind(self.stage)]
+        shown = "  ".join(f"{label} {metrics[k]:.4g}" for k, label in labels.items()
+                          if k in metrics and (k != "reward_hacking" or metrics[k] or self.verbose))
+        pace = ""
+        if step > self._last[1]:
+            per_step = (now - self._last[0]) / (step - self._last[1])
+            done = step - self._first_step
+            eta = (now - self._start) / done * (self.total_steps - step)
+            pace = f"  | {per_step:.2f} s/step  eta {eta:.0f}s"
+        self._last = (now, step)
+        return f"[{self.stage}] {step}/{self.total_steps}  {shown}{pace}"
 
     def info(self, message: str) -> None:
         if self.active:

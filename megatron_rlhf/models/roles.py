@@ -235,7 +235,7 @@ class Actor(Role):
 
     def outputs(self, *, hidden_states, output_layer, output_weight, context, **_):
         logits, _ = output_layer(hidden_states, weight=output_weight)  # [s, b, V/TP]
-        logits = mask_padded_vocab(logits.float() / self.temperature, self.cfg.model.vocab_size)
+        logits = mask_padded_vocab(logits.float() / self.temperature, self.cfg.model.token_vocab_size)
         tokens = context["tokens"].t()  # [s, b]
         targets = torch.cat([tokens[1:], torch.zeros_like(tokens[:1])])
         valid = torch.ones_like(targets, dtype=logits.dtype)

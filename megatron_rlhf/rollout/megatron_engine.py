@@ -104,7 +104,7 @@ class MegatronRolloutEngine(RolloutEngine):
             send_to_next_pipeline_rank(out.contiguous())
             return None
         logits = gather_from_tensor_model_parallel_region(out[:, -1, :].float())
-        logits[:, self.actor.cfg.model.vocab_size :] = float("-inf")  # padding rows are not tokens
+        logits[:, self.actor.cfg.model.token_vocab_size :] = float("-inf")  # padding, ids past the tokenizer
         return logits
 
     @torch.no_grad()

@@ -27,6 +27,7 @@ from megatron_rlhf.colocation import ColocationScheduler, phases_for
 from megatron_rlhf.config import Config, RLConfig, warnings_for
 from megatron_rlhf.data.encode import encode_prompts
 from megatron_rlhf.data.sampler import EpochSampler
+from megatron_rlhf.logging.reward_hacking import RewardHackingAlarm
 from megatron_rlhf.models.roles import Actor, Critic, Reference, RewardModel
 from megatron_rlhf.parallel.collectives import any_rank, dp_sum, dp_sums, masked_moments
 from megatron_rlhf.rollout import MegatronRolloutEngine, Rollout, SamplingParams
@@ -176,7 +177,7 @@ def train_on_rollout(trained: dict, batch: RolloutBatch, rl: RLConfig, kl_coef: 
 
 # ----------------------------------------------------------------------------- metrics and eval
 def iteration_sums(rollout: Rollout, batch: RolloutBatch, kl_stats: dict, gold: float, repetition: float,
-                   sampling: dict) -> dict:
+                   sampling: dict, holdout: torch.Tensor | None = None) -> dict:
     """This rank's sums of the per-iteration metrics (device tensors, host numbers for the
     text-based ones); `dp_sums` adds them over data-parallel ranks."""
     n = len(rollout)
@@ -185,18 +186,21 @@ def iteration_sums(rollout: Rollout, batch: RolloutBatch, kl_stats: dict, gold: 
         "response_length": rollout.response_lengths().sum(), "kl": kl_stats["kl"], "kl_tokens": kl_stats["kl_tokens"],
         "logprob_mismatch": ((rollout.logprobs - batch.old_logprobs).abs() * batch.mask).sum(),
         "scored_tokens": batch.mask.sum(), "repetition_rate": repetition * n, **sampling,
+        **({"holdout_rm_score": holdout.sum()} if holdout is not None else {}),
     }
 
 
-def iteration_metrics(rollout, batch, kl_stats, texts, task, sampling: dict, kl_coef: float) -> dict[str, float]:
+def iteration_metrics(rollout, batch, kl_stats, texts, task, sampling: dict, kl_coef: float,
+                      holdout: torch.Tensor | None = None) -> dict[str, float]:
     """The per-iteration means over every data-parallel rank (one collective); the dynamic
     sampling shortfall summed over ranks."""
     gold = sum(task.gold_score(p, r) for p, r in texts) if task else 0.0
     repetition = response_repetition_rate(rollout.response_ids())
-    sums = dp_sums(iteration_sums(rollout, batch, kl_stats, gold, repetition, sampling), parallel.device())
+    sums = dp_sums(iteration_sums(rollout, batch, kl_stats, gold, repetition, sampling, holdout), parallel.device())
     n = sums["responses"]
     return {
         "responses": n, "rm_score": sums["rm_score"] / n, **({"gold_score": sums["gold_score"] / n} if task else {}),
+        **({"holdout_rm_score": sums["holdout_rm_score"] / n} if holdout is not None else {}),
         "kl_mean": sums["kl"] / n, "kl_per_token": sums["kl"] / max(sums["kl_tokens"], 1.0),
         "kl_coef": kl_coef,  # the coefficient this iteration used
         "response_length": sums["response_length"] / n, "repetition_rate": sums["repetition_rate"] / n,
@@ -207,17 +211,31 @@ def iteration_metrics(rollout, batch, kl_stats, texts, task, sampling: dict, kl_
     }
 
 
-def evaluate(engine, reward, tokenizer, task, prompts, sampling, micro, seed) -> tuple[dict, list[str], int]:
-    """Gold and RM scores of responses to held-out prompts (sharded over DP ranks)."""
+def evaluate(engine, judges: dict, tokenizer, task, prompts, sampling, micro, seed, sft: dict | None = None):
+    """Responses to the held-out prompts (sharded over DP ranks), scored by each judge (the
+    reward model, the holdout RM if any, the gold scorer if any). Returns the mean scores;
+    with `sft`, the SFT policy's per-prompt scores, the win rate against it (a tie counts
+    half); the per-prompt scores (every rank gets all of them); samples; response tokens."""
     rank, size = data_parallel()
     rollout = engine.generate(prompts[rank::size], sampling, seed)
-    rm = padded_forward(reward, {"tokens": rollout.tokens, "lengths": rollout.lengths}, micro)["rewards"]
     texts = decode_responses(rollout, tokenizer)
-    gold = [task.gold_score(p, r) for p, r in texts] if task else []
-    sums = dp_sums({"n": len(texts), "rm": rm.sum(), "gold": sum(gold)}, rm.device)
+    seqs = {"tokens": rollout.tokens, "lengths": rollout.lengths}
+    mine = {name: padded_forward(model, seqs, micro)["rewards"] for name, model in judges.items()}
+    if task:
+        mine["gold"] = torch.tensor([task.gold_score(p, r) for p, r in texts], device=rollout.tokens.device)
+    device = rollout.tokens.device
+    per_prompt = {}
+    for name, scores in mine.items():  # this rank's prompts in their places, zeros elsewhere: one sum fills all
+        full = torch.zeros(len(prompts), device=device, dtype=torch.float64)
+        full[rank::size] = scores.to(torch.float64)
+        per_prompt[name] = dp_sum(full)
+    metrics = {f"eval_{name}_score": float(v.mean()) for name, v in per_prompt.items()}
+    for name, v in per_prompt.items():
+        if sft and name in sft:
+            before = torch.tensor(sft[name], device=device, dtype=torch.float64)
+            metrics[f"eval_win_rate_{name}"] = float(((v > before).double() + 0.5 * (v == before).double()).mean())
     samples = [f"{p} || {r}" for p, r in texts]
-    scores = {"eval_rm_score": sums["rm"] / sums["n"], **({"eval_gold_score": sums["gold"] / sums["n"]} if task else {})}
-    return scores, samples, int(rollout.response_lengths().sum())
+    return metrics, samples, int(rollout.response_lengths().sum()), {k: v.tolist() for k, v in per_prompt.items()}
 
 
 def decode_responses(rollout: Rollout, tokenizer) -> list[tuple[str, str]]:
@@ -227,7 +245,8 @@ def decode_responses(rollout: Rollout, tokenizer) -> list[tuple[str, str]]:
 
 # ----------------------------------------------------------------------------- roles
 def build_roles(cfg: Config) -> dict:
-    """Actor, reference, reward model; and the critic when the algorithm has one."""
+    """Actor, reference, reward model; the critic when the algorithm has one; the holdout
+    reward model when the RM stage trained one (rm.holdout_fraction)."""
     rl = cfg.rl
     # LR schedules run over every optimizer step: epochs x minibatches per iteration
     total_steps = rl.steps * rl.epochs * (rl.samples_per_iteration // rl.mini_batch_size)
@@ -239,6 +258,8 @@ def build_roles(cfg: Config) -> dict:
     }
     if rl.has_critic:
         roles["critic"] = Critic(cfg, trainable=True, optimizer=rl.critic_optimizer, total_steps=total_steps)
+    if cfg.rm.holdout_fraction > 0:  # the reward-hacking alarm's independent judge
+        roles["holdout_reward"] = RewardModel(cfg)
     return roles
 
 
@@ -249,6 +270,8 @@ def load_inputs(cfg: Config, roles: dict, fresh_start: bool) -> str:
     rm = resolve_checkpoint(cfg.rl.rm_from or stage_dir(cfg, "rm"))
     load_role(roles["reference"], sft / "actor", with_optimizer=False)
     load_role(roles["reward"], rm / "reward", with_optimizer=False)
+    if "holdout_reward" in roles:
+        load_role(roles["holdout_reward"], resolve_checkpoint(stage_dir(cfg, "rm_holdout")) / "reward", with_optimizer=False)
     if not fresh_start:
         return f"reference from {sft}, reward model from {rm}"
     load_model_weights(roles["actor"], sft / "actor")
@@ -283,10 +306,14 @@ def train(cfg: Config) -> dict:
     engine = MegatronRolloutEngine(roles["actor"], eos_id=tok.eos_id, pad_id=tok.pad_id)
     sched = ColocationScheduler(roles, phases_for(roles, reward_in_generate=rl.dynamic_sampling))
     kl_ctl = make_kl_controller(rl.kl_controller, rl.kl_coef, rl.kl_target, rl.kl_horizon)
+    alarm = RewardHackingAlarm(rl.reward_hacking_window)
     sampler = EpochSampler(len(train_prompts), seed=cfg.seed)
     state = runner.resume(trained, sampler)
     if runner.resumed:
         kl_ctl.load_state_dict(state["kl_controller"])
+        for part, key in ((sched, "wall_clock_phases"), (alarm, "reward_hacking")):
+            if key in state:  # not in checkpoints of older versions
+                part.load_state_dict(state[key])
     log = runner.log
     for line in (load_inputs(cfg, roles, fresh_start=not runner.resumed), runner.resumed,
                  f"prompts: {train_report}", *(f"warning: {w}" for w in warnings_for(cfg))):
@@ -295,13 +322,15 @@ def train(cfg: Config) -> dict:
     sampling = SamplingParams(rl.temperature, rl.top_k, rl.top_p, rl.max_new_tokens)
     dp_rank, dp = data_parallel()
     draw_prompts = lambda: [train_prompts[i] for i in dp_slice(sampler.next_indices(rl.rollout_batch_size), dp_rank, dp)]  # noqa: E731
-    run_eval = partial(evaluate, engine, roles["reward"], tok, data.task, eval_prompts, sampling, rl.micro_batch_size,
-                       cfg.seed + 17)
+    judges = {name: roles[role] for name, role in (("rm", "reward"), ("holdout_rm", "holdout_reward")) if role in roles}
+    run_eval = partial(evaluate, engine, judges, tok, data.task, eval_prompts, sampling, rl.micro_batch_size, cfg.seed + 17)
     with sched.phase("eval") as phase:
-        eval_metrics, samples, phase.tokens = run_eval()
-    log.info(f"eval at step {runner.step}: {eval_metrics}; e.g. {samples[: rl.eval_samples_logged]}")
+        eval_metrics, samples, phase.tokens, per_prompt = run_eval()
     # "before" means the SFT policy: a resumed run keeps the numbers its first start measured
-    before = state["before"] if runner.resumed else {"eval": eval_metrics, "samples": samples}
+    before = state["before"] if runner.resumed else {"eval": eval_metrics, "samples": samples, "per_prompt": per_prompt}
+    log.info(f"eval of the {'SFT' if not runner.resumed else 'resumed'} policy: {format_scores(eval_metrics)}; "
+             f"e.g. {samples[: rl.eval_samples_logged]}")
+    sched.step_metrics()  # the first step reports its own phases only
     if not runner.resumed:
         log.log(0, eval_metrics)  # the SFT policy: the eval curves start here
 
@@ -314,6 +343,7 @@ def train(cfg: Config) -> dict:
         runner.heartbeat.beat()
         with sched.phase("score") as phase:
             batch = score(rollout, scores, roles, rl)
+            holdout = sequence_rewards(roles["holdout_reward"], rollout, rl) if "holdout_reward" in roles else None
             phase.tokens = int(rollout.lengths.sum())
         runner.heartbeat.beat()
         with sched.phase("train") as phase:
@@ -324,34 +354,47 @@ def train(cfg: Config) -> dict:
             phase.tokens = int(rollout.lengths.sum()) * rl.epochs
         engine.update_weights()  # weight sync: a no-op for the in-place engine (it samples from the actor)
         metrics = iteration_metrics(rollout, batch, kl_stats, decode_responses(rollout, tok), data.task,
-                                    sampling_stats, kl_coef)
+                                    sampling_stats, kl_coef, holdout)
         samples_seen += int(metrics.pop("responses"))
         if train_actor:  # the actor does not move during critic warm-up: nothing to steer yet
             kl_ctl.update(metrics["kl_mean"], int(rl.samples_per_iteration))
-        metrics.update(train_stats, **skipped_steps(trained, by_role=True), **sched.step_metrics())
+        if warning := alarm.update(step, metrics):
+            log.info(warning)
         evaluated = runner.due(rl.eval_interval)
         if evaluated:
             with sched.phase("eval") as phase:
-                eval_metrics, samples, phase.tokens = run_eval()
+                eval_metrics, samples, phase.tokens, _ = run_eval(sft=before.get("per_prompt"))
             metrics.update(eval_metrics)
             log.info(f"step {step} samples: {samples[: rl.eval_samples_logged]}")
-        runner.end_step(metrics, samples_seen, evaluated, kl_controller=kl_ctl.state_dict(), before=before)
+        metrics.update(train_stats, **skipped_steps(trained, by_role=True), **sched.step_metrics())
+        runner.end_step(metrics, samples_seen, evaluated, kl_controller=kl_ctl.state_dict(), before=before,
+                        reward_hacking=alarm.state_dict(), wall_clock_phases=sched.state_dict())
 
-    return runner.finish(rl_summary(rl, before, eval_metrics, metrics, kl_ctl, sched, samples_seen, samples, roles),
-                         done_message(before["eval"], eval_metrics))
+    return runner.finish(rl_summary(rl, before, eval_metrics, metrics, kl_ctl, sched, samples_seen, samples, roles,
+                                    alarm, data.sources), done_message(before["eval"], eval_metrics))
 
 
-def rl_summary(rl, before, eval_metrics, metrics, kl_ctl, sched, samples_seen, samples, roles) -> dict:
+def format_scores(metrics: dict) -> str:
+    return ", ".join(f"{k.removeprefix('eval_')} {v:.3f}" for k, v in metrics.items())
+
+
+def rl_summary(rl, before, eval_metrics, metrics, kl_ctl, sched, samples_seen, samples, roles, alarm,
+               data_sources) -> dict:
     phases = sched.summary()
     return {
-        "algorithm": rl.algorithm, "roles": sorted(roles),
+        "algorithm": rl.algorithm, "roles": sorted(roles), "data_sources": data_sources,
+        # the final policy against the SFT policy on the held-out prompts (null: not measured)
+        **{f"win_rate_{judge}_final": eval_metrics.get(f"eval_win_rate_{judge}") for judge in ("rm", "gold", "holdout_rm")},
+        "reward_hacking_alarms": alarm.alarms,
         # null without a gold scorer (data.task: null)
         "gold_score_eval_before": before["eval"].get("eval_gold_score"),
         "gold_score_eval_after": eval_metrics.get("eval_gold_score"),
         "rm_score_eval_before": before["eval"]["eval_rm_score"], "rm_score_eval_after": eval_metrics["eval_rm_score"],
         "kl_mean_final": metrics.get("kl_mean"), "kl_coef_final": kl_ctl.value,
         "samples_per_second": samples_seen / max(sum(v["seconds"] for p, v in phases.items() if p != "eval"), 1e-9),
+        # the whole run, across restarts (the totals travel in the checkpoint)
         "phase_seconds": {p: v["seconds"] for p, v in phases.items()},
+        "phase_calls": {p: v["calls"] for p, v in phases.items()},
         "phase_peak_memory_bytes": {p: v["peak_memory_bytes"] for p, v in phases.items()},
         "phase_tokens_per_s": {p: v["tokens_per_s"] for p, v in phases.items()},
         "samples_before": before["samples"][: rl.eval_samples_logged],
@@ -362,4 +405,6 @@ def rl_summary(rl, before, eval_metrics, metrics, kl_ctl, sched, samples_seen, s
 def done_message(before: dict, after: dict) -> str:
     gold = ("no gold scorer" if after.get("eval_gold_score") is None else
             f"gold {before['eval_gold_score']:.3f} -> {after['eval_gold_score']:.3f}")
-    return f"done: {gold}, RM {before['eval_rm_score']:.3f} -> {after['eval_rm_score']:.3f}"
+    wins = ", ".join(f"{k.removeprefix('eval_win_rate_')} {v:.2f}" for k, v in after.items() if k.startswith("eval_win_rate_"))
+    return (f"done: {gold}, RM {before['eval_rm_score']:.3f} -> {after['eval_rm_score']:.3f}"
+            + (f"; win rate against the SFT policy: {wins}" if wins else ""))

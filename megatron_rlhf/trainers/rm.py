@@ -20,12 +20,13 @@ from megatron_rlhf.checkpoint.dist import load_model_weights
 from megatron_rlhf.checkpoint.manager import resolve_checkpoint
 from megatron_rlhf.config import Config
 from megatron_rlhf.data.encode import collate_preferences, collate_sft, encode_preferences, encode_sft
+from megatron_rlhf.data.jsonl import SFTExample
 from megatron_rlhf.data.sampler import EpochSampler
 from megatron_rlhf.models.roles import RewardModel, summed
 from megatron_rlhf.parallel.collectives import dp_sums, masked_moments
 from megatron_rlhf.trainers.batching import data_parallel, dp_slice, padded_forward
 from megatron_rlhf.trainers.runner import StageRunner, skipped_steps
-from megatron_rlhf.trainers.stage_data import load_stage_data, stage_dir
+from megatron_rlhf.trainers.stage_data import held_out, load_stage_data, stage_dir
 
 
 def bradley_terry_loss(outputs: dict, microbatch: dict):
@@ -46,10 +47,11 @@ def eval_sums(rm: RewardModel, pairs: list, pad_id: int, seq_len: int, micro_pai
     return {"correct": stats["accuracy"], "pairs": pair_count, "margin": stats["margin"]}
 
 
-def evaluate(rm: RewardModel, pairs: list, pad_id: int, seq_len: int, micro_pairs: int) -> dict:
-    """Held-out accuracy (r_chosen > r_rejected) and mean margin, over data-parallel shards."""
+def evaluate(rm: RewardModel, pairs: list, pad_id: int, seq_len: int, micro_pairs: int, units: str) -> dict:
+    """Held-out accuracy (r_chosen > r_rejected) and mean margin, over data-parallel shards;
+    the margin's name says its `units`: raw (before the normalisation) or normalized."""
     sums = dp_sums(eval_sums(rm, pairs, pad_id, seq_len, micro_pairs), parallel.device())
-    return {"eval_accuracy": sums["correct"] / sums["pairs"], "eval_margin": sums["margin"] / sums["pairs"]}
+    return {"eval_accuracy": sums["correct"] / sums["pairs"], f"eval_margin_{units}": sums["margin"] / sums["pairs"]}
 
 
 def reward_statistics(rm: RewardModel, examples: list, pad_id: int, seq_len: int, micro: int) -> tuple[float, float]:
@@ -65,14 +67,36 @@ def reward_statistics(rm: RewardModel, examples: list, pad_id: int, seq_len: int
 
 
 def train(cfg: Config) -> dict:
+    """The reward model (<run>/rm); with rm.holdout_fraction > 0, first an independent one on
+    the held-out pairs (<run>/rm_holdout), so that <run>/rm/summary.json marks both done."""
+    parallel.initialize(cfg)  # the data is read once for both: before the first stage runner
+    data = load_stage_data(cfg, ("preference_train", "preference_eval"), optional=("sft_eval",))
+    pairs, fraction = data.splits["preference_train"], cfg.rm.holdout_fraction
+    if fraction == 0:
+        return train_reward_model(cfg, "rm", data, pairs)
+    seed = cfg.seed + 1  # not the seed of data.eval_fraction's split
+    holdout = train_reward_model(cfg, "rm_holdout", data, held_out(pairs, fraction, seed, "eval", "rm.holdout_fraction"))
+    summary = train_reward_model(cfg, "rm", data, held_out(pairs, fraction, seed, "train", "rm.holdout_fraction"))
+    return {**summary, "holdout": holdout}
+
+
+def normalization_samples(data) -> tuple[list, str]:
+    """Sequences whose RM scores set the normalisation: SFT responses when the run has SFT
+    data, else the chosen responses of the held-out preference pairs."""
+    if "sft_eval" in data.splits:
+        return data.splits["sft_eval"], "SFT eval responses"
+    return [SFTExample(p.prompt, p.chosen) for p in data.splits["preference_eval"]], "chosen responses of the eval pairs"
+
+
+def train_reward_model(cfg: Config, name: str, data, train_pairs: list) -> dict:
     st = cfg.rm
-    runner = StageRunner(cfg, "rm", st.steps, st.log_interval, st.save_interval)
-    data = load_stage_data(cfg, ("preference_train", "preference_eval", "sft_eval"))
+    runner = StageRunner(cfg, name, st.steps, st.log_interval, st.save_interval)
     pad, ovf = data.tokenizer.pad_id, cfg.data.overflow
     fit = {"tokenizer": data.tokenizer, "max_len": st.seq_length, "overflow": ovf, "max_len_field": "rm.seq_length"}
-    train_set, train_report = encode_preferences(data.splits["preference_train"], **fit)
+    train_set, train_report = encode_preferences(train_pairs, **fit)
     eval_set, eval_report = encode_preferences(data.splits["preference_eval"], **fit)
-    sft_samples, _ = encode_sft(data.splits["sft_eval"], **fit)
+    norm_examples, norm_source = normalization_samples(data)
+    norm_samples, _ = encode_sft(norm_examples, **fit)
 
     rm = RewardModel(cfg, trainable=True, optimizer=st.optimizer, total_steps=st.steps)
     roles = {"reward": rm}
@@ -96,21 +120,24 @@ def train(cfg: Config) -> dict:
         result = rm.train_step({k: batch[k] for k in ("tokens", "lengths")}, 2 * st.micro_batch_size,
                                bradley_terry_loss)
         tokens = dp_sums({"tokens": int(batch["lengths"].sum())}, parallel.device())["tokens"]
-        metrics = {"loss": result["loss"], "accuracy": result["accuracy"], "margin": result["margin"],
+        # margins in raw reward units: the normalisation is fitted after the last step
+        metrics = {"loss": result["loss"], "accuracy": result["accuracy"], "margin_raw": result["margin"],
                    "lr": result["lr"], "grad_norm": result["grad_norm"],
                    **skipped_steps(roles), "tokens_per_s": tokens / (time.perf_counter() - t0)}
         evaluated = runner.due(st.eval_interval)
         if evaluated:
-            metrics.update(evaluate(rm, eval_set, *eval_args))
+            metrics.update(evaluate(rm, eval_set, *eval_args, units="raw"))
         if step == st.steps and st.normalize:
             rm.reward_mean, rm.reward_std = 0.0, 1.0
-            rm.reward_mean, rm.reward_std = reward_statistics(rm, sft_samples, pad, st.seq_length, st.micro_batch_size)
-            runner.log.info(f"reward normalisation: mean {rm.reward_mean:.4f}, std {rm.reward_std:.4f}")
+            rm.reward_mean, rm.reward_std = reward_statistics(rm, norm_samples, pad, st.seq_length, st.micro_batch_size)
+            runner.log.info(f"reward normalisation over {len(norm_samples)} {norm_source}: "
+                            f"mean {rm.reward_mean:.4f}, std {rm.reward_std:.4f}")
         runner.end_step(metrics, step * st.global_batch_size, evaluated)
 
-    final = evaluate(rm, eval_set, *eval_args)
+    final = evaluate(rm, eval_set, *eval_args, units="normalized" if st.normalize else "raw")
     return runner.finish({
         "final_train_loss": metrics.get("loss"), **final,
-        "reward_mean": rm.reward_mean, "reward_std": rm.reward_std,
-        "train_data": vars(train_report), "eval_data": vars(eval_report),
-    }, f"done: eval accuracy {final['eval_accuracy']:.3f}, margin {final['eval_margin']:.3f}")
+        "reward_mean": rm.reward_mean, "reward_std": rm.reward_std, "normalized_over": norm_source,
+        "train_data": vars(train_report), "eval_data": vars(eval_report), "data_sources": data.sources,
+    }, f"done: eval accuracy {final['eval_accuracy']:.3f}, margin {next(v for k, v in final.items() if 'margin' in k):.3f} "
+       f"({'normalised' if st.normalize else 'raw'} reward units)")

@@ -28,8 +28,7 @@ from megatron_rlhf import parallel
 from megatron_rlhf.checkpoint.manager import CheckpointManager
 from megatron_rlhf.colocation import peak_memory_bytes, reset_peak_memory
 from megatron_rlhf.config import Config
-from megatron_rlhf.logging import MetricsLogger
-from megatron_rlhf.logging.metrics import nonfinite_to_null
+from megatron_rlhf.logging.metrics import MetricsLogger, nonfinite_to_null
 from megatron_rlhf.resilience.faults import FAULTS
 from megatron_rlhf.resilience.heartbeat import Heartbeat
 from megatron_rlhf.resilience.preemption import Preempted, PreemptionHandler
@@ -63,7 +62,7 @@ class StageRunner:
         self.ckpt = CheckpointManager(self.out, self.cfg.checkpoint.keep_last, self.cfg.checkpoint.async_save)
         self.step, self.resumed, state = resume(self.cfg, self.ckpt, trained, sampler)
         self.log = MetricsLogger(self.out, self.stage_name, self.total, resume_step=self.step,
-                                 tensorboard=self.cfg.logging.tensorboard)
+                                 tensorboard=self.cfg.logging.tensorboard, verbose=self.cfg.logging.verbose)
         return state
 
     @property

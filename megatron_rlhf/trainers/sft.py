@@ -97,5 +97,5 @@ def train(cfg: Config) -> dict:
     eval_loss = metrics.get("eval_loss", evaluate(actor, eval_set, *eval_args))
     return runner.finish({
         "final_train_loss": metrics.get("loss"), "eval_loss_start": eval_loss_start, "eval_loss": eval_loss,
-        "train_data": vars(train_report), "eval_data": vars(eval_report),
+        "train_data": vars(train_report), "eval_data": vars(eval_report), "data_sources": data.sources,
     }, f"done: eval loss {eval_loss_start:.4f} -> {eval_loss:.4f}")

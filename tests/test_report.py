@@ -1,0 +1,171 @@
+"""The run report (megatron_rlhf/logging/report.py) built from metrics.jsonl and summary.json
+files written into a run directory as the stages write them: per RL stage the gold-vs-proxy
+and KL-vs-reward plots, the reward-hacking alarms and final win rates; the phase-time
+comparison of the run's RL stages; partial stages (no summary, no gold) reported, not crashed on."""
+
+import json
+
+import matplotlib.image
+import pytest
+
+from megatron_rlhf.logging.report import ALARM, alarm_spans, curves_figure, gold_vs_proxy_figure, write_report
+
+PHASE_SECONDS = {"ppo": {"generate": 120.0, "score": 30.0, "train": 45.5, "eval": 4.5},
+                 "grpo": {"generate": 80.0, "score": 10.0, "train": 10.0, "eval": 0.0}}
+ALARM_RECORD = {"step": 31, "proxy": "rm_score", "proxy_slope": 0.0412, "independent": "gold_score",
+                "independent_slope": -0.0103}
+
+
+def rl_rows(steps=40, gold=True, holdout=False, alarm=(), eval_every=5):
+    """An RL stage's metrics.jsonl rows: step 0 has only eval_* keys; the proxy keeps rising,
+    the gold (and holdout) score peaks at step 25 and then falls."""
+    def scores(k, prefix=""):
+        out = {f"{prefix}rm_score": 0.05 * k}
+        if gold:
+            out[f"{prefix}gold_score"] = 0.03 * min(k, 25) - 0.02 * max(k - 25, 0)
+        if holdout:
+            out[f"{prefix}holdout_rm_score"] = 0.04 * min(k, 25) - 0.03 * max(k - 25, 0)
+        return out
+
+    rows = [{"step": 0, **scores(0, "eval_")}]
+    for k in range(1, steps + 1):
+        row = {"step": k, **scores(k), "kl_mean": 0.15 * k, "response_length": 10.0 + k / 4,
+               "generate_seconds": 3.0, "score_seconds": 0.75, "train_seconds": 1.1,
+               "reward_hacking": 1.0 if k in alarm else 0.0}
+        if k == 12:
+            row["kl_mean"] = None  # non-finite: written as null
+        if k % eval_every == 0:
+            row |= scores(k, "eval_") | {"eval_seconds": 0.9, "eval_win_rate_rm": min(0.5 + k / 80, 1.0)}
+            row |= {"eval_win_rate_gold": 0.5 + (k - 20) / 100} if gold else {}
+        rows.append(row)
+    return rows
+
+
+def write_stage(run, stage, rows, summary=None):
+    (run / stage).mkdir(parents=True)
+    (run / stage / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    if summary is not None:
+        (run / stage / "summary.json").write_text(json.dumps(summary, indent=2))
+
+
+def rl_summary(algorithm, alarms=None, win_rm=0.625, win_gold=0.7):
+    summary = {"stage": algorithm, "steps": 40, "algorithm": algorithm, "phase_seconds": PHASE_SECONDS[algorithm],
+               "win_rate_rm_final": win_rm, "win_rate_gold_final": win_gold,
+               "samples_before": ["a || b"], "samples_after": ["a || c"]}
+    return summary if alarms is None else summary | {"reward_hacking_alarms": alarms}
+
+
+def synthetic_run(run):
+    """sft, rm, ppo (an alarm over steps 31-34) and grpo (no alarm) as a finished run writes them."""
+    write_stage(run, "sft", [{"step": k, "loss": 3 / k, **({"eval_loss": 3.1 / k} if k % 5 == 0 else {})}
+                             for k in range(1, 21)], {"stage": "sft", "steps": 20})
+    write_stage(run, "rm", [{"step": k, "loss": 0.7 / k, "eval_accuracy": 0.5 + k / 40} for k in range(1, 11)],
+                {"stage": "rm", "steps": 10})
+    write_stage(run, "ppo", rl_rows(alarm=range(31, 35)), rl_summary("ppo", [ALARM_RECORD]))
+    write_stage(run, "grpo", rl_rows(), rl_summary("grpo", []))
+    return run
+
+
+def sections(report: str) -> dict[str, str]:
+    return {part.split("\n", 1)[0]: part for part in report.split("\n## ")[1:]}
+
+
+def assert_png(path, min_width=300, min_height=200):
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", path
+    height, width = matplotlib.image.imread(path).shape[:2]
+    assert width >= min_width and height >= min_height, (path, width, height)
+
+
+def test_alarm_spans_are_runs_of_consecutive_alarm_iterations():
+    assert alarm_spans(rl_rows(alarm=[3, 4, 5, 8, 40])) == [(3, 5), (8, 8), (40, 40)]
+    assert alarm_spans(rl_rows()) == []
+    assert alarm_spans([{"step": 0, "eval_rm_score": 0.1}]) == []  # step 0: eval keys only
+
+
+def test_gold_vs_proxy_plot_has_every_signal_on_one_axes_and_shades_the_alarms():
+    fig = gold_vs_proxy_figure(rl_rows(holdout=True, alarm=[3, 4, 5, 8]), "ppo")
+    labels = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert labels == ["rm_score (proxy)", "eval_rm_score", "holdout_rm_score (independent)",
+                      "eval_holdout_rm_score", ALARM, "gold_score (independent)", "eval_gold_score"]
+    ax, twin = fig.axes  # gold on a twin y-axis of the same plot
+    assert ax.get_shared_x_axes().joined(ax, twin)
+    assert [(p.get_x(), p.get_x() + p.get_width()) for p in ax.patches] == [(2.5, 5.5), (7.5, 8.5)]
+    no_alarm = gold_vs_proxy_figure(rl_rows(), "ppo")
+    assert ALARM not in [t.get_text() for t in no_alarm.legends[0].get_texts()] and not no_alarm.axes[0].patches
+
+
+def test_the_win_rates_share_a_panel_of_the_curve_grid():
+    fig = curves_figure(rl_rows(holdout=True), ["rm_score", ("eval_win_rate_rm", "eval_win_rate_gold")], "ppo")
+    win = [ax for ax in fig.axes if ax.get_title() == "eval_win_rate_rm / eval_win_rate_gold"]
+    assert len(win) == 1 and [line.get_label() for line in win[0].lines] == ["eval_win_rate_rm", "eval_win_rate_gold"]
+    assert list(win[0].lines[0].get_xdata()) == list(range(5, 41, 5))
+
+
+def test_report_of_a_finished_run_plots_judges_and_times_each_rl_stage(tmp_path):
+    run = synthetic_run(tmp_path / "run")
+    report = write_report(run).read_text()
+    for name in ("sft", "rm", "ppo", "grpo", "ppo_gold_vs_proxy", "ppo_kl_vs_reward", "grpo_gold_vs_proxy",
+                 "grpo_kl_vs_reward", "phase_time"):
+        assert_png(run / f"report_{name}.png")
+        assert f"(report_{name}.png)" in report
+    parts = sections(report)
+    assert "- step 31: rm_score slope +0.0412, gold_score slope -0.0103" in parts["ppo"]
+    assert "no alarm" not in parts["ppo"] and "**Reward hacking:** no alarm\n" in parts["grpo"]
+    assert "by the RM 62.5%, by the gold score 70.0%\n" in parts["ppo"]  # no holdout RM
+    assert "Reward hacking" not in parts["sft"] + parts["rm"] and "kl_vs_reward" not in parts["sft"]
+    table = parts["Time per phase (seconds, share of the stage)"]
+    assert "| stage | generate | score | train | eval | total |" in table
+    assert "| ppo | 120 (60%) | 30 (15%) | 45.5 (23%) | 4.5 (2%) | 200 |" in table
+    assert "| grpo | 80 (80%) | 10 (10%) | 10 (10%) | 0 (0%) | 100 |" in table
+
+
+def test_the_phase_time_bars_compare_every_rl_stage_of_the_run(tmp_path):
+    """The pipeline reports only the stages it ran (here grpo); the phase-time comparison
+    still covers ppo, run before it in the same run directory."""
+    run = synthetic_run(tmp_path / "run")
+    report = write_report(run, ["sft", "rm", "grpo"]).read_text()
+    assert "## ppo" not in report and "| ppo | 120 (60%)" in report and "| grpo | 80 (80%)" in report
+
+
+def test_user_data_without_gold_plots_the_proxy_against_the_holdout_rm(tmp_path):
+    run = tmp_path / "run"
+    summary = rl_summary("ppo", [ALARM_RECORD | {"independent": "holdout_rm_score"}], win_gold=None)
+    summary["win_rate_holdout_rm_final"] = 0.55
+    write_stage(run, "ppo", rl_rows(gold=False, holdout=True, alarm=[31]), summary)
+    report = write_report(run, ["ppo"]).read_text()
+    for name in ("gold_vs_proxy", "kl_vs_reward"):
+        assert_png(run / f"report_ppo_{name}.png")
+        assert f"(report_ppo_{name}.png)" in report
+    assert "- step 31: rm_score slope +0.0412, holdout_rm_score slope -0.0103" in report
+    assert "by the RM 62.5%, by the gold score n/a, by the holdout RM 55.0%" in report
+    fig = gold_vs_proxy_figure(rl_rows(gold=False, holdout=True), "ppo")
+    assert len(fig.axes) == 1 and [t.get_text() for t in fig.legends[0].get_texts()] == [
+        "rm_score (proxy)", "eval_rm_score", "holdout_rm_score (independent)", "eval_holdout_rm_score"]
+
+
+def test_unfinished_and_partial_stages_are_reported_not_crashed_on(tmp_path):
+    run = tmp_path / "run"
+    write_stage(run, "ppo", rl_rows(steps=8), None)  # stopped at step 8: no summary
+    (run / "ppo" / "metrics.jsonl").open("a").write('{"step": 9, "rm_sc')  # a line torn by the kill
+    write_stage(run, "grpo", [{"step": 0, "eval_rm_score": 0.1}], rl_summary("grpo"))  # no alarm record
+    (run / "rloo").mkdir()  # started, nothing written yet
+    report = write_report(run, ["sft", "ppo", "grpo", "rloo"]).read_text()
+    parts = sections(report)
+    for stage in ("sft", "ppo", "rloo"):
+        assert parts[stage].split("\n")[2] == "not finished", stage
+    assert "(report_ppo_gold_vs_proxy.png)" in parts["ppo"]  # the partial curves are shown
+    assert_png(run / "report_ppo_gold_vs_proxy.png")
+    assert "Reward hacking" not in parts["ppo"]
+    assert "**Reward hacking:** no alarm (never checked" in parts["grpo"] and "kl_vs_reward" not in parts["grpo"]
+    assert "| grpo | 80 (80%)" in report and "| ppo |" not in report and "| rloo |" not in report
+
+
+@pytest.mark.parametrize("algorithm", ["ppo", "grpo"])
+def test_a_stage_without_phase_seconds_is_left_out_of_the_time_split(tmp_path, algorithm):
+    run = tmp_path / "run"
+    write_stage(run, algorithm, rl_rows(steps=3), {"algorithm": algorithm})
+    report = write_report(run, [algorithm]).read_text()
+    assert "Time per phase" not in report and not (run / "report_phase_time.png").exists()
+    assert "**Reward hacking:** no alarm\n" in report  # checked, never on; the summary predates the record
+    write_stage(run, "rloo", [{"step": 1, "rm_score": 0.1}], {"algorithm": "rloo", "reward_hacking_alarms": []})
+    assert "**Reward hacking:** no alarm (never checked" in write_report(run, ["rloo"]).read_text()
