@@ -60,8 +60,7 @@ class ColocationScheduler:
         self.on_device = {name: "params+optimizer" if role.trainable else "params"
                           for name, role in self.roles.items()}
         self._current, self._start = None, 0.0
-        self._reported: dict[str, tuple[float, int]] = {}  # step_metrics: totals at its last call
-        self._calls_reported: dict[str, int] = {}
+        self._reported: dict[str, PhaseStats] = {}  # step_metrics: the totals at its last call
 
     def enter(self, phase: str) -> None:
         """Close the current phase (if any), move memory for `phase`, start its clock."""
@@ -92,10 +91,10 @@ class ColocationScheduler:
         """The phases run since the last call (a step's): their seconds and tokens/s in that
         time, and each one's peak memory so far. A phase that did not run is left out, so a
         step without evaluation logs no eval numbers."""
-        since = {p: (s.seconds - self._reported.get(p, (0.0, 0))[0], s.tokens - self._reported.get(p, (0.0, 0))[1])
-                 for p, s in self.stats.items() if s.calls > self._calls_reported.get(p, 0)}
-        self._reported = {p: (s.seconds, s.tokens) for p, s in self.stats.items()}
-        self._calls_reported = {p: s.calls for p, s in self.stats.items()}
+        last = {p: self._reported.get(p, PhaseStats()) for p in self.stats}
+        since = {p: (s.seconds - last[p].seconds, s.tokens - last[p].tokens)
+                 for p, s in self.stats.items() if s.calls > last[p].calls}
+        self._reported = {p: dataclasses.replace(s) for p, s in self.stats.items()}
         return {**{f"{p}_seconds": sec for p, (sec, _) in since.items()},
                 **{f"{p}_tokens_per_s": tok / sec if sec else 0.0 for p, (sec, tok) in since.items()},
                 **{f"{p}_peak_memory_bytes": self.stats[p].peak_memory_bytes for p in since}}
@@ -106,8 +105,7 @@ class ColocationScheduler:
 
     def load_state_dict(self, state: dict) -> None:
         self.stats = {p: PhaseStats(**s) for p, s in state.items()}
-        self._reported = {p: (s.seconds, s.tokens) for p, s in self.stats.items()}
-        self._calls_reported = {p: s.calls for p, s in self.stats.items()}
+        self._reported = {p: dataclasses.replace(s) for p, s in self.stats.items()}
 
     def _place(self, name: str, role, want: str) -> None:
         have = self.on_device[name]
