@@ -56,7 +56,7 @@ def main() -> None:
         return
     from megatron_rlhf import parallel
     from megatron_rlhf.config import load_config
-    from megatron_rlhf.convert import export_hf, import_hf, model_config_from_hf
+    from megatron_rlhf.convert import export_hf, hf_overrides, import_hf
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -67,7 +67,7 @@ def main() -> None:
                                check=True, capture_output=True, text=True)
         params = int(child.stdout.split()[-1])
         rows.append({"step": "start (imports)", "seconds": None, "peak_rss_mib": peak_rss_mib()})
-        cfg = load_config(None, [f"model.{k}={v}" for k, v in model_config_from_hf(hf_dir).items()])
+        cfg = load_config(None, hf_overrides(hf_dir))
         parallel.initialize(cfg)
         t0 = time.perf_counter()
         import_hf(cfg, hf_dir, tmp / "imported")

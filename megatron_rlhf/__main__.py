@@ -30,37 +30,39 @@ COMMANDS = {
     "pipeline": "the stages of pipeline.stages (sft -> rm -> rl), skipping finished stages and resuming "
                 "partial ones; report",
     "stages": "print pipeline.stages, one per line (what slurm/submit_pipeline.sh submits)",
-    "import-hf": "--hf DIR --out DIR: a local Hugging Face Llama-family checkpoint -> our checkpoint "
-                 "(model fields from its config.json; launch at any TP x PP)",
+    "import-hf": "--hf DIR --out DIR: a local Hugging Face checkpoint (Llama 2/3.x, Mistral, Qwen2/2.5, "
+                 "Qwen3) -> our checkpoint (model fields from its config.json; launch at any TP x PP)",
     "export-hf": "--ckpt DIR --role actor|reward|critic --out DIR [--tokenizer DIR]: our checkpoint "
-                 "-> a Hugging Face directory (one process)",
+                 "-> a Hugging Face directory (one process; the model config is the one the checkpoint recorded)",
 }
 
 
 def convert_command(args, cfg) -> None:
-    import dataclasses
-
-    from megatron_rlhf.convert import export_hf, import_hf, model_config_from_hf
+    from megatron_rlhf.convert import export_hf, import_hf
+    from megatron_rlhf.convert.hf_io import checkpoint_model_config
 
     needed = {"import-hf": ("hf", "out"), "export-hf": ("ckpt", "role", "out")}[args.command]
     if missing := [f"--{name}" for name in needed if getattr(args, name) is None]:
         raise ConfigError(f"{args.command}: missing {', '.join(missing)}")
     if args.command == "export-hf":
         tokenizer = args.tokenizer or (cfg.data.tokenizer if cfg.data.tokenizer != "builtin" else None)
-        # Without a recipe or model overrides, use the model config the checkpoint recorded
-        # (import-hf checkpoints do); the defaults would only be a guess.
-        given = args.config or any(o.startswith("model.") for o in args.overrides)
-        if given and cfg.model.vocab_size is None:  # the recipe's tokenizer's size, as in training
+        # The checkpoint's own model config (every stage records it); model.* overrides must agree.
+        typed = {o.split("=", 1)[0].strip() for o in args.overrides}
+        model_cfg = checkpoint_model_config(args.ckpt, args.role, cfg.model, typed)
+        if model_cfg is None:  # an older checkpoint: the recipe and overrides describe it
             from megatron_rlhf.trainers.stage_data import resolve_vocab_size, tokenizer_for
 
-            resolve_vocab_size(cfg, tokenizer_for(cfg))
-        path = export_hf(args.ckpt, args.role, args.out, model_cfg=cfg.model if given else None,
+            if cfg.model.vocab_size is None:  # the recipe's tokenizer's size, as in training
+                resolve_vocab_size(cfg, tokenizer_for(cfg))
+            model_cfg = cfg.model
+        path = export_hf(args.ckpt, args.role, args.out, model_cfg=model_cfg,
                          tokenizer_dir=tokenizer, drop_score_bias=args.drop_score_bias)
         print(f"[export-hf] {args.role} of {args.ckpt} -> {path}", flush=True)
         return
     from megatron_rlhf import parallel
 
-    cfg.model = dataclasses.replace(cfg.model, **model_config_from_hf(args.hf))
+    # config.json gives the architecture; model.* overrides are checked against it
+    cfg = load_config(args.config, [*args.overrides, f"model.from_hf_config={args.hf}"])
     rank0 = parallel.initialize(cfg).rank == 0
     if rank0:
         print(f"[import-hf] model from {args.hf}/config.json: {cfg.model}", flush=True)

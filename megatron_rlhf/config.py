@@ -40,15 +40,46 @@ KL_CONTROLLERS = ("fixed", "adaptive")
 LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum")
 
 
+# Hugging Face model families our GPTModel computes exactly (megatron_rlhf/convert maps them).
+MODEL_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+ROPE_SCALING_TYPES = ("llama3", "linear")
+# ModelConfig fields that describe the network (what config.json of an HF model fixes);
+# params_dtype, init_method_std and make_vocab_size_divisible_by stay the run's choice.
+ARCHITECTURE_FIELDS = ("family", "num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "head_dim",
+                       "ffn_hidden_size", "vocab_size", "max_seq_length", "rotary_base", "rope_scaling",
+                       "norm_epsilon", "qkv_bias", "qk_layernorm", "share_embeddings_and_output_weights")
+
+
+@dataclass
+class RopeScalingConfig:
+    """RoPE frequency scaling, as Hugging Face's rope_scaling / rope_parameters. We compute
+    the scaled frequencies ourselves (models/gpt.py) because megatron-core 0.19.2 hard-codes
+    Llama 3's low/high frequency factors and original window."""
+
+    # null: plain RoPE. llama3: Llama 3.1-3.3's frequency-dependent scaling. linear: positions / factor.
+    type: str | None = None
+    factor: float = 1.0
+    low_freq_factor: float = 1.0            # llama3 only
+    high_freq_factor: float = 4.0           # llama3 only
+    original_max_position_embeddings: int = 8192  # llama3 only: the pre-training context
+
+
 @dataclass
 class ModelConfig:
-    """A Llama-style decoder: RMSNorm, SwiGLU MLP, RoPE, no biases."""
+    """A Llama-style decoder: RMSNorm, SwiGLU MLP, RoPE, no biases except Qwen2's q/k/v."""
 
+    # The Hugging Face architecture export-hf writes (and import-hf read): llama (Llama 2, 3.x,
+    # and models trained from scratch), mistral, qwen2 (Qwen2, Qwen2.5; needs qkv_bias), qwen3
+    # (dense Qwen3; needs qk_layernorm).
+    family: str = "llama"
     num_layers: int = 2
     hidden_size: int = 64
     num_attention_heads: int = 4
     # Grouped-query attention: number of key/value heads. None means one per query head.
     num_query_groups: int | None = None
+    # Channels per attention head. null: hidden_size / num_attention_heads (Qwen3 and
+    # Mistral-Nemo-style models set it explicitly).
+    head_dim: int | None = None
     ffn_hidden_size: int = 256
     # Embedding rows before padding. null: the tokenizer's size (set when a stage loads its
     # tokenizer). It may exceed the tokenizer's (Hugging Face models often have spare rows):
@@ -58,13 +89,21 @@ class ModelConfig:
     make_vocab_size_divisible_by: int = 128
     max_seq_length: int = 128
     rotary_base: float = 10000.0
+    rope_scaling: RopeScalingConfig = field(default_factory=RopeScalingConfig)
     norm_epsilon: float = 1e-5
+    qkv_bias: bool = False       # Qwen2: biases on the q, k, v projections (none on the output projection)
+    qk_layernorm: bool = False   # Qwen3: RMSNorm over each head's queries and keys, before RoPE
     share_embeddings_and_output_weights: bool = False
     init_method_std: float = 0.02
     params_dtype: str = "float32"
-    # A local Hugging Face Llama-family directory (config.json + safetensors): a fresh SFT
-    # run starts from these weights; the fields above must match its config.json.
+    # A local Hugging Face directory (config.json + safetensors): a fresh SFT run starts from
+    # these weights. Implies from_hf_config (unless that is set).
     init_from_hf: str | None = None
+    # A local Hugging Face directory whose config.json gives the architecture fields above:
+    # fields set in the same place as this one (or later: recipe < overrides) are checked
+    # against it, every difference reported at once; fields set earlier (a base recipe, or the
+    # recipe when this is an override) are replaced, with a note.
+    from_hf_config: str | None = None
 
     # The tokenizer's size when it is smaller than vocab_size (set with it, not a recipe
     # field): sampling and log-probs never give mass to ids it cannot decode.
@@ -86,6 +125,15 @@ class ModelConfig:
     @property
     def kv_heads(self) -> int:
         return self.num_query_groups or self.num_attention_heads
+
+    @property
+    def kv_channels(self) -> int:
+        return self.head_dim or self.hidden_size // self.num_attention_heads
+
+    @property
+    def hf_source(self) -> str | None:
+        """The HF directory whose config.json fixes the architecture, if any."""
+        return self.from_hf_config or self.init_from_hf
 
 
 @dataclass
@@ -460,8 +508,28 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     cli, cli_notes = rename_legacy_keys(parse_overrides(overrides or []), "overrides")
     cfg = from_dict(Config, _merge(data, cli))
     cfg.notes = notes + cli_notes
-    cfg.given = frozenset(own | _leaf_keys(cli))
+    cli_keys = _leaf_keys(cli)
+    cfg.given = frozenset(own | cli_keys)
+    if cfg.model.hf_source:
+        cfg.notes = cfg.notes + _architecture_from_hf(cfg, [_leaf_keys(data) - own, own, cli_keys])
     return cfg
+
+
+def _architecture_from_hf(cfg: Config, levels: list[set[str]]) -> list[str]:
+    """Fill cfg.model's architecture from the HF config.json it names. `levels`: the keys set
+    by base recipes, the recipe, the overrides; those at or after the level that names the HF
+    directory are checked against it, earlier ones replaced (see ModelConfig.from_hf_config)."""
+    from megatron_rlhf.convert.hf_config import ConvertError, resolve_from_hf
+
+    key = "model.from_hf_config" if cfg.model.from_hf_config else "model.init_from_hf"
+    at = max(i for i, keys in enumerate(levels) if key in keys)
+    checked = set().union(*levels[at:])
+    replaceable = set().union(*levels[:at]) - checked
+    try:
+        cfg.model, notes = resolve_from_hf(cfg.model, checked, replaceable)
+    except ConvertError as err:
+        raise ConfigError(str(err)) from None
+    return notes
 
 
 # ---------------------------------------------------------------- cross-field validation
@@ -484,11 +552,7 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
         raise ConfigError(f"model.params_dtype={m.params_dtype!r}: choose one of {DTYPES}")
     if p.backend not in ("auto", "nccl", "gloo"):
         raise ConfigError(f"parallel.backend={p.backend!r}: choose auto, nccl or gloo")
-    if m.hidden_size % m.num_attention_heads:
-        raise ConfigError(
-            f"model.hidden_size={m.hidden_size}: not divisible by "
-            f"model.num_attention_heads={m.num_attention_heads}"
-        )
+    _validate_model(m)
     if m.num_query_groups is not None and (
         m.num_query_groups < 1 or m.num_attention_heads % m.num_query_groups
     ):
@@ -550,6 +614,35 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
         raise ConfigError(f"resilience.max_consecutive_nonfinite={cfg.resilience.max_consecutive_nonfinite}: "
                           "must be >= 0 (0 stops at the first non-finite step)")
     return cfg
+
+
+def _validate_model(m: ModelConfig) -> None:
+    if m.head_dim is None and m.hidden_size % m.num_attention_heads:
+        raise ConfigError(f"model.hidden_size={m.hidden_size}: not divisible by model.num_attention_heads="
+                          f"{m.num_attention_heads}; set model.head_dim if the heads are not hidden_size / heads wide")
+    if m.head_dim is not None and (m.head_dim < 2 or m.head_dim % 2):
+        raise ConfigError(f"model.head_dim={m.head_dim}: must be an even number >= 2 (RoPE rotates channel pairs)")
+    if m.family not in MODEL_FAMILIES:
+        raise ConfigError(f"model.family={m.family!r}: choose one of {MODEL_FAMILIES}")
+    # Each family's attention is fixed by transformers: Qwen2 always has q/k/v biases, Qwen3
+    # always normalises q and k, Llama and Mistral do neither.
+    if m.qkv_bias != (m.family == "qwen2"):
+        raise ConfigError(f"model.qkv_bias={m.qkv_bias} with model.family={m.family!r}: q/k/v biases are Qwen2's "
+                          f"(and only Qwen2's); set model.family=qwen2 with model.qkv_bias=true, or model.qkv_bias=false")
+    if m.qk_layernorm != (m.family == "qwen3"):
+        raise ConfigError(f"model.qk_layernorm={m.qk_layernorm} with model.family={m.family!r}: per-head q/k RMSNorm "
+                          "is Qwen3's (and only Qwen3's); set model.family=qwen3 with model.qk_layernorm=true, or "
+                          "model.qk_layernorm=false")
+    r = m.rope_scaling
+    if r.type is not None and r.type not in ROPE_SCALING_TYPES:
+        raise ConfigError(f"model.rope_scaling.type={r.type!r}: choose null (plain RoPE) or one of {ROPE_SCALING_TYPES}")
+    if r.type is not None and not r.factor >= 1.0:
+        raise ConfigError(f"model.rope_scaling.factor={r.factor}: must be >= 1 (how much longer than the "
+                          "pre-training context the model reads)")
+    if r.type == "llama3" and not (0 < r.low_freq_factor < r.high_freq_factor and r.original_max_position_embeddings > 0):
+        raise ConfigError(f"model.rope_scaling: low_freq_factor={r.low_freq_factor}, high_freq_factor="
+                          f"{r.high_freq_factor}, original_max_position_embeddings={r.original_max_position_embeddings}"
+                          ": need 0 < low_freq_factor < high_freq_factor and a positive original window (Llama 3.1: 1, 4, 8192)")
 
 
 def _get_dotted(obj: Any, dotted: str) -> Any:

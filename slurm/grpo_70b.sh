@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GRPO stage of the Llama-3-70B recipe: 8 nodes x 8 GPUs (TP8 PP4 DP2). The RL stage
+# GRPO stage of the Llama-3.3-70B recipe: 8 nodes x 8 GPUs (TP8 PP4 DP2). The RL stage
 # (python -m megatron_rlhf rl, as slurm/rl_70b.sh) with pipelines/llama3_70b_grpo.yaml: actor,
 # reference and reward model, no critic -> <run>/grpo. It starts from the SFT and RM stages of
 # the llama3_70b run (<run>/sft, <run>/rm); RECIPE=pipelines/llama3_70b_grpo.yaml

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# PPO stage of the Llama-3-70B recipe: 8 nodes x 8 GPUs (TP8 PP4 DP2). The RL stage
+# PPO stage of the Llama-3.3-70B recipe: 8 nodes x 8 GPUs (TP8 PP4 DP2). The RL stage
 # (python -m megatron_rlhf rl, as slurm/rl_70b.sh) with the PPO recipe pipelines/llama3_70b.yaml
 # (rl.algorithm: ppo) -> <run>/ppo. Kept under this name for existing submissions; a RECIPE
 # given here runs that recipe's rl.algorithm.

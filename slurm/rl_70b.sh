@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# RL stage of the Llama-3-70B recipe (python -m megatron_rlhf rl): 8 nodes x 8 GPUs (TP8 PP4 DP2).
+# RL stage of the Llama-3.3-70B recipe (python -m megatron_rlhf rl): 8 nodes x 8 GPUs (TP8 PP4 DP2).
 # The recipe's rl.algorithm picks the algorithm and the output directory <run>/<rl.algorithm>:
 # PPO with the default pipelines/llama3_70b.yaml (<run>/ppo), GRPO with
 # RECIPE=pipelines/llama3_70b_grpo.yaml (<run>/grpo; slurm/grpo_70b.sh sets that recipe).

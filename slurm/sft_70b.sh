@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# SFT stage of the Llama-3-70B recipe: 8 nodes x 8 GPUs (TP8 PP4 DP2).
+# SFT stage of the Llama-3.3-70B recipe: 8 nodes x 8 GPUs (TP8 PP4 DP2).
 # Any size is overridable from the command line, e.g. the tiny CPU recipe on 2 nodes:
 #   sbatch --nodes=2 --ntasks-per-node=1 --gpus-per-node=0 \
 #     --export=ALL,RECIPE=pipelines/tiny_cpu.yaml,RUN_ROOT=/tmp/runs slurm/sft_70b.sh

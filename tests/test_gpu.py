@@ -31,10 +31,22 @@ def load_gpu_check():
     return module
 
 
+# The model features of the HF families (tests/test_hf_convert.py checks their parity on CPU
+# with the local spec); on a GPU the TE spec builds them (fused q/k norms, qkv bias).
+FAMILY_FEATURES = {
+    "llama": [],
+    "llama31_rope": ["model.rope_scaling.type=llama3", "model.rope_scaling.factor=8.0",
+                     "model.rope_scaling.original_max_position_embeddings=32"],
+    "qwen2": ["model.family=qwen2", "model.qkv_bias=true"],
+    "qwen3": ["model.family=qwen3", "model.qk_layernorm=true", "model.head_dim=32"],
+}
+
+
 @gpu_test
-def test_smoke_roles_bf16_on_one_gpu():
+@pytest.mark.parametrize("family", list(FAMILY_FEATURES))
+def test_smoke_roles_bf16_on_one_gpu(family):
     proc = torchrun(1, "-m", "megatron_rlhf", "smoke", "--config", "pipelines/tiny_cpu.yaml",
-                    "model.params_dtype=bfloat16")
+                    "model.params_dtype=bfloat16", *FAMILY_FEATURES[family])
     for role in ("Actor", "Reference", "Critic", "RewardModel"):
         assert role in proc.stdout
     assert "nan" not in proc.stdout.lower()

@@ -1,6 +1,9 @@
-"""Hugging Face checkpoints in the stages users run: SFT starting from a local HF Llama
-(`model.init_from_hf`) evaluates exactly as transformers does on the same data, and a model
-config that does not match the HF one stops before training with the field to fix."""
+"""Hugging Face checkpoints in the stages users run, as a new user does: SFT starting from a
+local HF model (`model.init_from_hf`, no model.* overrides although its shape is not the
+recipe's: the architecture comes from config.json) evaluates exactly as transformers does on
+the same data; `export-hf --ckpt <the SFT stage>` needs nothing else and gives a model
+transformers evaluates as our run did; a model field given next to the HF directory that
+disagrees with it stops before any model is built."""
 
 import json
 import subprocess
@@ -18,15 +21,20 @@ SFT = ["sft.steps=2", "sft.optimizer.warmup_steps=1", "sft.eval_interval=2", "da
        "data.task_sizes.sft_eval=32"]
 
 
-def tiny_llama_like_the_recipe(path):
-    """A random LlamaForCausalLM with pipelines/tiny_cpu.yaml's model shape."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+def tiny_qwen2_unlike_the_recipe(path):
+    """A random Qwen2ForCausalLM (q/k/v biases, tied embeddings) whose shape is not
+    pipelines/tiny_cpu.yaml's, with 96 embedding rows for the built-in tokenizer's 87 tokens."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=87, hidden_size=64, intermediate_size=256, num_hidden_layers=4,
+    config = Qwen2Config(vocab_size=96, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                         rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=False)
-    model = LlamaForCausalLM(config).eval()
+                         rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True)
+    model = Qwen2ForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(".bias"):
+                p.normal_(0.0, 0.5)
     model.save_pretrained(path)
     return model
 
@@ -42,7 +50,7 @@ def hf_response_nll(model, run_dir, seq_length) -> float:
     examples, _ = encode_sft(read_sft(run_dir / "data" / "sft_eval.jsonl"), tokenizer, seq_length, "truncate")
     batch = collate_sft(examples, tokenizer.pad_id, seq_length)
     with torch.no_grad():
-        logits = model(batch["tokens"]).logits.double()
+        logits = model(batch["tokens"]).logits[..., :87].double()  # the tokenizer's ids only, as ours
     logprobs = torch.log_softmax(logits[:, :-1], -1).gather(2, batch["tokens"][:, 1:, None]).squeeze(2)
     logprobs = torch.cat([logprobs, torch.zeros_like(logprobs[:, :1])], 1)  # position t predicts t+1
     mask = batch["loss_mask"].double()
@@ -51,35 +59,51 @@ def hf_response_nll(model, run_dir, seq_length) -> float:
 
 @pytest.mark.parametrize("nproc,layout", [(1, []), (2, ["parallel.tensor_parallel=2"])], ids=["TP1", "TP2"])
 def test_sft_from_a_hf_checkpoint_starts_where_transformers_is(tmp_path, nproc, layout):
-    hf = tiny_llama_like_the_recipe(tmp_path / "hf")
+    hf = tiny_qwen2_unlike_the_recipe(tmp_path / "hf")
     out = stage(nproc, "sft", tmp_path, "from_hf", *SFT, *layout, f"model.init_from_hf={tmp_path / 'hf'}").stdout
     assert f"initialised from the Hugging Face checkpoint {tmp_path / 'hf'}" in out
     seq_length = 32  # the recipe's sft.seq_length
     want = hf_response_nll(hf, tmp_path / "from_hf", seq_length)
-    assert summary(tmp_path, "from_hf", "sft")["eval_loss_start"] == pytest.approx(want, rel=1e-5)
+    result = summary(tmp_path, "from_hf", "sft")
+    assert result["eval_loss_start"] == pytest.approx(want, rel=1e-5)
+    if nproc == 2:
+        return
+    # export-hf needs only the stage directory: the checkpoint recorded its model config
+    proc = subprocess.run([sys.executable, "-m", "megatron_rlhf", "export-hf", "--ckpt", str(tmp_path / "from_hf" / "sft"),
+                           "--role", "actor", "--out", str(tmp_path / "exported")],
+                          capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    from transformers import AutoModelForCausalLM
+
+    trained = AutoModelForCausalLM.from_pretrained(tmp_path / "exported", local_files_only=True).eval()
+    assert type(trained).__name__ == "Qwen2ForCausalLM"
+    assert hf_response_nll(trained, tmp_path / "from_hf", seq_length) == pytest.approx(result["eval_loss"], rel=1e-5)
+    assert result["eval_loss"] < result["eval_loss_start"]
 
 
-def test_a_model_config_that_differs_from_the_hf_one_is_refused(tmp_path):
-    tiny_llama_like_the_recipe(tmp_path / "hf")
+def test_a_model_field_that_differs_from_the_hf_one_is_refused(tmp_path):
+    tiny_qwen2_unlike_the_recipe(tmp_path / "hf")
     proc = subprocess.run(
         [sys.executable, "-m", "megatron_rlhf", "sft", *RECIPE, f"model.init_from_hf={tmp_path / 'hf'}",
-         "model.num_layers=2", f"checkpoint.root={tmp_path}"], capture_output=True, text=True, timeout=300, cwd=REPO)
+         "model.num_layers=4", "model.qkv_bias=false", f"checkpoint.root={tmp_path}"],
+        capture_output=True, text=True, timeout=300, cwd=REPO)
     assert proc.returncode == 2, proc.stderr[-2000:]
-    assert "conversion error" in proc.stderr and "model.num_layers" in proc.stderr
-    assert not (tmp_path / "default" / "sft" / "latest").exists()
+    assert "config error" in proc.stderr
+    assert "set model.num_layers=2" in proc.stderr and "set model.qkv_bias=true" in proc.stderr  # both, at once
+    assert "Traceback" not in proc.stderr and not (tmp_path / "default").exists()
 
 
 def test_import_and_export_commands(tmp_path):
     """`import-hf` at TP2 then `export-hf` in one process give back the HF tensors exactly."""
     from safetensors.torch import load_file
 
-    tiny_llama_like_the_recipe(tmp_path / "hf")
+    tiny_qwen2_unlike_the_recipe(tmp_path / "hf")
     from distributed import torchrun
 
     torchrun(2, "-m", "megatron_rlhf", "import-hf", "--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "imported"),
              "parallel.tensor_parallel=2")
     assert (tmp_path / "imported" / "latest").read_text().strip() == "iter_0000000"
-    proc = subprocess.run(
+    proc = subprocess.run(  # the recipe as well (the README's example): the recorded model config wins
         [sys.executable, "-m", "megatron_rlhf", "export-hf", *RECIPE, "--ckpt", str(tmp_path / "imported"),
          "--role", "actor", "--out", str(tmp_path / "exported")], capture_output=True, text=True, timeout=300, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -90,4 +114,8 @@ def test_import_and_export_commands(tmp_path):
     assert original.keys() == exported.keys()
     for key in original:
         assert torch.equal(original[key], exported[key]), key
-    assert json.loads((tmp_path / "exported" / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+    assert json.loads((tmp_path / "exported" / "config.json").read_text())["architectures"] == ["Qwen2ForCausalLM"]
+    proc = subprocess.run(  # an override that contradicts the recorded config is named
+        [sys.executable, "-m", "megatron_rlhf", "export-hf", "--ckpt", str(tmp_path / "imported"), "--role", "actor",
+         "--out", str(tmp_path / "other"), "model.hidden_size=64"], capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert proc.returncode == 2 and "model.hidden_size=64: the checkpoint recorded 48" in proc.stderr

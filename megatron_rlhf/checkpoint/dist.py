@@ -7,6 +7,7 @@ unpickles only what such checkpoints hold (safe_load.restricted_dcp_unpickling).
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing as mp
 import os
 from multiprocessing.managers import SyncManager
@@ -16,7 +17,7 @@ import torch
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-from megatron_rlhf.checkpoint.safe_load import restricted_dcp_unpickling
+from megatron_rlhf.checkpoint.safe_load import load_pt, restricted_dcp_unpickling
 from megatron_rlhf.models.optimizer import load_optimizer_state, optimizer_sharded_state_dict
 
 _writer_queue_manager = None  # keeps the queue's server process alive
@@ -84,11 +85,37 @@ def save_role(role, path: str | Path, with_optimizer: bool = True, async_save: b
     return dist_checkpointing.save(state, str(path), async_sharded_save=True, async_strategy="mcore")
 
 
+def check_architecture(role, path: Path) -> None:
+    """The model config the checkpoint recorded (trainer_state next to the role directory)
+    against the role's: a CheckpointError naming every architecture field that differs,
+    instead of megatron's shape error deep in loading. Older checkpoints record none."""
+    from megatron_rlhf.checkpoint.validate import CheckpointError
+    from megatron_rlhf.config import ARCHITECTURE_FIELDS, from_dict, ModelConfig
+
+    state_file = path.parent / "trainer_state" / "rank_00000.pt"
+    model = getattr(getattr(role, "cfg", None), "model", None)
+    if model is None or not state_file.is_file():
+        return
+    saved = load_pt(state_file).get("model_config")
+    if not saved:
+        return
+    known = {f.name for f in dataclasses.fields(ModelConfig)}
+    saved = from_dict(ModelConfig, {k: v for k, v in saved.items() if k in known}, prefix="model.")
+    # max_seq_length is the run's choice; family only names the export format
+    lines = [f"model.{f}: checkpoint {getattr(saved, f)!r}, this run {getattr(model, f)!r}"
+             for f in ARCHITECTURE_FIELDS if f not in ("max_seq_length", "family")
+             and getattr(saved, f) != getattr(model, f)]
+    if lines:
+        raise CheckpointError(f"{path}: written for another model architecture:\n  " + "\n  ".join(lines)
+                              + "\nset those model.* fields as the run that wrote it did (or model.from_hf_config)")
+
+
 def load_role(role, path: str | Path, with_optimizer: bool = True) -> None:
     """Collective. Loads at this process's layout whatever layout the checkpoint was saved at."""
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"checkpoint directory not found: {path}")
+    check_architecture(role, path)
     with restricted_dcp_unpickling(path):
         state = dist_checkpointing.load(role_sharded_state_dict(role, with_optimizer, is_loading=True), str(path))
     role.module.load_state_dict(state["model"])
@@ -110,6 +137,7 @@ def load_model_weights(role, path: str | Path, skip_prefixes: tuple[str, ...] = 
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"checkpoint directory not found: {path}")
+    check_architecture(role, path)
     sharded = role.module.sharded_state_dict()
     skipped = [k for k in sharded if k.startswith(skip_prefixes)]
     wanted = {k: v for k, v in sharded.items() if k not in skipped}

@@ -36,6 +36,7 @@ Guarantees:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -250,7 +251,10 @@ class CheckpointManager:
             (tmp / "trainer_state").mkdir(parents=True)
         dist.barrier()
         requests = [save_role(role, tmp / name, async_save=self.async_save) for name, role in roles.items()]
-        torch.save({**trainer_state, "rng": rng_state()}, tmp / "trainer_state" / f"rank_{rank:05d}.pt")
+        # The model config goes with the weights: export-hf and later stages read it from here.
+        model_cfg = next((r.cfg.model for r in roles.values() if hasattr(getattr(r, "cfg", None), "model")), None)
+        recorded = {"model_config": dataclasses.asdict(model_cfg)} if model_cfg is not None else {}
+        torch.save({**recorded, **trainer_state, "rng": rng_state()}, tmp / "trainer_state" / f"rank_{rank:05d}.pt")
         record = {"step": step, "roles": list(roles), "world_size": dist.get_world_size(),
                   "layout": current_layout()}
         commit = partial(self._commit, tmp, final, record)

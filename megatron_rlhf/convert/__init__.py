@@ -1,18 +1,32 @@
-"""Hugging Face Llama-family checkpoints in and out of our megatron models.
+"""Hugging Face checkpoints (Llama 2/3.x, Mistral, Qwen2/2.5, Qwen3) in and out of our megatron models.
 
     model_config_from_hf(hf_dir)            ModelConfig fields from config.json
+    resolve_from_hf(model_cfg, ...)         a config's architecture from model.from_hf_config / init_from_hf
     check_model_matches_hf(cfg, hf_dir)     ConvertError naming each model.<field> that differs
     load_hf_weights(role, hf_dir)           collective: this rank's TP x PP shard from safetensors
     import_hf(cfg, hf_dir, out_dir)         collective: HF -> our stage-style checkpoint
     export_hf(checkpoint, role, out_dir)    one process: our checkpoint -> HF directory
 
-Modules: hf_config (config.json and refusals), hf_weights (the tensor mapping),
+Modules: hf_config (config.json and refusals; no torch), hf_weights (the tensor mapping),
 safetensors_io (HF files), torch_dist_reader (our checkpoints without torch.distributed),
 hf_io (the operations above). Offline only: nothing here contacts the Hugging Face Hub.
+The hf_io names are imported on first use, so reading a config does not import torch.
 """
 
-from megatron_rlhf.convert.hf_config import ConvertError, check_model_matches_hf, model_config_from_hf
-from megatron_rlhf.convert.hf_io import export_hf, import_hf, load_hf_weights
+from megatron_rlhf.convert.hf_config import (
+    ConvertError, check_model_matches_hf, hf_overrides, model_config_from_hf, resolve_from_hf,
+)
 
-__all__ = ["ConvertError", "check_model_matches_hf", "export_hf", "import_hf", "load_hf_weights",
-           "model_config_from_hf"]
+_HF_IO = ("export_hf", "import_hf", "load_hf_weights")
+
+
+def __getattr__(name: str):
+    if name in _HF_IO:
+        from megatron_rlhf.convert import hf_io
+
+        return getattr(hf_io, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = ["ConvertError", "check_model_matches_hf", "export_hf", "hf_overrides", "import_hf", "load_hf_weights",
+           "model_config_from_hf", "resolve_from_hf"]

@@ -9,7 +9,7 @@ megatron checkpoints.
 - export_hf(checkpoint, role, out_dir, ...): one process, no torch.distributed; reads our
   torch_dist checkpoint (any layout) one layer at a time and writes an HF directory.
 
-Value models (reward model, critic) are LlamaForSequenceClassification with num_labels=1:
+Value models (reward model, critic) are <Family>ForSequenceClassification with num_labels=1:
 HF's `score` is a bias-free [1, hidden] projection read at the last non-pad token, our
 value head is the same projection plus a bias. On export the reward model's stored
 normalisation (mean, std) is folded in (score = w / std) so HF scores equal our RewardModel's
@@ -36,7 +36,7 @@ from megatron_rlhf.convert.hf_config import (
     ConvertError, check_model_matches_hf, hf_config_dict, read_hf_config,
 )
 from megatron_rlhf.convert.hf_weights import (
-    CKPT_LAYER_KEYS, Dims, hf_expected_shapes, hf_layer_tensors, shard_for_param,
+    CKPT_LAYER_KEYS, Dims, hf_expected_shapes, hf_layer_tensors, layer_kinds, shard_for_param,
 )
 from megatron_rlhf.convert.safetensors_io import HFWeights, group_bytes, write_shards
 from megatron_rlhf.convert.torch_dist_reader import TorchDistCheckpoint
@@ -65,7 +65,8 @@ def _check_hf_tensors(weights: HFWeights, expected: dict[str, tuple[int, ...]], 
     extra = [n for n in weights.files if n not in expected and n not in optional and not n.endswith(_IGNORED_HF)]
     if extra:
         raise ConvertError(f"{weights.dir}: unexpected tensors {extra[:5]}{' ...' if len(extra) > 5 else ''}: "
-                           "not a plain Llama (biases? extra norms?); such models do not convert")
+                           "tensors that config.json's model_type does not have (extra biases or norms?); such "
+                           "models do not convert")
 
 
 def _load_shards(role, hf_dir: Path) -> None:
@@ -200,44 +201,72 @@ def _resolve_role_dir(checkpoint: Path, role: str) -> tuple[Path, Path | None]:
     return role_dir, iter_dir
 
 
-def _model_cfg(model_cfg, iter_dir: Path | None):
-    from megatron_rlhf.config import ModelConfig
+def recorded_model_config(iter_dir: Path | None) -> dict | None:
+    """The model config a checkpoint recorded in its trainer state (every stage and import-hf
+    write it), or None for checkpoints older than that."""
+    state_file = iter_dir / "trainer_state" / "rank_00000.pt" if iter_dir else None
+    if state_file is None or not state_file.is_file():
+        return None
+    return load_pt(state_file).get("model_config") or None
 
-    def from_dict(values: dict) -> ModelConfig:
-        known = {f.name for f in dataclasses.fields(ModelConfig)}
-        return ModelConfig(**{k: v for k, v in values.items() if k in known})
+
+def checkpoint_model_config(checkpoint: str | os.PathLike, role: str, overrides=None, keys: set[str] = frozenset()):
+    """The ModelConfig role `role` of `checkpoint` recorded (None: it records none). The
+    architecture fields named in `keys` (dotted model.* override keys) must agree with it in
+    `overrides` (a ModelConfig); a ConvertError lists every one that does not."""
+    from megatron_rlhf.config import ARCHITECTURE_FIELDS
+
+    _, iter_dir = _resolve_role_dir(Path(checkpoint), role)
+    if not recorded_model_config(iter_dir):
+        return None
+    recorded = _model_cfg(None, iter_dir)
+    fields = [f for f in ARCHITECTURE_FIELDS if any(k == f"model.{f}" or k.startswith(f"model.{f}.") for k in keys)]
+    if lines := [f"model.{f}={getattr(overrides, f)!r}: the checkpoint recorded {getattr(recorded, f)!r}"
+                 for f in fields if getattr(overrides, f) != getattr(recorded, f)]:
+        raise ConvertError(f"{checkpoint}: the overrides differ from the model config the checkpoint recorded:\n  "
+                           + "\n  ".join(lines) + "\n(export-hf needs no model.* overrides for it)")
+    return recorded
+
+
+def _model_cfg(model_cfg, iter_dir: Path | None):
+    from megatron_rlhf.config import ModelConfig, from_dict
+
+    def build(values: dict) -> ModelConfig:
+        known = {f.name for f in dataclasses.fields(ModelConfig)}  # fields of older versions are dropped
+        return from_dict(ModelConfig, {k: v for k, v in values.items() if k in known}, prefix="model.")
 
     if isinstance(model_cfg, dict):
-        return from_dict(model_cfg)
+        return build(model_cfg)
     if model_cfg is not None:
         return model_cfg
-    state_file = iter_dir / "trainer_state" / "rank_00000.pt" if iter_dir else None
-    if state_file is not None and state_file.is_file():
-        saved = load_pt(state_file).get("model_config")
-        if saved:
-            return from_dict(saved)
-    raise ConvertError("this checkpoint does not record its model config (only import_hf checkpoints do): pass "
-                       "model_cfg, the cfg.model of the run that wrote it (same --config and model.* overrides)")
+    if saved := recorded_model_config(iter_dir):
+        return build(saved)
+    raise ConvertError("this checkpoint does not record its model config (checkpoints written before model configs "
+                       "were recorded): pass model_cfg, the cfg.model of the run that wrote it (export-hf --config "
+                       "<the run's recipe> and the same model.* overrides)")
 
 
 class _Layers:
     """Full tensors of one layer, from layer-stacked keys (decoder.layers.<name> [L, ...]) or
     per-layer keys (decoder.layers.<i>.<name>, megatron's non-homogeneous format)."""
 
-    def __init__(self, ck: TorchDistCheckpoint):
+    def __init__(self, ck: TorchDistCheckpoint, d: Dims | None = None):
         self.ck = ck
+        self.kinds = layer_kinds(d) if d is not None else CKPT_LAYER_KEYS
 
     def key(self, kind: str, layer: int) -> tuple[str, tuple[int, int] | None]:
-        for name in CKPT_LAYER_KEYS[kind]:
+        for name in self.kinds[kind]:
             if f"decoder.layers.{name}" in self.ck:
                 return f"decoder.layers.{name}", (layer, layer + 1)
             if f"decoder.layers.{layer}.{name}" in self.ck:
                 return f"decoder.layers.{layer}.{name}", None
-        raise ConvertError(f"{self.ck.path}: no tensor for decoder.layers.{CKPT_LAYER_KEYS[kind][0]} "
-                           f"(layer {layer}) in the checkpoint")
+        field = {"qkv_bias": "model.qkv_bias", "q_norm": "model.qk_layernorm", "k_norm": "model.qk_layernorm"}.get(kind)
+        hint = f" (the model config sets {field}=true; was the checkpoint written without it?)" if field else ""
+        raise ConvertError(f"{self.ck.path}: no tensor for decoder.layers.{self.kinds[kind][0]} "
+                           f"(layer {layer}) in the checkpoint{hint}")
 
     def read(self, layer: int) -> dict[str, torch.Tensor]:
-        keys = {kind: self.key(kind, layer) for kind in CKPT_LAYER_KEYS}
+        keys = {kind: self.key(kind, layer) for kind in self.kinds}
         got = self.ck.read_many(dict(keys.values()))
         return {kind: got[key][0] if span else got[key] for kind, (key, span) in keys.items()}
 
@@ -256,7 +285,8 @@ def _check_checkpoint(ck: TorchDistCheckpoint, layers: _Layers, d: Dims, value_m
                            f"model.make_vocab_size_divisible_by gives {d.padded_vocab}; "
                            "give `export-hf --config <the run's recipe>` (or model.* overrides)")
     hd = d.head_dim
-    checks = {"qkv": ((d.heads + 2 * d.kv_heads) * hd, "model.num_attention_heads / model.num_query_groups"),
+    checks = {"qkv": ((d.heads + 2 * d.kv_heads) * hd, "model.num_attention_heads / model.num_query_groups / "
+                      "model.head_dim"),
               "fc1": (2 * d.ffn, "model.ffn_hidden_size")}
     for kind, (want, field) in checks.items():
         key, span = layers.key(kind, 0)
@@ -271,6 +301,13 @@ def _check_checkpoint(ck: TorchDistCheckpoint, layers: _Layers, d: Dims, value_m
     if stored != d.num_layers:
         raise ConvertError(f"{ck.path}: {stored} layers, but model.num_layers={d.num_layers}; "
                            "give `export-hf --config <the run's recipe>` (or model.* overrides)")
+    for kind, (keys, field, wanted) in {"qkv_bias": (("linear_qkv.bias",), "model.qkv_bias", d.qkv_bias),
+                                        "qk_norm": (("q_layernorm.weight",), "model.qk_layernorm", d.qk_norm)}.items():
+        present = any(k.startswith("decoder.layers.") and k.endswith(keys) for k in ck.tensors)
+        if present != wanted:
+            raise ConvertError(f"{ck.path}: the checkpoint {'has' if present else 'has no'} {kind.replace('_', ' ')} "
+                               f"tensors, but {field}={wanted}; give `export-hf --config <the run's recipe>` "
+                               "(or model.* overrides)")
     head = ck.shape("output_layer.weight") if "output_layer.weight" in ck else None
     is_value = head is not None and head[0] == 1 and "output_layer.bias" in ck
     if is_value != value_model:
@@ -330,7 +367,7 @@ def _value_head(ck: TorchDistCheckpoint, role: str, drop_bias: bool) -> tuple[to
                           if (mean, std) != (0.0, 1.0) else "")
             raise ConvertError(
                 f"{ck.path}: output_layer.bias (value-head bias {b:.6g}{normalised}"
-                f") gives scores a constant offset {offset:.6g}, which LlamaForSequenceClassification cannot "
+                f") gives scores a constant offset {offset:.6g}, which *ForSequenceClassification cannot "
                 "hold (its score has no bias); export with --drop-score-bias (export_hf(drop_score_bias=True)) "
                 "to write scores shifted by "
                 f"{-offset:.6g} (rankings and pairwise preferences unchanged; the offset is recorded in "
@@ -349,9 +386,10 @@ def export_hf(checkpoint: str | os.PathLike, role: str, out_dir: str | os.PathLi
     `checkpoint`: a stage directory (its latest complete checkpoint), an iter_* directory or
     a role directory; saved at any TP x PP x DP. One process, no torch.distributed; reads one
     layer at a time. `model_cfg`: the ModelConfig (or its dict) of the run; optional for
-    import_hf checkpoints, which record it. Policies (actor, reference) become
-    LlamaForCausalLM, value models (reward, critic) LlamaForSequenceClassification with
-    num_labels=1 (see the module docstring for the value-head bias and drop_score_bias).
+    checkpoints that record it (every stage and import_hf write it). Policies (actor,
+    reference) become <model.family>ForCausalLM, value models (reward, critic)
+    <model.family>ForSequenceClassification with num_labels=1 (see the module docstring
+    for the value-head bias and drop_score_bias).
     Vocabulary padding rows are dropped. `dtype` ("float32", "bfloat16", "float16"):
     default the checkpoint's. `tokenizer_dir`: its tokenizer files are copied and its
     bos/eos/pad tokens named in config.json and generation_config.json;
@@ -368,10 +406,10 @@ def export_hf(checkpoint: str | os.PathLike, role: str, out_dir: str | os.PathLi
     m = _model_cfg(model_cfg, iter_dir)
     with restricted_dcp_unpickling(role_dir):
         ck = TorchDistCheckpoint(role_dir)
-    layers = _Layers(ck)
     value_model = role in VALUE_ROLES
     tied = not value_model and "output_layer.weight" not in ck  # megatron stores a tied head once
     d = dataclasses.replace(Dims.of(m), tied=tied)
+    layers = _Layers(ck, d)
     _check_checkpoint(ck, layers, d, value_model)
     out_dtype = ck.dtype("embedding.word_embeddings.weight") if dtype is None else getattr(torch, dtype, None)
     if out_dtype not in (torch.float32, torch.bfloat16, torch.float16):
@@ -429,6 +467,11 @@ def export_hf(checkpoint: str | os.PathLike, role: str, out_dir: str | os.PathLi
                 raise ConvertError(f"{tokenizer_dir}: no tokenizer.json or tokenizer.model to copy")
             for f in copied:
                 shutil.copy2(Path(tokenizer_dir) / f, tmp / f)
+        if value_model and config.get("pad_token_id") is not None and config["pad_token_id"] == config.get("eos_token_id"):
+            log.warning(f"{out_dir}: pad_token_id = eos_token_id = {config['pad_token_id']}: transformers' sequence "
+                        "classification reads the score at the last token that is not the pad id: the token before "
+                        "a final EOS, one earlier than our reward model; for scores equal to ours export with "
+                        "special_token_ids={'pad_token_id': <any id that is not EOS>}")
         if value_model and config.get("pad_token_id") is None:
             log.warning(f"{out_dir}: no pad_token_id (pass tokenizer_dir or special_token_ids): transformers' "
                         "sequence classification then reads the last position, so only unpadded batches score right")

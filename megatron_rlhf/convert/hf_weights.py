@@ -1,4 +1,6 @@
-"""The tensor mapping between our megatron GPTModel and Hugging Face Llama, both directions.
+"""The tensor mapping between our megatron GPTModel and Hugging Face Llama / Mistral / Qwen2 /
+Qwen3 (one naming scheme: model.layers.<i>.self_attn.{q,k,v,o}_proj, mlp.{gate,up,down}_proj),
+both directions.
 
 megatron-core fuses what HF keeps apart:
 - `linear_qkv.weight` [(nq + 2 nkv) * d, h]: rows grouped per key/value group g,
@@ -13,6 +15,9 @@ megatron-core fuses what HF keeps apart:
 - Embedding and output layer are padded to the padded vocabulary and split by rows over TP
   (padding rows: zeros on import, dropped on export). RoPE is rotate-half in both, so q/k
   need no permutation.
+- Qwen2's q/k/v biases fuse into `linear_qkv.bias` with the same group layout as the weight
+  rows; Qwen3's per-head `q_norm` / `k_norm` [head_dim] are megatron's `q_layernorm` /
+  `k_layernorm` (replicated over TP).
 
 In megatron's torch_dist checkpoints (what export reads) the model is stored TP- and
 PP-independently: per-layer tensors are stacked under `decoder.layers.<name>` with a leading
@@ -43,10 +48,9 @@ class Dims:
     vocab: int           # the tokenizer's (= HF vocab_size)
     padded_vocab: int    # rows of our embedding / output layer
     tied: bool
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden // self.heads
+    head_dim: int
+    qkv_bias: bool = False
+    qk_norm: bool = False
 
     @property
     def q_per_group(self) -> int:
@@ -56,7 +60,8 @@ class Dims:
     def of(cls, model_cfg) -> Dims:
         m = model_cfg
         return cls(m.num_layers, m.hidden_size, m.num_attention_heads, m.kv_heads, m.ffn_hidden_size,
-                   m.vocab_size, m.padded_vocab_size, bool(m.share_embeddings_and_output_weights))
+                   m.vocab_size, m.padded_vocab_size, bool(m.share_embeddings_and_output_weights), m.kv_channels,
+                   m.qkv_bias, m.qk_layernorm)
 
 
 def hf_layer(layer: int) -> str:
@@ -80,6 +85,11 @@ def hf_expected_shapes(d: Dims, value_model: bool, has_output: bool = True) -> d
             f"{p}.mlp.up_proj.weight": (d.ffn, h),
             f"{p}.mlp.down_proj.weight": (h, d.ffn),
         })
+        if d.qkv_bias:
+            shapes.update({f"{p}.self_attn.q_proj.bias": (d.heads * hd,), f"{p}.self_attn.k_proj.bias": (d.kv_heads * hd,),
+                           f"{p}.self_attn.v_proj.bias": (d.kv_heads * hd,)})
+        if d.qk_norm:
+            shapes.update({f"{p}.self_attn.q_norm.weight": (hd,), f"{p}.self_attn.k_norm.weight": (hd,)})
     shapes["model.norm.weight"] = (h,)
     if value_model:
         shapes["score.weight"] = (1, h)
@@ -97,6 +107,9 @@ LAYER_PARAMS = {
     "pre_mlp_layernorm.weight": "post_norm",
     "mlp.linear_fc1.layer_norm_weight": "post_norm",
     "self_attention.linear_qkv.weight": "qkv",
+    "self_attention.linear_qkv.bias": "qkv_bias",
+    "self_attention.q_layernorm.weight": "q_norm",
+    "self_attention.k_layernorm.weight": "k_norm",
     "self_attention.linear_proj.weight": "o_proj",
     "mlp.linear_fc1.weight": "fc1",
     "mlp.linear_fc2.weight": "down",
@@ -123,15 +136,18 @@ def _vocab_rows(read: Read, name: str, d: Dims, tp_rank: int, tp_size: int, dtyp
     return out
 
 
-def _qkv_rows(read: Read, p: str, d: Dims, tp_rank: int, tp_size: int) -> torch.Tensor:
+def _qkv_rows(read: Read, p: str, d: Dims, tp_rank: int, tp_size: int, part: str = "weight") -> torch.Tensor:
+    """This rank's rows of the fused q/k/v weight (or bias: part="bias")."""
     hd, qpg = d.head_dim, d.q_per_group
     g0, g1 = split(d.kv_heads, tp_rank, tp_size, "num_key_value_heads")
     groups = g1 - g0
-    q = read(f"{p}.self_attn.q_proj.weight", rows=(g0 * qpg * hd, g1 * qpg * hd))
-    k = read(f"{p}.self_attn.k_proj.weight", rows=(g0 * hd, g1 * hd))
-    v = read(f"{p}.self_attn.v_proj.weight", rows=(g0 * hd, g1 * hd))
-    fused = torch.cat([q.reshape(groups, qpg * hd, -1), k.reshape(groups, hd, -1), v.reshape(groups, hd, -1)], dim=1)
-    return fused.reshape(-1, d.hidden)
+    q = read(f"{p}.self_attn.q_proj.{part}", rows=(g0 * qpg * hd, g1 * qpg * hd))
+    k = read(f"{p}.self_attn.k_proj.{part}", rows=(g0 * hd, g1 * hd))
+    v = read(f"{p}.self_attn.v_proj.{part}", rows=(g0 * hd, g1 * hd))
+    cols = q.shape[1:]
+    fused = torch.cat([q.reshape(groups, qpg * hd, *cols), k.reshape(groups, hd, *cols),
+                       v.reshape(groups, hd, *cols)], dim=1)
+    return fused.reshape(-1, *cols)
 
 
 def shard_for_param(name: str, read: Read, d: Dims, tp_rank: int, tp_size: int, global_layer: Callable[[int], int],
@@ -147,6 +163,10 @@ def shard_for_param(name: str, read: Read, d: Dims, tp_rank: int, tp_size: int, 
             return read(f"{p}.post_attention_layernorm.weight")
         if kind == "qkv":
             return _qkv_rows(read, p, d, tp_rank, tp_size)
+        if kind == "qkv_bias":
+            return _qkv_rows(read, p, d, tp_rank, tp_size, part="bias")
+        if kind in ("q_norm", "k_norm"):
+            return read(f"{p}.self_attn.{kind}.weight")
         if kind == "o_proj":
             cols = split(d.heads * d.head_dim, tp_rank, tp_size, "num_attention_heads")
             return read(f"{p}.self_attn.o_proj.weight", cols=cols)
@@ -155,7 +175,7 @@ def shard_for_param(name: str, read: Read, d: Dims, tp_rank: int, tp_size: int, 
             return torch.cat([read(f"{p}.mlp.gate_proj.weight", rows=rows), read(f"{p}.mlp.up_proj.weight", rows=rows)])
         if kind == "down":
             return read(f"{p}.mlp.down_proj.weight", cols=split(d.ffn, tp_rank, tp_size, "intermediate_size"))
-        raise ConvertError(f"our model parameter {name!r} has no Hugging Face Llama counterpart "
+        raise ConvertError(f"our model parameter {name!r} has no Hugging Face counterpart "
                            "(an unexpected megatron layer spec?)")
     if name == "embedding.word_embeddings.weight":
         return _vocab_rows(read, "model.embed_tokens.weight", d, tp_rank, tp_size, dtype)
@@ -170,7 +190,7 @@ def shard_for_param(name: str, read: Read, d: Dims, tp_rank: int, tp_size: int, 
         return _vocab_rows(read, source, d, tp_rank, tp_size, dtype)
     if name == "output_layer.bias" and value_model:
         return torch.zeros(1, dtype=dtype) if hf_value_head else None
-    raise ConvertError(f"our model parameter {name!r} has no Hugging Face Llama counterpart "
+    raise ConvertError(f"our model parameter {name!r} has no Hugging Face counterpart "
                        "(an unexpected megatron layer spec?)")
 
 
@@ -186,22 +206,47 @@ CKPT_LAYER_KEYS = {
     "fc1": ("mlp.linear_fc1.weight",),
     "down": ("mlp.linear_fc2.weight",),
 }
+OPTIONAL_LAYER_KEYS = {  # present when the Dims flag is set
+    "qkv_bias": ("self_attention.linear_qkv.bias",),
+    "q_norm": ("self_attention.q_layernorm.weight",),
+    "k_norm": ("self_attention.k_layernorm.weight",),
+}
+
+
+def layer_kinds(d: Dims) -> dict[str, tuple[str, ...]]:
+    """The checkpoint keys of one layer of a model with `d`'s features."""
+    kinds = dict(CKPT_LAYER_KEYS)
+    if d.qkv_bias:
+        kinds["qkv_bias"] = OPTIONAL_LAYER_KEYS["qkv_bias"]
+    if d.qk_norm:
+        kinds.update(q_norm=OPTIONAL_LAYER_KEYS["q_norm"], k_norm=OPTIONAL_LAYER_KEYS["k_norm"])
+    return kinds
 
 
 def hf_layer_tensors(layer: int, get: Callable[[str], torch.Tensor], d: Dims) -> dict[str, torch.Tensor]:
     """HF tensors of `layer` from our full (unsharded) tensors of that layer: get(kind)."""
     p, hd, qpg = hf_layer(layer), d.head_dim, d.q_per_group
-    qkv = get("qkv").reshape(d.kv_heads, (qpg + 2) * hd, d.hidden)
-    q, k, v = torch.split(qkv, [qpg * hd, hd, hd], dim=1)
+
+    def unfuse(fused: torch.Tensor) -> list[torch.Tensor]:
+        cols = fused.shape[1:]
+        q, k, v = torch.split(fused.reshape(d.kv_heads, (qpg + 2) * hd, *cols), [qpg * hd, hd, hd], dim=1)
+        return [t.reshape(-1, *cols) for t in (q, k, v)]
+
+    q, k, v = unfuse(get("qkv"))
     fc1 = get("fc1")
-    return {
+    out = {
         f"{p}.input_layernorm.weight": get("input_norm"),
-        f"{p}.self_attn.q_proj.weight": q.reshape(-1, d.hidden),
-        f"{p}.self_attn.k_proj.weight": k.reshape(-1, d.hidden),
-        f"{p}.self_attn.v_proj.weight": v.reshape(-1, d.hidden),
+        f"{p}.self_attn.q_proj.weight": q,
+        f"{p}.self_attn.k_proj.weight": k,
+        f"{p}.self_attn.v_proj.weight": v,
         f"{p}.self_attn.o_proj.weight": get("o_proj"),
         f"{p}.post_attention_layernorm.weight": get("post_norm"),
         f"{p}.mlp.gate_proj.weight": fc1[: d.ffn],
         f"{p}.mlp.up_proj.weight": fc1[d.ffn:],
         f"{p}.mlp.down_proj.weight": get("down"),
     }
+    if d.qkv_bias:
+        out.update(zip([f"{p}.self_attn.{x}_proj.bias" for x in "qkv"], unfuse(get("qkv_bias"))))
+    if d.qk_norm:
+        out.update({f"{p}.self_attn.q_norm.weight": get("q_norm"), f"{p}.self_attn.k_norm.weight": get("k_norm")})
+    return out

@@ -3,9 +3,11 @@
 Sequence convention (the roles rely on it): a sequence is `prompt + response + [EOS]`,
 right-padded with PAD. The model's log-prob at position t scores token t+1, so
 `loss_mask[b, t] = 1` exactly when token t+1 is a response token or the final EOS;
-`lengths[b]` counts the non-pad tokens. Prompt and response are encoded separately so the
-boundary between them is exact; a tokenizer that needs a leading space on the response
-must get it from the data.
+`lengths[b]` counts the sequence's tokens (its EOS included). Both come from the sequences'
+lengths, never from comparing tokens with PAD, because PAD may equal EOS (see
+data/tokenizers.py). Prompt and response are encoded separately so the boundary between
+them is exact; a tokenizer that needs a leading space on the response must get it from the
+data.
 """
 
 from __future__ import annotations

@@ -1,9 +1,13 @@
 """Tokenizers: a built-in word-level one for the toy tasks, and local Hugging Face ones.
 
 Both follow one contract the rest of the code relies on: `encode` adds no special tokens
-(the data layer appends EOS itself, so there is exactly one), `decode` drops PAD and EOS,
-and PAD differs from EOS (a PAD equal to EOS would make the model's real EOS look like
-padding, so `lengths` and the loss mask would cut it off).
+(the data layer appends EOS itself, so there is exactly one) and `decode` drops PAD and EOS.
+
+PAD may equal EOS, and a Hugging Face tokenizer without a pad token gets EOS as its PAD
+(many ship that way: Llama 3, SmolLM2). That is safe because PAD is only a filler value:
+every length, loss mask, response mask and "ended with EOS" flag comes from sequence
+lengths and explicit flags, never from comparing tokens with `pad_id`, so the real EOS at
+the end of a sequence is never taken for padding.
 """
 
 from __future__ import annotations
@@ -26,8 +30,11 @@ class Tokenizer(ABC):
     """What the data layer and the models need from a tokenizer."""
 
     vocab_size: int
-    pad_id: int
+    pad_id: int  # a filler for positions past a sequence's length; may equal eos_id
     eos_id: int
+    # True when the tokenizer names no pad token and pad_id was set to eos_id, so a caller
+    # can tell users that padding uses EOS (harmless, see the module docstring).
+    pad_defaulted: bool = False
 
     @abstractmethod
     def encode(self, text: str) -> list[int]:
@@ -38,8 +45,7 @@ class Tokenizer(ABC):
         """Text of `ids`, skipping PAD and EOS."""
 
     def _check_special_ids(self, source: str) -> None:
-        if self.pad_id == self.eos_id:
-            raise TokenizerError(f"{source}: pad id and eos id are both {self.pad_id}")
+        # pad_id == eos_id is allowed: nothing derives lengths or masks from the pad id.
         for name, value in (("pad", self.pad_id), ("eos", self.eos_id)):
             if not 0 <= value < self.vocab_size:
                 raise TokenizerError(
@@ -109,7 +115,12 @@ class WordTokenizer(Tokenizer):
 
 
 class HFTokenizer(Tokenizer):
-    """A Hugging Face fast tokenizer read offline from a local directory's tokenizer.json."""
+    """A Hugging Face fast tokenizer read offline from a local directory's tokenizer.json.
+
+    The eos token is required (it ends every sequence and stops generation). The pad token
+    is optional: when tokenizer_config.json and special_tokens_map.json name none, pad_id is
+    eos_id and `pad_defaulted` is True; a pad token equal to the eos token is accepted as is.
+    """
 
     CONFIG_FILES = ("tokenizer_config.json", "special_tokens_map.json")
 
@@ -137,15 +148,20 @@ class HFTokenizer(Tokenizer):
             raise TokenizerError(f"{tokenizer_file}: cannot load ({exc})") from None
         self.directory = directory
         self.vocab_size = self._tokenizer.get_vocab_size(with_added_tokens=True)
-        self.eos_token = self._special_token(directory, "eos_token")
-        self.pad_token = self._special_token(directory, "pad_token")
+        eos_token = self._special_token(directory, "eos_token")
+        if eos_token is None:
+            # Without EOS, responses could not end and generation could not stop.
+            raise TokenizerError(
+                f"{directory}: no \"eos_token\" in tokenizer_config.json or "
+                f"special_tokens_map.json; set \"eos_token\" in "
+                f"{directory / 'tokenizer_config.json'} to the end-of-text token"
+            )
+        pad_token = self._special_token(directory, "pad_token")
+        self.pad_defaulted = pad_token is None
+        self.eos_token = eos_token
+        self.pad_token = eos_token if pad_token is None else pad_token
         self.eos_id = self._token_id(directory, "eos_token", self.eos_token)
         self.pad_id = self._token_id(directory, "pad_token", self.pad_token)
-        if self.pad_id == self.eos_id:
-            raise TokenizerError(
-                f"{directory}: pad_token and eos_token are the same token ({self.eos_token!r}); "
-                f"set a distinct \"pad_token\" in {directory / 'tokenizer_config.json'}"
-            )
         self._check_special_ids(str(directory))
 
     def encode(self, text: str) -> list[int]:
@@ -157,7 +173,9 @@ class HFTokenizer(Tokenizer):
         kept = [int(i) for i in ids if int(i) not in (self.pad_id, self.eos_id)]
         return self._tokenizer.decode(kept, skip_special_tokens=True)
 
-    def _special_token(self, directory: Path, key: str) -> str:
+    def _special_token(self, directory: Path, key: str) -> str | None:
+        """The token `key` names (a null value counts as unset), or None when neither file
+        sets it."""
         # tokenizer_config.json is read first (unlike transformers, where
         # special_tokens_map.json wins) because it is the file our errors tell users to edit.
         for name in self.CONFIG_FILES:
@@ -172,11 +190,7 @@ class HFTokenizer(Tokenizer):
                     f"\"content\" string, got {value!r}"
                 )
             return value
-        hint = "a token distinct from eos_token" if key == "pad_token" else "the end-of-text token"
-        raise TokenizerError(
-            f"{directory}: no \"{key}\" in tokenizer_config.json or special_tokens_map.json; "
-            f"set \"{key}\" in {directory / 'tokenizer_config.json'} to {hint}"
-        )
+        return None
 
     def _token_id(self, directory: Path, key: str, token: str) -> int:
         token_id = self._tokenizer.token_to_id(token)

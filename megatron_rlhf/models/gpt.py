@@ -28,12 +28,12 @@ def transformer_engine_available() -> bool:
     return True
 
 
-def layer_spec():
+def layer_spec(m: ModelConfig):
     from megatron.core.models.gpt import gpt_layer_specs
 
     if transformer_engine_available():
-        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
-    return gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=m.qk_layernorm)
+    return gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=m.qk_layernorm)
 
 
 def transformer_config(cfg: Config) -> TransformerConfig:
@@ -46,7 +46,7 @@ def transformer_config(cfg: Config) -> TransformerConfig:
         num_attention_heads=m.num_attention_heads,
         num_query_groups=m.kv_heads,
         ffn_hidden_size=m.ffn_hidden_size,
-        kv_channels=m.hidden_size // m.num_attention_heads,
+        kv_channels=m.kv_channels,
         tensor_model_parallel_size=cfg.parallel.tensor_parallel,
         pipeline_model_parallel_size=cfg.parallel.pipeline_parallel,
         sequence_parallel=False,
@@ -55,7 +55,8 @@ def transformer_config(cfg: Config) -> TransformerConfig:
         gated_linear_unit=True,  # SwiGLU
         activation_func=F.silu,
         add_bias_linear=False,
-        add_qkv_bias=False,
+        add_qkv_bias=m.qkv_bias,  # Qwen2
+        qk_layernorm=m.qk_layernorm,  # Qwen3: RMSNorm of each head's q and k (eps = norm_epsilon)
         hidden_dropout=0.0,  # RL roles run without dropout (PPO checklist item 8)
         attention_dropout=0.0,
         init_method_std=m.init_method_std,
@@ -102,13 +103,33 @@ class GPTValueModel(GPTModel):
             self.output_layer = ValueHead(self.config)
 
 
+def scaled_inv_freq(inv_freq: torch.Tensor, m: ModelConfig) -> torch.Tensor:
+    """RoPE frequencies after model.rope_scaling, as transformers computes them ('linear':
+    every frequency / factor; 'llama3': long wavelengths / factor, short ones kept, a smooth
+    blend between). Ours rather than megatron-core's rope_scaling, which fixes the low/high
+    frequency factors (1, 4) and the original window (8192) that config.json may set."""
+    r = m.rope_scaling
+    if r.type == "linear":
+        return inv_freq / r.factor
+    if r.type != "llama3":
+        return inv_freq
+    low_wavelen = r.original_max_position_embeddings / r.low_freq_factor
+    high_wavelen = r.original_max_position_embeddings / r.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / r.factor, inv_freq)
+    smooth = (r.original_max_position_embeddings / wavelen - r.low_freq_factor) / (r.high_freq_factor - r.low_freq_factor)
+    blended = (1 - smooth) * scaled / r.factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+    return torch.where(medium, blended, scaled)
+
+
 def build_model(cfg: Config, value_head: bool = False) -> GPTModel:
     """The model chunk for this rank's pipeline stage (no virtual pipeline)."""
     m: ModelConfig = cfg.model
     cls = GPTValueModel if value_head else GPTModel
     model = cls(
         config=transformer_config(cfg),
-        transformer_layer_spec=layer_spec(),
+        transformer_layer_spec=layer_spec(m),
         vocab_size=m.padded_vocab_size,
         max_sequence_length=m.max_seq_length,
         pre_process=parallel_state.is_pipeline_first_stage(),
@@ -118,6 +139,8 @@ def build_model(cfg: Config, value_head: bool = False) -> GPTModel:
         position_embedding_type="rope",
         rotary_base=int(m.rotary_base),
     )
+    if m.rope_scaling.type is not None:  # before the first forward: megatron caches the embedding per length
+        model.rotary_pos_emb.inv_freq = scaled_inv_freq(model.rotary_pos_emb.inv_freq, m)
     dtype = getattr(torch, m.params_dtype)
     if dtype != torch.float32:
         # The local spec's torch RMSNorm ignores params_dtype and stays float32; megatron's

@@ -61,6 +61,10 @@ class Rollout:
     when one was generated); logprobs [B, S] fp32: at position t, log p(tokens[t+1]) under the
     sampling temperature (unfiltered softmax, as the trainer recomputes it), 0 outside the
     response; finished [B] bool: True when the response ended with EOS.
+
+    `lengths` and `finished` are the only record of where a row ends and whether it ended with
+    EOS: the padding after `lengths` may be EOS itself (pad_id == eos_id), so nothing may
+    derive them from the tokens.
     """
 
     tokens: torch.Tensor

@@ -70,7 +70,9 @@ class Decoding:
     def record(self, pos: int, sampled: torch.Tensor, logprob: torch.Tensor | None, eos_id: int, pad_id: int,
                max_new_tokens: int) -> None:
         """Write position `pos`: rows still in their prompt keep the prompt token, done rows get
-        pad, the others take `sampled` ([B]) and, when given, its log-prob ([B]) at pos - 1."""
+        pad, the others take `sampled` ([B]) and, when given, its log-prob ([B]) at pos - 1.
+        EOS is only looked for in rows still generating, so a pad equal to EOS, written into
+        rows already done, never marks them finished or extends their length."""
         in_prompt = pos < self.prompt_lengths
         generating = ~in_prompt & ~self.done
         token = torch.where(in_prompt, self.tokens[:, pos], sampled).masked_fill(self.done, pad_id)

@@ -1,6 +1,8 @@
 """torchrun worker for tests/test_hf_convert.py: our side of the HF conversion checks.
 
-The test writes tiny random HF models under --root/hf/<variant> and a token batch to
+The test writes tiny random HF models under --root/hf/<variant> (policies: Llama untied,
+tied, with Llama-3.1 RoPE scaling; Qwen2 with q/k/v biases; Qwen3 with q/k norms and a
+head_dim of its own; reward models of Llama, Qwen2 and Qwen3) and a token batch to
 --root/batch.pt. At this launch's TP x PP layout the worker
   1. loads every variant with load_hf_weights and records our full logits and log-probs
      (policies) or rewards and per-token values (the reward model);
@@ -25,10 +27,11 @@ from megatron_rlhf import parallel  # first: it makes megatron.core importable n
 from megatron_rlhf.checkpoint.dist import load_model_weights, load_role
 from megatron_rlhf.checkpoint.manager import CheckpointManager
 from megatron_rlhf.config import load_config
-from megatron_rlhf.convert import ConvertError, import_hf, load_hf_weights, model_config_from_hf
+from megatron_rlhf.convert import ConvertError, hf_overrides, import_hf, load_hf_weights
 from megatron_rlhf.models.roles import Actor, Critic, RewardModel, summed
 
-POLICIES = ("untied", "tied")
+POLICIES = ("untied", "tied", "llama31", "qwen2", "qwen3")
+REWARD_MODELS = ("rm", "qwen2_rm", "qwen3_rm")
 MBS = 2
 
 
@@ -64,9 +67,8 @@ class ValuesRewardModel(RewardModel):
 
 
 def variant_cfg(args, variant):
-    fields = model_config_from_hf(args.root / "hf" / variant)
-    overrides = [f"model.{k}={v}" for k, v in fields.items()] + ["model.max_seq_length=64", "optimizer.lr=0.001",
-                                                                 "optimizer.adam_eps=1e-4"]
+    overrides = hf_overrides(args.root / "hf" / variant) + ["model.max_seq_length=64", "optimizer.lr=0.001",
+                                                            "optimizer.adam_eps=1e-4"]
     if variant == "bf16":
         overrides.append("model.params_dtype=bfloat16")
     return load_config(None, overrides + args.overrides)
@@ -84,7 +86,7 @@ def main() -> None:
     ap.add_argument("--reload", action="store_true")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
-    cfgs = {v: variant_cfg(args, v) for v in (*POLICIES, "rm", "bf16")}
+    cfgs = {v: variant_cfg(args, v) for v in (*POLICIES, *REWARD_MODELS, "bf16")}
     parallel.initialize(cfgs["untied"])
     batch = torch.load(args.root / "batch.pt")
     results = {"loaded": {}, "reloaded": {}, "trained": {}}
@@ -93,16 +95,17 @@ def main() -> None:
         actor = LogitsActor(cfgs[variant], trainable=False)
         load_hf_weights(actor, args.root / "hf" / variant)
         results["loaded"][variant] = outputs(actor, {"tokens": batch["tokens"]})
-    rm = ValuesRewardModel(cfgs["rm"])
-    load_hf_weights(rm, args.root / "hf" / "rm")
-    results["loaded"]["rm"] = outputs(rm, batch)
+    for variant in REWARD_MODELS:
+        rm = ValuesRewardModel(cfgs[variant])
+        load_hf_weights(rm, args.root / "hf" / variant)
+        results["loaded"][variant] = outputs(rm, batch)
     try:  # a reward model's directory into a policy: refused on every rank
         load_hf_weights(Actor(cfgs["rm"], trainable=False), args.root / "hf" / "rm")
     except ConvertError as e:
         results["refused"] = str(e)
 
     if args.import_train:
-        for variant in (*POLICIES, "rm", "bf16"):
+        for variant in (*POLICIES, *REWARD_MODELS, "bf16"):
             import_hf(cfgs[variant], args.root / "hf" / variant, args.root / "import" / variant)
         cfg = cfgs["untied"]
         actor = LogitsActor(cfg, trainable=True)  # straight from HF: the optimizer must follow
@@ -137,9 +140,10 @@ def main() -> None:
             results["reloaded"][variant] = outputs(actor, {"tokens": batch["tokens"]})
             if variant == "tied":  # saved at this layout for the export test
                 CheckpointManager(args.root / "resaved_tied").save(0, {"actor": actor}, {"step": 0})
-        rm = ValuesRewardModel(cfgs["rm"])
-        load_role(rm, args.root / "import" / "rm" / "iter_0000000" / "reward", with_optimizer=False)
-        results["reloaded"]["rm"] = outputs(rm, batch)
+        for variant in REWARD_MODELS:
+            rm = ValuesRewardModel(cfgs[variant])
+            load_role(rm, args.root / "import" / variant / "iter_0000000" / "reward", with_optimizer=False)
+            results["reloaded"][variant] = outputs(rm, batch)
 
     if torch.distributed.get_rank() == 0:
         torch.save(results, args.root / f"results_{args.layout}.pt")
