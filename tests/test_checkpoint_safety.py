@@ -277,3 +277,28 @@ def test_saved_at_tp2_resumes_at_pp2(runs):
     assert saved.keys() == loaded["outputs"].keys() == {"logprobs", "entropy"}
     for key in saved:
         torch.testing.assert_close(loaded["outputs"][key], saved[key], atol=1e-5, rtol=0, msg=key)
+
+
+@pytest.mark.slow
+def test_checkpoints_record_their_model_config_and_refuse_another_architecture(runs):
+    """Every stage checkpoint records its model config (export-hf reads it); loading it into a
+    role of another architecture stops with each differing field named, before megatron's
+    shape errors."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    from megatron_rlhf.checkpoint.dist import check_architecture
+    from megatron_rlhf.config import load_config
+
+    path = runs["root"] / "sync" / "iter_0000004"
+    recorded = torch.load(path / "trainer_state" / "rank_00001.pt", weights_only=True)["model_config"]
+    model = load_config(None, TINY_MODEL).model
+    assert recorded == dataclasses.asdict(model)
+    check_architecture(SimpleNamespace(cfg=SimpleNamespace(model=model)), path / "actor")
+    other = load_config(None, [*TINY_MODEL, "model.num_layers=2", "model.rope_scaling.type=linear",
+                               "model.rope_scaling.factor=2.0", "model.max_seq_length=32"]).model
+    with pytest.raises(CheckpointError) as err:
+        check_architecture(SimpleNamespace(cfg=SimpleNamespace(model=other)), path / "actor")
+    message = str(err.value)
+    assert "model.num_layers: checkpoint 4, this run 2" in message and "model.rope_scaling" in message
+    assert "max_seq_length" not in message  # the run's choice, not the architecture
