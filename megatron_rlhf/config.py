@@ -358,6 +358,9 @@ class Config:
     # Plain class attributes, not fields: a recipe cannot set them and to_dict leaves them out.
     notes = ()
     given = frozenset()
+    # Architecture fields a recipe set that model.from_hf_config / init_from_hf replaced
+    # (printed by the pre-flight check).
+    hf_notes = ()
 
 
 # ---------------------------------------------------------------- building from dicts
@@ -511,7 +514,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     cli_keys = _leaf_keys(cli)
     cfg.given = frozenset(own | cli_keys)
     if cfg.model.hf_source:
-        cfg.notes = cfg.notes + _architecture_from_hf(cfg, [_leaf_keys(data) - own, own, cli_keys])
+        cfg.hf_notes = tuple(_architecture_from_hf(cfg, [_leaf_keys(data) - own, own, cli_keys]))
     return cfg
 
 

@@ -170,9 +170,13 @@ def test_architecture_comes_from_the_hf_config_json(tmp_path):
     assert m.share_embeddings_and_output_weights and m.norm_epsilon == 1e-6 and m.rope_scaling.type == "llama3"
     assert m.rope_scaling.original_max_position_embeddings == 32
     assert m.max_seq_length == 96  # the run's choice, within the HF limit
-    notes = "\n".join(cfg.notes)
+    notes = "\n".join(cfg.hf_notes)
     assert "model.num_layers=2 (recipe) replaced by 4" in notes and "model.hidden_size=32 (recipe)" in notes
     validate(cfg)
+    from megatron_rlhf.trainers.stage_data import preflight  # what the launcher prints before workers start
+
+    lines = preflight(cfg, "sft")
+    assert lines[0].startswith("model.num_layers=2 (recipe) replaced by 4") and "tokenizer: 87 tokens" in lines[-1]
     # overrides next to the HF directory are checked: every difference in one error, none applied
     with pytest.raises(ConfigError) as err:
         load_config(recipe, [f"model.init_from_hf={hf}", "model.num_layers=3", "model.rope_scaling.type=null",

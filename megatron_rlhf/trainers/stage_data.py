@@ -152,9 +152,9 @@ def preflight(cfg: Config, command: str) -> list[str]:
                 field_name = name if kind == "file" else f"{name.rsplit('_', 1)[0]}_train"
                 raise jsonl.DataError(f"data.{field_name}={where}: file not found")
     if command in ("import-hf", "export-hf", "stages"):
-        return []
+        return list(cfg.hf_notes)
     tokenizer = tokenizer_for(cfg)
-    notes = [resolve_vocab_size(cfg, tokenizer)]
+    notes = [*cfg.hf_notes, resolve_vocab_size(cfg, tokenizer)]
     if tokenizer.pad_defaulted:
         notes.append(f"data.tokenizer={cfg.data.tokenizer} names no pad token: padding uses its eos token "
                      f"(id {tokenizer.eos_id}); lengths and masks never read the pad id")
