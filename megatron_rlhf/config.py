@@ -46,7 +46,8 @@ ROPE_SCALING_TYPES = ("llama3", "linear")
 # ModelConfig fields that describe the network (what config.json of an HF model fixes);
 # params_dtype, init_method_std and make_vocab_size_divisible_by stay the run's choice.
 ARCHITECTURE_FIELDS = ("family", "num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "head_dim",
-                       "ffn_hidden_size", "vocab_size", "max_seq_length", "rotary_base", "rope_scaling",
+                       "ffn_hidden_size", "vocab_size", "max_seq_length", "max_position_embeddings", "rotary_base",
+                       "rope_scaling",
                        "norm_epsilon", "qkv_bias", "qk_layernorm", "share_embeddings_and_output_weights")
 
 
@@ -88,6 +89,10 @@ class ModelConfig:
     vocab_size: int | None = None
     make_vocab_size_divisible_by: int = 128
     max_seq_length: int = 128
+    # The longest context the weights are meant for (an HF model's max_position_embeddings,
+    # capped by a sliding window): export-hf writes it, so a deployed model keeps its context
+    # (e.g. 131072 for Llama 3.1+ trained at 4096). null: max_seq_length.
+    max_position_embeddings: int | None = None
     rotary_base: float = 10000.0
     rope_scaling: RopeScalingConfig = field(default_factory=RopeScalingConfig)
     norm_epsilon: float = 1e-5
@@ -625,6 +630,9 @@ def _validate_model(m: ModelConfig) -> None:
                           f"{m.num_attention_heads}; set model.head_dim if the heads are not hidden_size / heads wide")
     if m.head_dim is not None and (m.head_dim < 2 or m.head_dim % 2):
         raise ConfigError(f"model.head_dim={m.head_dim}: must be an even number >= 2 (RoPE rotates channel pairs)")
+    if m.max_position_embeddings is not None and m.max_seq_length > m.max_position_embeddings:
+        raise ConfigError(f"model.max_seq_length={m.max_seq_length}: longer than model.max_position_embeddings="
+                          f"{m.max_position_embeddings} (the context the weights are meant for); lower max_seq_length")
     if m.family not in MODEL_FAMILIES:
         raise ConfigError(f"model.family={m.family!r}: choose one of {MODEL_FAMILIES}")
     # Each family's attention is fixed by transformers: Qwen2 always has q/k/v biases, Qwen3

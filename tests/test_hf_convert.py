@@ -55,7 +55,8 @@ def test_model_config_from_hf_reads_both_config_styles(tmp_path):
     old = model_config_from_hf(write_config(tmp_path / "old"))
     assert old == {"family": "llama", "num_layers": 4, "hidden_size": 64, "num_attention_heads": 4,
                    "num_query_groups": 2, "head_dim": None, "ffn_hidden_size": 128, "vocab_size": VOCAB,
-                   "max_seq_length": 64, "rotary_base": 10000.0, "rope_scaling": RopeScalingConfig(),
+                   "max_seq_length": 64, "max_position_embeddings": 64, "rotary_base": 10000.0,
+                   "rope_scaling": RopeScalingConfig(),
                    "norm_epsilon": 1e-5, "qkv_bias": False, "qk_layernorm": False,
                    "share_embeddings_and_output_weights": False}
     new = write_config(tmp_path / "new", rope_theta="<drop>", rope_scaling="<drop>",
@@ -67,7 +68,7 @@ def test_model_config_from_hf_reads_both_config_styles(tmp_path):
     for i, style in enumerate(({"rope_scaling": LLAMA31_ROPE}, {"rope_parameters": {**LLAMA31_ROPE, "rope_theta": 5e5},
                                                                   "rope_theta": "<drop>", "rope_scaling": "<drop>"})):
         got = model_config_from_hf(write_config(tmp_path / f"llama31_{i}", max_position_embeddings=131072, **style))
-        assert got["rope_scaling"] == want and got["max_seq_length"] == 131072
+        assert got["rope_scaling"] == want and got["max_seq_length"] == got["max_position_embeddings"] == 131072
     linear = model_config_from_hf(write_config(tmp_path / "linear", rope_scaling={"type": "linear", "factor": 2.0}))
     assert linear["rope_scaling"] == RopeScalingConfig("linear", 2.0)
     # Qwen2.5: q/k/v biases, its sliding window off; Qwen3: q/k norms, head_dim of its own
@@ -170,6 +171,7 @@ def test_architecture_comes_from_the_hf_config_json(tmp_path):
     assert m.share_embeddings_and_output_weights and m.norm_epsilon == 1e-6 and m.rope_scaling.type == "llama3"
     assert m.rope_scaling.original_max_position_embeddings == 32
     assert m.max_seq_length == 96  # the run's choice, within the HF limit
+    assert m.max_position_embeddings == 128  # the model's, which export-hf writes back
     notes = "\n".join(cfg.hf_notes)
     assert "model.num_layers=2 (recipe) replaced by 4" in notes and "model.hidden_size=32 (recipe)" in notes
     validate(cfg)
@@ -247,6 +249,7 @@ FAMILY_ERRORS = {
     "model.rope_scaling.factor=0.5": ["model.rope_scaling.type=linear", "model.rope_scaling.factor=0.5"],
     "model.rope_scaling: low_freq_factor=4.0": ["model.rope_scaling.type=llama3", "model.rope_scaling.low_freq_factor=4"],
     "model.head_dim=7": ["model.head_dim=7"],
+    "model.max_seq_length=128: longer than model.max_position_embeddings=64": ["model.max_position_embeddings=64"],
 }
 
 

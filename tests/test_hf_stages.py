@@ -28,7 +28,7 @@ def tiny_qwen2_unlike_the_recipe(path):
 
     torch.manual_seed(0)
     config = Qwen2Config(vocab_size=96, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                          rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True)
     model = Qwen2ForCausalLM(config).eval()
     with torch.no_grad():
@@ -77,6 +77,7 @@ def test_sft_from_a_hf_checkpoint_starts_where_transformers_is(tmp_path, nproc, 
 
     trained = AutoModelForCausalLM.from_pretrained(tmp_path / "exported", local_files_only=True).eval()
     assert type(trained).__name__ == "Qwen2ForCausalLM"
+    assert trained.config.max_position_embeddings == 256  # the model's context, not the run's max_seq_length
     assert hf_response_nll(trained, tmp_path / "from_hf", seq_length) == pytest.approx(result["eval_loss"], rel=1e-5)
     assert result["eval_loss"] < result["eval_loss_start"]
 

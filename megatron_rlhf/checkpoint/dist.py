@@ -101,9 +101,9 @@ def check_architecture(role, path: Path) -> None:
         return
     known = {f.name for f in dataclasses.fields(ModelConfig)}
     saved = from_dict(ModelConfig, {k: v for k, v in saved.items() if k in known}, prefix="model.")
-    # max_seq_length is the run's choice; family only names the export format
+    # the lengths are the run's choice; family only names the export format
     lines = [f"model.{f}: checkpoint {getattr(saved, f)!r}, this run {getattr(model, f)!r}"
-             for f in ARCHITECTURE_FIELDS if f not in ("max_seq_length", "family")
+             for f in ARCHITECTURE_FIELDS if f not in ("max_seq_length", "max_position_embeddings", "family")
              and getattr(saved, f) != getattr(model, f)]
     if lines:
         raise CheckpointError(f"{path}: written for another model architecture:\n  " + "\n  ".join(lines)

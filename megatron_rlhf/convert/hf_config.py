@@ -96,7 +96,8 @@ class HFModel:
             "num_attention_heads": self.num_attention_heads, "num_query_groups": self.num_key_value_heads,
             "head_dim": None if self.head_dim * self.num_attention_heads == self.hidden_size else self.head_dim,
             "ffn_hidden_size": self.intermediate_size, "vocab_size": self.vocab_size,
-            "max_seq_length": self.max_seq_length, "rotary_base": self.rope_theta, "rope_scaling": self.rope_scaling,
+            "max_seq_length": self.max_seq_length, "max_position_embeddings": self.max_seq_length,
+            "rotary_base": self.rope_theta, "rope_scaling": self.rope_scaling,
             "norm_epsilon": self.rms_norm_eps, "qkv_bias": self.qkv_bias, "qk_layernorm": self.qk_norm,
             "share_embeddings_and_output_weights": self.tie_word_embeddings,
         }
@@ -325,6 +326,8 @@ def model_mismatches(model_cfg: ModelConfig, hf: HFModel, fields=ARCHITECTURE_FI
                 lines.append(f"model.max_seq_length={have}: longer than the HF model's {cap}; "
                              f"set model.max_seq_length<={value}")
             continue
+        if field == "max_position_embeddings" and have is None:
+            continue  # not stated: export-hf then writes max_seq_length
         if field == "share_embeddings_and_output_weights" and hf.is_value_model:
             continue  # value models never tie (GPTValueModel), whatever the HF config says
         if field == "rope_scaling":
@@ -418,7 +421,7 @@ def hf_config_dict(model_cfg: ModelConfig, value_model: bool, dtype: str, token_
         "num_key_value_heads": m.kv_heads,
         "head_dim": m.kv_channels,
         "hidden_act": "silu",
-        "max_position_embeddings": m.max_seq_length,
+        "max_position_embeddings": m.max_position_embeddings or m.max_seq_length,
         "rms_norm_eps": m.norm_epsilon,
         "rope_theta": theta,
         "rope_scaling": scaling,
