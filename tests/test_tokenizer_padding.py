@@ -132,13 +132,15 @@ def assert_same_rows(got: dict, want: dict, got_pad: int, want_pad: int) -> None
         assert torch.all(want["tokens"][row, length:] == want_pad)
 
 
+def collated(tok, encode, collate, examples, max_len: int, seq_len: int) -> dict:
+    """`examples` encoded with one overlong example truncated, then collated with tok's pad id."""
+    items, report = encode(examples, tok, max_len=max_len, overflow="truncate")
+    assert (report.truncated, report.dropped) == (1, 0)
+    return collate(items, tok.pad_id, seq_len=seq_len)
+
+
 def test_sft_collation_equals_distinct_pad(shared, distinct):
-    batches = {}
-    for name, tok in (("shared", shared), ("distinct", distinct)):
-        items, report = encode_sft(SFT, tok, max_len=6, overflow="truncate")
-        assert (report.truncated, report.dropped) == (1, 0)
-        batches[name] = collate_sft(items, tok.pad_id, seq_len=8)
-    got, want = batches["shared"], batches["distinct"]
+    got, want = (collated(tok, encode_sft, collate_sft, SFT, max_len=6, seq_len=8) for tok in (shared, distinct))
     assert_same_rows(got, want, shared.pad_id, distinct.pad_id)
     assert got["lengths"].tolist() == [5, 3, 6]
     # The final EOS is a real token: kept in the length and trained on, though it is the pad id.
@@ -150,12 +152,8 @@ def test_sft_collation_equals_distinct_pad(shared, distinct):
 
 
 def test_preference_collation_equals_distinct_pad(shared, distinct):
-    batches = {}
-    for name, tok in (("shared", shared), ("distinct", distinct)):
-        pairs, report = encode_preferences(PAIRS, tok, max_len=6, overflow="truncate")
-        assert (report.truncated, report.dropped) == (1, 0)
-        batches[name] = collate_preferences(pairs, tok.pad_id, seq_len=7)
-    got, want = batches["shared"], batches["distinct"]
+    got, want = (collated(tok, encode_preferences, collate_preferences, PAIRS, max_len=6, seq_len=7)
+                 for tok in (shared, distinct))
     assert_same_rows(got, want, shared.pad_id, distinct.pad_id)
     assert got["lengths"].tolist() == [5, 5, 5, 6]  # chosen_0, rejected_0, chosen_1, rejected_1
     # The reward model reads its score at lengths - 1: the EOS, not a token before it.

@@ -7,7 +7,6 @@ unpickles only what such checkpoints hold (safe_load.restricted_dcp_unpickling).
 
 from __future__ import annotations
 
-import dataclasses
 import multiprocessing as mp
 import os
 from multiprocessing.managers import SyncManager
@@ -17,7 +16,7 @@ import torch
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-from megatron_rlhf.checkpoint.safe_load import load_pt, restricted_dcp_unpickling
+from megatron_rlhf.checkpoint.safe_load import restricted_dcp_unpickling
 from megatron_rlhf.models.optimizer import load_optimizer_state, optimizer_sharded_state_dict
 
 _writer_queue_manager = None  # keeps the queue's server process alive
@@ -89,18 +88,13 @@ def check_architecture(role, path: Path) -> None:
     """The model config the checkpoint recorded (trainer_state next to the role directory)
     against the role's: a CheckpointError naming every architecture field that differs,
     instead of megatron's shape error deep in loading. Older checkpoints record none."""
-    from megatron_rlhf.checkpoint.validate import CheckpointError
-    from megatron_rlhf.config import ARCHITECTURE_FIELDS, from_dict, ModelConfig
+    from megatron_rlhf.checkpoint.validate import CheckpointError, recorded_model_config
+    from megatron_rlhf.config import ARCHITECTURE_FIELDS
 
-    state_file = path.parent / "trainer_state" / "rank_00000.pt"
     model = getattr(getattr(role, "cfg", None), "model", None)
-    if model is None or not state_file.is_file():
+    saved = recorded_model_config(path.parent) if model is not None else None
+    if saved is None:
         return
-    saved = load_pt(state_file).get("model_config")
-    if not saved:
-        return
-    known = {f.name for f in dataclasses.fields(ModelConfig)}
-    saved = from_dict(ModelConfig, {k: v for k, v in saved.items() if k in known}, prefix="model.")
     # the lengths are the run's choice; family only names the export format
     lines = [f"model.{f}: checkpoint {getattr(saved, f)!r}, this run {getattr(model, f)!r}"
              for f in ARCHITECTURE_FIELDS if f not in ("max_seq_length", "max_position_embeddings", "family")

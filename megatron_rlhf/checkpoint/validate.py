@@ -9,6 +9,7 @@ Only file metadata is read here (no checkpoint data), so checking is cheap.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -42,6 +43,22 @@ def checkpoint_dirs(stage_dir: Path) -> tuple[dict[int, Path], dict[int, Path]]:
 
 def read_commit(path: Path) -> dict:
     return json.loads((Path(path) / COMMIT).read_text())
+
+
+def recorded_model_config(iter_dir: Path | None):
+    """The ModelConfig a checkpoint recorded in its trainer state (every stage and import-hf
+    write it; fields of other versions are dropped), or None for checkpoints older than that."""
+    from megatron_rlhf.checkpoint.safe_load import load_pt
+    from megatron_rlhf.config import ModelConfig, from_dict
+
+    state_file = iter_dir / "trainer_state" / "rank_00000.pt" if iter_dir else None
+    if state_file is None or not state_file.is_file():
+        return None
+    saved = load_pt(state_file).get("model_config")
+    if not saved:
+        return None
+    known = {f.name for f in dataclasses.fields(ModelConfig)}
+    return from_dict(ModelConfig, {k: v for k, v in saved.items() if k in known}, prefix="model.")
 
 
 def validate(path: str | Path) -> list[str]:

@@ -312,10 +312,14 @@ def _comparable(model_cfg: ModelConfig, field: str) -> Any:
     return getattr(model_cfg, field)
 
 
+def _hf_comparable(hf: HFModel) -> dict[str, Any]:
+    """hf's architecture fields as _comparable gives ours (head_dim always explicit)."""
+    return {**hf.architecture_fields(), "head_dim": hf.head_dim}
+
+
 def model_mismatches(model_cfg: ModelConfig, hf: HFModel, fields=ARCHITECTURE_FIELDS) -> list[str]:
     """One line per `model.<field>` (of `fields`) of `model_cfg` that differs from `hf`."""
-    want = hf.architecture_fields()
-    want["head_dim"] = hf.head_dim
+    want = _hf_comparable(hf)
     lines = []
     for field in fields:
         value, have = want[field], _comparable(model_cfg, field)
@@ -375,12 +379,11 @@ def resolve_from_hf(model_cfg: ModelConfig, checked: set[str], replaceable: set[
         where = "model.from_hf_config" if model_cfg.from_hf_config else "model.init_from_hf"
         raise ConvertError(f"{where}={hf.path}: these model fields differ from its config.json:\n  "
                            + "\n  ".join(errors) + "\n(or remove them: unset architecture fields are read from config.json)")
-    values, notes = {}, []
+    values, notes, comparable = {}, [], _hf_comparable(hf)
     for field, value in hf.architecture_fields().items():
         if set_in(checked, field) or (field == "max_seq_length" and set_in(given, field)):
             continue
-        same_as = hf.head_dim if field == "head_dim" else hf.num_key_value_heads if field == "num_query_groups" else value
-        if _flat({field: _comparable(model_cfg, field)}) != _flat({field: same_as}):
+        if _flat({field: _comparable(model_cfg, field)}) != _flat({field: comparable[field]}):
             values[field] = value
             if set_in(replaceable, field):
                 notes.append(f"model.{field}={_yaml(getattr(model_cfg, field))} (recipe) replaced by "

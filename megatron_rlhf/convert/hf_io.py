@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from megatron_rlhf.checkpoint.safe_load import load_pt, restricted_dcp_unpickling
+from megatron_rlhf.checkpoint.safe_load import restricted_dcp_unpickling
 from megatron_rlhf.convert.hf_config import (
     ConvertError, check_model_matches_hf, hf_config_dict, read_hf_config,
 )
@@ -201,25 +201,17 @@ def _resolve_role_dir(checkpoint: Path, role: str) -> tuple[Path, Path | None]:
     return role_dir, iter_dir
 
 
-def recorded_model_config(iter_dir: Path | None) -> dict | None:
-    """The model config a checkpoint recorded in its trainer state (every stage and import-hf
-    write it), or None for checkpoints older than that."""
-    state_file = iter_dir / "trainer_state" / "rank_00000.pt" if iter_dir else None
-    if state_file is None or not state_file.is_file():
-        return None
-    return load_pt(state_file).get("model_config") or None
-
-
 def checkpoint_model_config(checkpoint: str | os.PathLike, role: str, overrides=None, keys: set[str] = frozenset()):
     """The ModelConfig role `role` of `checkpoint` recorded (None: it records none). The
     architecture fields named in `keys` (dotted model.* override keys) must agree with it in
     `overrides` (a ModelConfig); a ConvertError lists every one that does not."""
     from megatron_rlhf.config import ARCHITECTURE_FIELDS
 
+    from megatron_rlhf.checkpoint.validate import recorded_model_config
+
     _, iter_dir = _resolve_role_dir(Path(checkpoint), role)
-    if not recorded_model_config(iter_dir):
+    if (recorded := recorded_model_config(iter_dir)) is None:
         return None
-    recorded = _model_cfg(None, iter_dir)
     fields = [f for f in ARCHITECTURE_FIELDS if any(k == f"model.{f}" or k.startswith(f"model.{f}.") for k in keys)]
     if lines := [f"model.{f}={getattr(overrides, f)!r}: the checkpoint recorded {getattr(recorded, f)!r}"
                  for f in fields if getattr(overrides, f) != getattr(recorded, f)]:
@@ -229,18 +221,16 @@ def checkpoint_model_config(checkpoint: str | os.PathLike, role: str, overrides=
 
 
 def _model_cfg(model_cfg, iter_dir: Path | None):
+    from megatron_rlhf.checkpoint.validate import recorded_model_config
     from megatron_rlhf.config import ModelConfig, from_dict
 
-    def build(values: dict) -> ModelConfig:
-        known = {f.name for f in dataclasses.fields(ModelConfig)}  # fields of older versions are dropped
-        return from_dict(ModelConfig, {k: v for k, v in values.items() if k in known}, prefix="model.")
-
     if isinstance(model_cfg, dict):
-        return build(model_cfg)
+        known = {f.name for f in dataclasses.fields(ModelConfig)}
+        return from_dict(ModelConfig, {k: v for k, v in model_cfg.items() if k in known}, prefix="model.")
     if model_cfg is not None:
         return model_cfg
-    if saved := recorded_model_config(iter_dir):
-        return build(saved)
+    if (saved := recorded_model_config(iter_dir)) is not None:
+        return saved
     raise ConvertError("this checkpoint does not record its model config (checkpoints written before model configs "
                        "were recorded): pass model_cfg, the cfg.model of the run that wrote it (export-hf --config "
                        "<the run's recipe> and the same model.* overrides)")
@@ -250,9 +240,9 @@ class _Layers:
     """Full tensors of one layer, from layer-stacked keys (decoder.layers.<name> [L, ...]) or
     per-layer keys (decoder.layers.<i>.<name>, megatron's non-homogeneous format)."""
 
-    def __init__(self, ck: TorchDistCheckpoint, d: Dims | None = None):
+    def __init__(self, ck: TorchDistCheckpoint, d: Dims):
         self.ck = ck
-        self.kinds = layer_kinds(d) if d is not None else CKPT_LAYER_KEYS
+        self.kinds = layer_kinds(d)  # _check_checkpoint has checked the optional ones are there
 
     def key(self, kind: str, layer: int) -> tuple[str, tuple[int, int] | None]:
         for name in self.kinds[kind]:
@@ -260,10 +250,8 @@ class _Layers:
                 return f"decoder.layers.{name}", (layer, layer + 1)
             if f"decoder.layers.{layer}.{name}" in self.ck:
                 return f"decoder.layers.{layer}.{name}", None
-        field = {"qkv_bias": "model.qkv_bias", "q_norm": "model.qk_layernorm", "k_norm": "model.qk_layernorm"}.get(kind)
-        hint = f" (the model config sets {field}=true; was the checkpoint written without it?)" if field else ""
         raise ConvertError(f"{self.ck.path}: no tensor for decoder.layers.{self.kinds[kind][0]} "
-                           f"(layer {layer}) in the checkpoint{hint}")
+                           f"(layer {layer}) in the checkpoint")
 
     def read(self, layer: int) -> dict[str, torch.Tensor]:
         keys = {kind: self.key(kind, layer) for kind in self.kinds}
