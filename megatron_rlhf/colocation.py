@@ -25,13 +25,21 @@ PHASES: dict[str, dict[str, str]] = {
               "holdout_reward": "params"},
     "train": {"actor": "params+optimizer", "critic": "params+optimizer"},
     "eval": {"actor": "params", "reward": "params", "holdout_reward": "params"},
+    # a separate rollout engine (rollout.engine=vllm) reads the actor's weights here (refit)
+    "sync": {"actor": "params"},
 }
 
 
-def phases_for(roles, reward_in_generate: bool = False) -> dict[str, dict[str, str]]:
+def phases_for(roles, reward_in_generate: bool = False, engine: str = "megatron") -> dict[str, dict[str, str]]:
     """PHASES for the roles that exist (a critic-free algorithm has no critic); with dynamic
-    sampling the reward model scores candidate groups during generate, so it is on the device."""
+    sampling the reward model scores candidate groups during generate, so it is on the device.
+    A separate engine generates from its own copy of the weights: generate needs no actor, eval
+    only the judges, and there is a sync phase; the in-place engine has none."""
     table = {phase: {r: need for r, need in needs.items() if r in roles} for phase, needs in PHASES.items()}
+    if engine == "megatron":
+        del table["sync"]
+    else:
+        del table["generate"]["actor"], table["eval"]["actor"]
     if reward_in_generate:
         table["generate"]["reward"] = "params"
     return table

@@ -271,6 +271,13 @@ class RLConfig:
     clip_eps_high: float | None = None
     dual_clip: float | None = None
     importance_ratio: str = "token"
+    # Train/rollout mismatch correction (off by default): the rollout engine's per-token
+    # log-probs pi_rollout can differ from the trainer's pi_old (another engine, other kernels).
+    # tis_cap: each token's policy loss weighted by min(pi_old / pi_rollout, tis_cap) (truncated
+    # importance sampling); mismatch_mask_threshold t: rows whose geometric-mean ratio
+    # exp(mean_t log(pi_old / pi_rollout)) lies outside [1/t, t] get no policy gradient.
+    tis_cap: float | None = None
+    mismatch_mask_threshold: float | None = None
     group_std_normalization: bool = True  # grpo: divide by the group's std (false: Dr.GRPO)
     entropy_coef: float = 0.0
     # Critic (ppo only; setting one with a critic-free algorithm is an error).
@@ -297,8 +304,37 @@ class RLConfig:
         return self.algorithm not in CRITIC_FREE
 
     @property
+    def corrects_mismatch(self) -> bool:
+        return self.tis_cap is not None or self.mismatch_mask_threshold is not None
+
+    @property
     def samples_per_iteration(self) -> int:
         return self.rollout_batch_size * self.n_samples_per_prompt
+
+
+ROLLOUT_ENGINES = ("megatron", "vllm")
+# Head sizes vLLM's CPU attention backend supports (its GPU backends take more).
+VLLM_CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256)
+
+
+@dataclass
+class RolloutConfig:
+    """Which engine generates the RL stage's responses (rollout/)."""
+
+    # megatron: in place, with the actor's own weights (no copy, no refit). vllm: a vLLM
+    # engine per data-parallel replica, in its own process next to the trainer, refit with the
+    # actor's weights before every generation (README: "Rollout engines").
+    engine: str = "megatron"
+    # vllm only. The engine's own tensor parallelism (independent of the training layout).
+    tensor_parallel: int = 1
+    # KV cache budget on CPU (bytes); on GPU the engine takes gpu_memory_utilization of the
+    # device (weights + KV cache) and, with sleep_level > 0, frees it while training runs.
+    kv_cache_bytes: int = 64 * 2**20
+    gpu_memory_utilization: float = 0.3
+    sleep_level: int = 1             # GPU: 0 keep, 1 offload weights + drop KV, 2 drop both
+    refit_bucket_bytes: int = 256 * 2**20  # largest bucket of HF tensors sent to the engine at once
+    enforce_eager: bool = True       # no CUDA graphs / torch.compile in the engine
+    start_timeout_s: float = 600.0
 
 
 @dataclass
@@ -350,6 +386,7 @@ class Config:
     sft: SFTConfig = field(default_factory=SFTConfig)
     rm: RMConfig = field(default_factory=RMConfig)
     rl: RLConfig = field(default_factory=RLConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     resilience: ResilienceConfig = field(default_factory=ResilienceConfig)
@@ -615,6 +652,7 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
     for name in ("optimizer", "sft.optimizer", "rm.optimizer", "rl.actor_optimizer", "rl.critic_optimizer"):
         _validate_optimizer(name, _get_dotted(cfg, name))
     _validate_rl(cfg.rl, m, dp, cfg.given)
+    _validate_rollout(cfg.rollout, m, p)
     _validate_pipeline(cfg)
     if cfg.checkpoint.keep_last < 1:
         raise ConfigError(f"checkpoint.keep_last={cfg.checkpoint.keep_last}: must be >= 1")
@@ -764,9 +802,44 @@ def _validate_rl(p: RLConfig, m: ModelConfig, dp: int, given: frozenset = frozen
         raise ConfigError(f"rl.importance_ratio={p.importance_ratio!r}: choose one of {IMPORTANCE_RATIOS}")
     if p.clip_eps_high is not None and p.clip_eps_high <= 0:
         raise ConfigError(f"rl.clip_eps_high={p.clip_eps_high}: must be > 0, or null for rl.clip_eps")
+    if p.tis_cap is not None and p.tis_cap < 1:
+        raise ConfigError(f"rl.tis_cap={p.tis_cap}: must be >= 1 (typical 2), or null for no correction")
+    if p.mismatch_mask_threshold is not None and p.mismatch_mask_threshold <= 1:
+        raise ConfigError(f"rl.mismatch_mask_threshold={p.mismatch_mask_threshold}: must be > 1 (typical 2), "
+                          "or null for none")
     if p.dual_clip is not None and p.dual_clip <= 1:
         raise ConfigError(f"rl.dual_clip={p.dual_clip}: must be > 1 (the bound c * |A| on a negative "
                           "advantage's loss; typical 3), or null for none")
+
+
+def _validate_rollout(r: RolloutConfig, m: ModelConfig, p: ParallelConfig) -> None:
+    if r.engine not in ROLLOUT_ENGINES:
+        raise ConfigError(f"rollout.engine={r.engine!r}: choose one of {ROLLOUT_ENGINES}")
+    if r.tensor_parallel < 1 or r.kv_cache_bytes < 1 or r.refit_bucket_bytes < 1:
+        raise ConfigError("rollout.tensor_parallel, rollout.kv_cache_bytes and rollout.refit_bucket_bytes must be >= 1")
+    if not 0 < r.gpu_memory_utilization < 1 or r.sleep_level not in (0, 1, 2):
+        raise ConfigError(f"rollout.gpu_memory_utilization={r.gpu_memory_utilization} must be in (0, 1) and "
+                          f"rollout.sleep_level={r.sleep_level} one of 0, 1, 2")
+    if r.engine != "vllm":
+        return
+    tp = r.tensor_parallel
+    if m.num_attention_heads % tp or (m.kv_heads % tp and tp % m.kv_heads):
+        raise ConfigError(f"rollout.tensor_parallel={r.tensor_parallel}: vLLM splits attention heads "
+                          f"({m.num_attention_heads}, {m.kv_heads} key/value) over it; choose a divisor of "
+                          f"model.num_attention_heads")
+    if r.tensor_parallel > p.tensor_parallel * p.pipeline_parallel:
+        raise ConfigError(f"rollout.tensor_parallel={r.tensor_parallel}: the engine of a data-parallel replica "
+                          f"uses that replica's devices (parallel.tensor_parallel x pipeline_parallel = "
+                          f"{p.tensor_parallel * p.pipeline_parallel}); choose at most that")
+
+
+def check_vllm_cpu_model(m: ModelConfig) -> None:
+    """vLLM's CPU attention supports only some head sizes: refuse others before any engine starts."""
+    if m.kv_channels not in VLLM_CPU_HEAD_DIMS:
+        raise ConfigError(
+            f"rollout.engine=vllm on CPU: the model's head size is {m.kv_channels} (model.hidden_size / "
+            f"model.num_attention_heads, or model.head_dim) and vLLM's CPU backend supports only {VLLM_CPU_HEAD_DIMS}; "
+            "use a recipe with such a head size (pipelines/tiny_cpu_vllm.yaml) or rollout.engine=megatron")
 
 
 def _validate_pipeline(cfg: Config) -> None:

@@ -5,7 +5,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from megatron_rlhf.colocation import PHASES, ColocationScheduler
+from megatron_rlhf.colocation import PHASES, ColocationScheduler, phases_for
 
 
 def roles():
@@ -14,9 +14,11 @@ def roles():
             "reference": SimpleNamespace(trainable=False), "reward": SimpleNamespace(trainable=False)}
 
 
-def test_residency_follows_the_phase_table():
-    sched = ColocationScheduler(roles())
-    for phase, needs in PHASES.items():
+@pytest.mark.parametrize("engine", ["megatron", "vllm"])
+def test_residency_follows_the_phase_table(engine):
+    sched = ColocationScheduler(roles(), phases_for(roles(), engine=engine))
+    assert set(sched.phases) == set(PHASES) - ({"sync"} if engine == "megatron" else set())
+    for phase, needs in sched.phases.items():
         sched.enter(phase)
         for name in sched.roles:
             assert sched.on_device[name] == needs.get(name, "host"), (phase, name)

@@ -386,3 +386,29 @@ def test_gpu_check_preflight_messages_cpu():
     assert gc.diagnose([{**base, "torch_error": "x"}, good]) is good
     reqs = gc.requirements()
     assert "megatron-core==0.19.2" in reqs and not any(r.startswith("torch") for r in reqs)
+
+
+def test_gpu_check_vllm_path_numbers_and_skip_line_cpu(tmp_path):
+    """The vLLM rollout path's block: medians of refit GB/s, decode tokens/s and the memory the
+    engine's sleep frees, read from the vLLM run's metrics; a clear line when it was not run."""
+    gc = load_gpu_check()
+    run = tmp_path / "gpu_check"
+    write_run(run, grpo=False)
+    assert gc.collect(run)["vllm"] == {}  # no vLLM run directory: no block
+    assert "vLLM" not in gc.format_table(gc.collect(run))
+    vllm = tmp_path / gc.VLLM_RUN
+    write_run(vllm, grpo=False)
+    rows = [{"step": s, "refit_seconds": 0.5 * s, "refit_bytes_per_s": 2e9 * s, "generate_tokens_per_s": 1000.0 * s,
+             "engine_sleep_freed_bytes": 2**30, "logprob_mismatch": 1e-3} for s in (1, 2, 3)]
+    (vllm / "ppo" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    res = gc.collect(run)
+    v = res["vllm"]
+    assert (v["refit_seconds"], v["refit_gb_per_s"], v["decode_tokens_per_s"]) == (1.0, 4.0, 2000.0)
+    assert v["sleep_freed_bytes"] == 2**30 and v["gold_score"]["after"] == 0.655
+    line = next(x for x in gc.format_table(res).splitlines() if x.startswith("vLLM rollout"))
+    assert "refit 4.00 GB/s" in line and "decode 2000 tokens/s" in line and "frees 1024.0 MiB" in line
+    skipped = {**res, "vllm": {"run": gc.run_vllm(Path(sys.executable), [], tmp_path, tmp_path, 1, skip=True)}}
+    assert "vLLM rollout (pipelines/tiny_cpu_vllm.yaml): not run: --no-vllm" in gc.format_table(skipped)
+    if gc.vllm_missing(Path(sys.executable)):  # this environment has no vllm: the reason and the fix
+        why = gc.run_vllm(Path(sys.executable), [], tmp_path, tmp_path, 1, skip=False)["skipped"]
+        assert "does not import" in why and "'.[vllm]'" in why

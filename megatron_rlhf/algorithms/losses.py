@@ -79,3 +79,23 @@ def aggregate(x: Tensor, mask: Tensor, mode: str) -> tuple[Tensor, Tensor]:
     elif mode != "seq_mean_token_sum":
         raise ValueError(f"rl.loss_aggregation must be one of {', '.join(LOSS_AGGREGATIONS)}; got {mode!r}")
     return per_sequence.sum(), (tokens > 0).sum().to(torch.int32)
+
+
+def rollout_correction(old_logprobs: Tensor, rollout_logprobs: Tensor, mask: Tensor, tis_cap: float | None,
+                       mask_threshold: float | None) -> Tensor:
+    """Per-token weights [B, T] (no gradient) for the policy loss when the rollout engine's
+    distribution pi_rollout differs from the trainer's pi_old (Yao et al. 2025, "Your efficient
+    RL framework secretly brings you off-policy RL training"; as verl and slime ship it):
+      tis_cap c:          w_t = min(pi_old_t / pi_rollout_t, c)  (truncated importance sampling);
+      mask_threshold t:   a row whose geometric-mean ratio exp(mean_t log(pi_old_t / pi_rollout_t))
+                          lies outside [1/t, t] gets weight 0 on every token.
+    Both None: ones. A masked row stays a unit of the loss's denominator, so the weights never
+    change how the loss averages over the global batch."""
+    log_ratio = (old_logprobs - rollout_logprobs).detach() * mask
+    weights = torch.ones_like(log_ratio)
+    if tis_cap is not None:
+        weights = torch.exp(log_ratio).clamp(max=tis_cap)
+    if mask_threshold is not None:
+        row = log_ratio.sum(dim=1, keepdim=True) / mask.sum(dim=1, keepdim=True).clamp(min=1)
+        weights = weights * (row.abs() <= torch.log(torch.tensor(mask_threshold, dtype=row.dtype))).to(weights.dtype)
+    return weights * mask

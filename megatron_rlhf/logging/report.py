@@ -24,7 +24,7 @@ CURVES = {
            ("eval_win_rate_rm", "eval_win_rate_gold", "eval_win_rate_holdout_rm")],
 }
 PROXY, INDEPENDENT = "rm_score", ("gold_score", "holdout_rm_score")
-PHASES = ("generate", "score", "train", "eval")
+PHASES = ("sync", "generate", "score", "train", "eval")  # sync: only with a separate rollout engine
 ALARM = "reward-hacking alarm"
 
 
@@ -162,7 +162,7 @@ def phase_time_figure(seconds: dict[str, dict]):
     fig = _figure(2 + 1.2 * len(seconds), 3.4)
     ax = fig.subplots()
     bottom = [0.0] * len(seconds)
-    for phase in PHASES:
+    for phase in phases_run(seconds):
         values = [s.get(phase) or 0.0 for s in seconds.values()]
         ax.bar(list(seconds), values, bottom=bottom, label=phase)
         bottom = [b + v for b, v in zip(bottom, values)]
@@ -172,10 +172,16 @@ def phase_time_figure(seconds: dict[str, dict]):
     return fig
 
 
+def phases_run(seconds: dict[str, dict]) -> list[str]:
+    """PHASES that at least one of the stages ran."""
+    return [p for p in PHASES if any(p in phases for phases in seconds.values())]
+
+
 def phase_time_table(seconds: dict[str, dict]) -> list[str]:
-    lines = ["| stage | " + " | ".join(PHASES) + " | total |", "|---" * (len(PHASES) + 2) + "|"]
+    columns = phases_run(seconds)
+    lines = ["| stage | " + " | ".join(columns) + " | total |", "|---" * (len(columns) + 2) + "|"]
     for stage, phases in seconds.items():
-        values = [phases.get(p) or 0.0 for p in PHASES]  # a phase the stage never ran: 0
+        values = [phases.get(p) or 0.0 for p in columns]  # a phase the stage never ran: 0
         total = sum(values)
         cells = [f"{v:.4g} ({v / max(total, 1e-9):.0%})" for v in values]
         lines.append(f"| {stage} | " + " | ".join(cells) + f" | {total:.4g} |")

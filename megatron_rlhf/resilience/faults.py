@@ -9,6 +9,8 @@ SIGKILL). Configured by one environment variable so that launchers pass it throu
     MEGATRON_RLHF_FAULT="sigusr1@train:5:0"  rank 0 gets SIGUSR1 in step 5 (as from Slurm)
     MEGATRON_RLHF_FAULT="nan@train:5"        the loss of step 5 is NaN on every rank
     MEGATRON_RLHF_FAULT="nan@train:5+"       ... and of every later step
+    MEGATRON_RLHF_FAULT="kill_engine@generate:3"  the rollout engine's processes (vLLM) are
+                                             SIGKILLed as step 3 starts generating
 
 Several faults are comma-separated; without a rank every rank is hit. Faults fire only in a
 job's first attempt (TORCHELASTIC_RESTART_COUNT and SLURM_RESTART_COUNT unset or 0), so the
@@ -23,8 +25,8 @@ import time
 from dataclasses import dataclass
 
 ENV = "MEGATRON_RLHF_FAULT"
-KINDS = ("kill", "hang", "sigusr1", "nan")
-POINTS = ("train", "save")
+KINDS = ("kill", "hang", "sigusr1", "nan", "kill_engine")
+POINTS = ("train", "save", "generate")
 
 
 @dataclass
@@ -81,7 +83,7 @@ class FaultInjector:
         """Fire the process-level faults (kill, hang, signal) due here."""
         step = self.step if step is None else step
         for fault in self.faults:
-            if fault.kind == "nan" or not fault.due(point, step, self._rank()):
+            if fault.kind in ("nan", "kill_engine") or not fault.due(point, step, self._rank()):
                 continue
             print(f"[fault injection] rank {self._rank()}: {fault.kind} at {point} of step {step}", flush=True)
             if fault.kind == "kill":
@@ -93,6 +95,10 @@ class FaultInjector:
                 os.kill(os.getpid(), signal.SIGUSR1)
                 self.faults.remove(fault)  # once; the handler only sets a flag
                 return
+
+    def engine_crash_due(self) -> bool:
+        """A kill_engine fault is due as the current step generates (on this rank)."""
+        return any(f.kind == "kill_engine" and f.due("generate", self.step, self._rank()) for f in self.faults)
 
     def corrupt_loss(self, loss):
         """`loss` made NaN where a nan fault is due at the train point of the current step."""

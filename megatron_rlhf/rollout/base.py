@@ -111,9 +111,24 @@ class Rollout:
 
 
 class RolloutEngine(ABC):
+    needs_refit = False  # True: a separate copy of the weights that update_weights() must refresh
+    pad_id: int
     @abstractmethod
     def generate(self, prompts: list[list[int]], sampling: SamplingParams, seed: int) -> Rollout:
         """Sample one response per prompt. Collective over the model-parallel group."""
 
     def update_weights(self) -> None:
         """Make the engine use the actor's current weights (no-op for in-place engines)."""
+
+    def metrics(self) -> dict[str, float]:
+        """The engine's latest refit / memory numbers, for the iteration's metrics (this rank's)."""
+        return {}
+
+    def shutdown(self) -> None:
+        """Stop what the engine started (nothing for in-place engines)."""
+
+    def __enter__(self) -> RolloutEngine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()

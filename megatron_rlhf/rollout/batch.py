@@ -28,6 +28,9 @@ class RolloutBatch:
     values: Tensor | None = None     # [B, S] the critic's (PPO only)
     advantages: Tensor | None = None  # [B, S], set by the advantage estimator
     returns: Tensor | None = None    # [B, S] the critic's targets (PPO only)
+    # [B, S] the rollout engine's log-probs, kept only for the mismatch correction (rl.tis_cap,
+    # rl.mismatch_mask_threshold)
+    rollout_logprobs: Tensor | None = None
 
     def __len__(self) -> int:
         return self.tokens.size(0)

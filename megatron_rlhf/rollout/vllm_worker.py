@@ -1,0 +1,83 @@
+"""The refit receiver, run inside vLLM's engine process (vLLM's `worker_extension_cls`: these
+methods become methods of its worker and are called by name through `LLM.collective_rpc`).
+
+One refit is `refit_begin(expected)`, any number of `refit_bucket(path, checks)`, then
+`refit_end()`. vLLM's layer-wise reload is the only path that reloads weights after start-up
+on every backend (the CPU backend repacks weights at load time, so a plain `load_weights`
+into a running model corrupts it); it is silent about tensors that never arrive, so this side
+checks everything itself: each bucket against the expected names and shapes and against the
+sender's checksums, and at the end that every expected tensor came exactly once. Any failure
+raises, the engine is then marked stale by the sender, and nothing generates from it.
+
+Uses only torch, safetensors and vLLM (the engine process imports this package's
+`megatron_rlhf.rollout` on the way, nothing of it runs there).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+_WORDS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def checksums(tensors: dict[str, torch.Tensor]) -> dict[str, int]:
+    """The sum of each tensor's raw bits read as integers of its element size: exact and the
+    same on both ends of a bucket whatever the transport, device or summation order, so any
+    changed word (a flipped byte, a stale tensor) changes it; one cheap pass over memory."""
+    if not tensors:
+        return {}
+    sums = torch.stack([t.contiguous().view(_WORDS[t.element_size()]).sum(dtype=torch.int64).to(torch.int64)
+                        for t in tensors.values()])
+    return dict(zip(tensors, sums.tolist()))  # one host sync per bucket
+
+
+def verify_bucket(tensors: dict[str, torch.Tensor], checks: dict[str, int],
+                  expected: dict[str, tuple[int, ...]], seen: set[str]) -> None:
+    """Raise RuntimeError naming the first problem of a received bucket."""
+    if set(tensors) != set(checks):
+        raise RuntimeError(f"refit bucket holds {sorted(set(tensors) ^ set(checks))[:4]} that its checksums do not "
+                           "list (or the other way round): the bucket was cut short")
+    got = checksums(tensors)
+    for name, tensor in tensors.items():
+        if name not in expected:
+            raise RuntimeError(f"refit sent {name!r}, which the engine's model does not have")
+        if tuple(tensor.shape) != tuple(expected[name]):
+            raise RuntimeError(f"refit sent {name!r} with shape {list(tensor.shape)}; the engine's model has "
+                               f"{list(expected[name])}")
+        if name in seen:
+            raise RuntimeError(f"refit sent {name!r} twice")
+        if got[name] != checks[name]:
+            raise RuntimeError(f"refit tensor {name!r} arrived corrupted: checksums {got[name]} != sent {checks[name]}")
+
+
+class RefitWorker:
+    """Mixed into vLLM's worker class (`self.model_runner` is vLLM's)."""
+
+    def refit_begin(self, expected: dict[str, list[int]]) -> None:
+        from vllm.model_executor.model_loader.reload.layerwise import initialize_layerwise_reload
+
+        self._refit_expected = {name: tuple(shape) for name, shape in expected.items()}
+        self._refit_seen: set[str] = set()
+        initialize_layerwise_reload(self.model_runner.get_model())
+
+    def refit_bucket(self, path: str, checks: dict[str, int]) -> int:
+        """Load the tensors of the safetensors file at `path` (written by the sender, which
+        deletes it). Returns how many were loaded."""
+        from safetensors.torch import load_file
+
+        tensors = load_file(path)
+        verify_bucket(tensors, checks, self._refit_expected, self._refit_seen)
+        self.model_runner.get_model().load_weights(iter(tensors.items()))
+        self._refit_seen.update(tensors)
+        return len(tensors)
+
+    def refit_end(self) -> int:
+        from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
+
+        missing = sorted(set(self._refit_expected) - self._refit_seen)
+        if missing:
+            raise RuntimeError(f"refit ended without {len(missing)} tensors, e.g. {missing[:4]}: the engine keeps "
+                               "stale weights")
+        finalize_layerwise_reload(self.model_runner.get_model(), self.model_runner.vllm_config.model_config)
+        return len(self._refit_seen)
