@@ -334,7 +334,6 @@ class RolloutConfig:
     sleep_level: int = 1             # GPU: 0 keep, 1 offload weights + drop KV, 2 drop both
     refit_bucket_bytes: int = 256 * 2**20  # largest bucket of HF tensors sent to the engine at once
     enforce_eager: bool = True       # no CUDA graphs / torch.compile in the engine
-    start_timeout_s: float = 600.0
 
 
 @dataclass

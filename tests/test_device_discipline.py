@@ -93,6 +93,17 @@ def test_rl_glue_and_math_stay_on_the_device(fake, algorithm, kl_in_reward):
     on_cuda(reduced=stack_values(sums, CUDA))
 
 
+def test_mismatch_correction_stays_on_the_device(fake):
+    cfg = RLConfig(max_new_tokens=NEW, tis_cap=2.0, mismatch_mask_threshold=2.0)
+    r, batch = rl_batch(cfg)
+    batch.rollout_logprobs = r.logprobs * batch.mask
+    rl_stage.add_advantages(batch, cfg, kl_coef=0.05)
+    outputs = {"logprobs": torch.randn(B, S, device=CUDA, requires_grad=True), "entropy": torch.rand(B, S, device=CUDA)}
+    loss, units, stats = rl_stage.actor_loss(outputs, batch.tensors(), cfg, kl_coef=0.05)
+    on_cuda(loss=loss, units=units, **stats)
+    assert {"tis_weight_mean", "mismatch_masked_fraction"} <= set(stats)
+
+
 def test_response_layout_helpers_follow_their_inputs(fake):
     r, batch = rl_batch(RLConfig(max_new_tokens=NEW))
     x = torch.randn(B, S, device=CUDA)

@@ -3,6 +3,7 @@ the actor loss's gradient, the refit receiver's checks, and the config rules of 
 No vLLM needed (the engine itself is tested in tests/test_vllm.py)."""
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ from megatron_rlhf.rollout.vllm_worker import checksums, verify_bucket
 from megatron_rlhf.trainers.rl import actor_loss
 
 LN = math.log
+PIPELINES = Path(__file__).resolve().parent.parent / "pipelines"
 
 
 def test_tis_weights_are_the_truncated_ratio_by_hand():
@@ -86,7 +88,7 @@ def test_refit_receiver_rejects_wrong_shape_duplicate_and_corruption():
 
 def test_rollout_config_rules():
     def cfg(*overrides):
-        return validate(load_config("pipelines/tiny_cpu.yaml", list(overrides)))
+        return validate(load_config(PIPELINES / "tiny_cpu.yaml", list(overrides)))
 
     with pytest.raises(ConfigError, match="rollout.engine"):
         cfg("rollout.engine=sglang")
@@ -99,7 +101,7 @@ def test_rollout_config_rules():
     # the default tiny model's head size (64 / 4 = 16) is below what vLLM's CPU backend takes
     with pytest.raises(ConfigError, match="head size is 16.*tiny_cpu_vllm.yaml"):
         check_vllm_cpu_model(cfg("rollout.engine=vllm").model)
-    check_vllm_cpu_model(validate(load_config("pipelines/tiny_cpu_vllm.yaml")).model)
+    check_vllm_cpu_model(validate(load_config(PIPELINES / "tiny_cpu_vllm.yaml")).model)
 
 
 def test_a_separate_engine_adds_a_sync_phase_and_frees_generate():
@@ -108,3 +110,27 @@ def test_a_separate_engine_adds_a_sync_phase_and_frees_generate():
     assert "sync" not in inplace and inplace["generate"] == {"actor": "params"}
     assert separate["sync"] == {"actor": "params"} and separate["generate"] == {}
     assert "actor" not in separate["eval"] and "reward" in separate["eval"]
+
+
+@pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean_token_mean"])
+def test_corrected_loss_gradient_does_not_depend_on_the_micro_batch_split(aggregation):
+    """The weights are per token and per row, so the global-batch mean (sum of microbatch sums
+    over all units) gives the same gradient for any split; rows of unequal lengths, one masked."""
+    rl = RLConfig(tis_cap=1.2, mismatch_mask_threshold=1.15, loss_aggregation=aggregation)
+    _, mb, _ = _actor_grad(rl, with_rollout=True)
+    logprobs = (torch.randn(3, 6, generator=torch.Generator().manual_seed(1)) * 0.1 - 1).requires_grad_()
+
+    def grad(splits):
+        total, units = 0.0, 0
+        for rows in splits:
+            part = {k: v[rows] for k, v in mb.items() if v is not None}
+            out = {"logprobs": logprobs[rows], "entropy": torch.zeros(len(rows), 6)}
+            loss, n, _ = actor_loss(out, part, rl, kl_coef=0.0)
+            total, units = total + loss, units + n
+        logprobs.grad = None
+        (total / units).backward()
+        return logprobs.grad.clone()
+
+    whole = grad([[0, 1, 2]])
+    assert torch.allclose(whole, grad([[0], [1, 2]]), atol=1e-7)
+    assert torch.allclose(whole, grad([[0], [1], [2]]), atol=1e-7)

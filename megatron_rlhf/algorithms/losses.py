@@ -11,6 +11,8 @@ References: Schulman et al. 2017 (PPO clipping); Ye et al. 2020 (dual-clip); Yu 
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -97,5 +99,5 @@ def rollout_correction(old_logprobs: Tensor, rollout_logprobs: Tensor, mask: Ten
         weights = torch.exp(log_ratio).clamp(max=tis_cap)
     if mask_threshold is not None:
         row = log_ratio.sum(dim=1, keepdim=True) / mask.sum(dim=1, keepdim=True).clamp(min=1)
-        weights = weights * (row.abs() <= torch.log(torch.tensor(mask_threshold, dtype=row.dtype))).to(weights.dtype)
+        weights = weights * (row.abs() <= math.log(mask_threshold)).to(weights.dtype)
     return weights * mask

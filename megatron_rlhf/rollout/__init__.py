@@ -11,7 +11,5 @@ def make_engine(cfg, actor, eos_id: int, pad_id: int, workdir) -> RolloutEngine:
     if cfg.rollout.engine == "megatron":
         return MegatronRolloutEngine(actor, eos_id=eos_id, pad_id=pad_id)
     from megatron_rlhf.rollout.vllm_engine import VLLMRolloutEngine  # imports vLLM: only when asked for
-    from megatron_rlhf.trainers.stage_data import check_vllm_can_run
 
-    check_vllm_can_run(cfg)
     return VLLMRolloutEngine(actor, cfg, eos_id, pad_id, workdir)

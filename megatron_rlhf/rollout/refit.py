@@ -7,8 +7,8 @@ gathers it over its TP group (`all_gather`; fused QKV and the SwiGLU FC1 re-asse
 TP1 layout), names it with the mapping `convert/hf_weights.py` uses for export, and its TP rank
 0 sends the tensors to the engine's rank (the first rank of the model-parallel group) with
 point-to-point sends. The engine rank packs them into buckets of at most `bucket_bytes` and
-hands each to `sink`. So the trainer never holds more than one group and one bucket beyond the
-model: no second copy of it. Every rank of the model-parallel group must call `stream_hf_weights`.
+yields each. So the trainer never holds more than one group and one bucket beyond the model: no
+second copy of it. Every rank of the model-parallel group must call `stream_hf_weights`.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
 from megatron_rlhf.convert.hf_weights import LAYER_PARAMS, Dims, hf_expected_shapes, hf_layer_tensors
+from megatron_rlhf.parallel import device
 
 EMBEDDING, FINAL = -1, 1 << 30  # group keys around the layer indices
 
@@ -86,8 +87,8 @@ class RefitPlan:
     engine_rank: int               # global rank that feeds the engine
 
     @classmethod
-    def build(cls, module) -> RefitPlan:
-        mine = _group_keys(module)
+    def build(cls, module, model_cfg) -> RefitPlan:
+        mine = list(_local_groups(module, Dims.of(model_cfg)))
         pp_group = ps.get_pipeline_model_parallel_group()
         stages: list[list[int]] = [None] * ps.get_pipeline_model_parallel_world_size()  # type: ignore[list-item]
         dist.all_gather_object(stages, mine, group=pp_group)
@@ -95,23 +96,11 @@ class RefitPlan:
         return cls(owner, dist.get_process_group_ranks(pp_group), engine_rank(ps.get_model_parallel_group()))
 
 
-def _group_keys(module) -> list[int]:
-    params = {n for n, _ in module.named_parameters()}
-    keys = [layer.layer_number - 1 for layer in module.decoder.layers]
-    if "embedding.word_embeddings.weight" in params:
-        keys.append(EMBEDDING)
-    if "decoder.final_layernorm.weight" in params:
-        keys.append(FINAL)
-    return keys
-
-
 def engine_rank(model_parallel_group) -> int:
     """The global rank of TP rank 0 of the first pipeline stage of this model-parallel group."""
     first = ps.get_tensor_model_parallel_rank() == 0 and ps.get_pipeline_model_parallel_rank() == 0
     ranks = dist.get_process_group_ranks(model_parallel_group)
-    flags = torch.tensor([dist.get_rank() if first else max(ranks) + 1], dtype=torch.long)
-    if dist.get_backend(model_parallel_group) == "nccl":
-        flags = flags.cuda()
+    flags = torch.tensor([dist.get_rank() if first else max(ranks) + 1], dtype=torch.long, device=device())
     dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=model_parallel_group)
     return int(flags.item())
 

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
-from megatron_rlhf.config import Config, check_vllm_cpu_model
+from megatron_rlhf.config import Config, ConfigError, check_vllm_cpu_model
 from megatron_rlhf.convert.hf_config import hf_config_dict
 from megatron_rlhf.parallel import any_rank, device
 from megatron_rlhf.resilience.faults import FAULTS
@@ -47,7 +47,6 @@ from megatron_rlhf.rollout.vllm_worker import checksums
 _LAUNCHER_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE",
                  "MASTER_ADDR", "MASTER_PORT", "GROUP_WORLD_SIZE", "ROLE_NAME", "TORCHELASTIC_RUN_ID",
                  "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_USE_AGENT_STORE")
-_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 
 
 class EngineError(RuntimeError):
@@ -65,6 +64,17 @@ def vllm_available(verbose: bool = False) -> str | None:
     except Exception as e:  # noqa: BLE001  (any import failure means: not usable here)
         return f"{type(e).__name__}: {e}"
     return None
+
+
+def check_can_run(cfg: Config) -> None:
+    """rollout.engine=vllm: vLLM imports here and, on CPU, takes the model's head size
+    (ConfigError naming the field otherwise). The launcher's pre-flight runs it too."""
+    if not torch.cuda.is_available():
+        check_vllm_cpu_model(cfg.model)
+    if (why := vllm_available(cfg.logging.verbose)) is not None:
+        raise ConfigError(f"rollout.engine=vllm: vLLM does not import here ({why}); on CPU `make vllm-setup` "
+                          "builds .venv-vllm (run with .venv-vllm/bin/python, e.g. `make pipeline-vllm`), on GPU "
+                          "`pip install -e '.[vllm]'`; or set rollout.engine=megatron")
 
 
 @contextmanager
@@ -101,8 +111,6 @@ def start_engine(cfg: Config, model_dir: Path):
     from vllm import LLM
 
     r, on_gpu = cfg.rollout, torch.cuda.is_available()
-    if not on_gpu:
-        check_vllm_cpu_model(cfg.model)
     memory = ({"gpu_memory_utilization": r.gpu_memory_utilization, "enable_sleep_mode": r.sleep_level > 0}
               if on_gpu else {"kv_cache_memory_bytes": r.kv_cache_bytes})
     local = int(os.environ.get("LOCAL_RANK", "0"))
@@ -110,7 +118,7 @@ def start_engine(cfg: Config, model_dir: Path):
     try:
         with _engine_env(cuda):
             return LLM(model=str(model_dir), skip_tokenizer_init=True, load_format="dummy",
-                       dtype=_DTYPES[cfg.model.params_dtype], max_model_len=cfg.model.max_seq_length,
+                       dtype=cfg.model.params_dtype, max_model_len=cfg.model.max_seq_length,
                        tensor_parallel_size=r.tensor_parallel, enforce_eager=r.enforce_eager, seed=cfg.seed,
                        enable_prefix_caching=False,  # responses must not depend on what an earlier batch cached
                        logprobs_mode="processed_logprobs", generation_config="vllm",
@@ -130,10 +138,8 @@ class EngineWatch:
     the waiting call an EngineError (through the client's output queue and its pending utility
     futures: vllm-cpu 0.32's internals, pinned)."""
 
-    def __init__(self, llm):
-        import psutil
-
-        self.llm, self.processes = llm, psutil.Process().children(recursive=True)
+    def __init__(self, llm, processes):
+        self.llm, self.processes = llm, processes
 
     def dead(self) -> list[int]:
         import psutil
@@ -181,8 +187,9 @@ class VLLMRolloutEngine(RolloutEngine):
     needs_refit = True
 
     def __init__(self, actor, cfg: Config, eos_id: int, pad_id: int, workdir: Path):
+        check_can_run(cfg)
         self.actor, self.cfg, self.eos_id, self.pad_id = actor, cfg, eos_id, pad_id
-        self.plan = RefitPlan.build(actor.module)
+        self.plan = RefitPlan.build(actor.module, cfg.model)
         self.expected = expected_hf_shapes(cfg.model)
         self.is_engine_rank = dist.get_rank() == self.plan.engine_rank
         self.llm, self.stale, self.asleep, self.last_refit, self.last_sleep = None, True, False, {}, {}
@@ -190,8 +197,9 @@ class VLLMRolloutEngine(RolloutEngine):
         if self.is_engine_rank:
             try:
                 model_dir = write_model_dir(cfg, Path(workdir) / f"vllm_model_rank{dist.get_rank()}", eos_id, pad_id)
+                before = {p.pid for p in child_processes()}  # e.g. async checkpoint writers: not the engine's
                 self.llm = start_engine(cfg, model_dir)
-                self.watch = EngineWatch(self.llm)
+                self.watch = EngineWatch(self.llm, [p for p in child_processes() if p.pid not in before])
             except Exception as e:  # noqa: BLE001  (re-raised below, after every rank knows)
                 error = e
         if any_rank(error is not None):
@@ -265,7 +273,7 @@ class VLLMRolloutEngine(RolloutEngine):
         dev, batch, error, rollout = device(), len(prompts), None, None
         if self.is_engine_rank:
             if FAULTS.engine_crash_due():  # fire drill: the engine dies mid-generation, as a real crash would
-                threading.Timer(0.1, kill_engine_processes).start()
+                threading.Timer(0.1, kill_processes, args=(self.watch.processes,)).start()
             try:
                 rollout = self._generate_here(prompts, sampling, seed, dev)
             except Exception as e:  # noqa: BLE001
@@ -348,10 +356,15 @@ class VLLMRolloutEngine(RolloutEngine):
             self.llm = None
 
 
-def kill_engine_processes() -> None:
-    """SIGKILL every child process of this one (vLLM's engine core and its workers)."""
+def child_processes() -> list:
+    """This process's children and theirs (psutil.Process objects)."""
     import psutil
 
-    for child in psutil.Process().children(recursive=True):
-        print(f"[fault injection] SIGKILL rollout engine process {child.pid}", flush=True)
-        child.kill()
+    return psutil.Process().children(recursive=True)
+
+
+def kill_processes(processes) -> None:
+    """Fire drill: SIGKILL the engine's processes, as a crash would end them."""
+    for p in processes:
+        print(f"[fault injection] SIGKILL rollout engine process {p.pid}", flush=True)
+        p.kill()

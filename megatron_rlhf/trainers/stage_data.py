@@ -140,21 +140,6 @@ def resolve_vocab_size(cfg: Config, tokenizer: Tokenizer) -> str:
     return f"model.vocab_size={m.vocab_size} (tokenizer: {size} tokens{spare})"
 
 
-def check_vllm_can_run(cfg: Config) -> None:
-    """rollout.engine=vllm: vLLM imports here and, on CPU, takes the model's head size."""
-    import torch
-
-    from megatron_rlhf.config import check_vllm_cpu_model
-    from megatron_rlhf.rollout.vllm_engine import vllm_available
-
-    if not torch.cuda.is_available():
-        check_vllm_cpu_model(cfg.model)
-    if (why := vllm_available(cfg.logging.verbose)) is not None:
-        raise ConfigError(f"rollout.engine=vllm: vLLM does not import here ({why}); on CPU `make vllm-setup` "
-                          "builds .venv-vllm (run with .venv-vllm/bin/python, e.g. `make pipeline-vllm`), on GPU "
-                          "`pip install -e '.[vllm]'`; or set rollout.engine=megatron")
-
-
 def preflight(cfg: Config, command: str) -> list[str]:
     """What the stages of `command` will read, checked before any worker starts: every
     split has a source, every named file exists, the tokenizer loads and fits the model.
@@ -169,7 +154,9 @@ def preflight(cfg: Config, command: str) -> list[str]:
     if command in ("import-hf", "export-hf", "stages"):
         return list(cfg.hf_notes)
     if "rl" in stages and cfg.rollout.engine == "vllm":
-        check_vllm_can_run(cfg)
+        from megatron_rlhf.rollout.vllm_engine import check_can_run  # imports vLLM: only when asked for
+
+        check_can_run(cfg)
     tokenizer = tokenizer_for(cfg)
     notes = [*cfg.hf_notes, resolve_vocab_size(cfg, tokenizer)]
     if tokenizer.pad_defaulted:
