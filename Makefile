@@ -13,7 +13,7 @@ PYTHON312 ?= $(shell (python3.12 -c 'import sys' >/dev/null 2>&1 && command -v p
 	(v=$$(pyenv versions --bare 2>/dev/null | grep '^3\.12' | tail -n1); \
 	 [ -n "$$v" ] && PYENV_VERSION=$$v pyenv which python3.12 2>/dev/null))
 
-.PHONY: setup test test-fast pipeline pipeline-vllm smoke sft rm ppo bench bench-vllm clean-venv
+.PHONY: setup test test-fast pipeline pipeline-vllm pipeline-arithmetic smoke sft rm ppo bench bench-vllm clean-venv
 
 setup: $(STAMP)
 
@@ -92,6 +92,11 @@ pipeline-vllm: $(VLLM_STAMP)
 	$(VENV_VLLM)/bin/python -m megatron_rlhf.torchrun --nproc-per-node $(PIPELINE_NPROC) \
 	  pipeline --config $(VLLM_CONFIG) $(ARGS)
 
+# SFT -> PPO on the verifiable arithmetic task with a rule reward only (README "Reward sources").
+pipeline-arithmetic: setup
+	$(PY) -m megatron_rlhf.torchrun --nproc-per-node $(PIPELINE_NPROC) \
+	  pipeline --config pipelines/tiny_cpu_arithmetic.yaml $(ARGS)
+
 # Stages on the default recipe; NPROC processes (data-parallel unless ARGS sets TP/PP).
 sft rm rl ppo: setup
 	$(PY) -m megatron_rlhf.torchrun --nproc-per-node $(NPROC) \
@@ -105,6 +110,13 @@ bench: setup
 
 bench-vllm: $(VLLM_STAMP)
 	$(VENV_VLLM)/bin/python benchmarks/rollout_engines.py
+
+# serve-reward's requests/s and responses/s at client batch 1, 8, 32 (docs/reward_service.md), on the
+# RM checkpoint `make pipeline` writes; REWARD_CKPT=<an RM stage directory> for another.
+REWARD_CKPT ?= checkpoints/tiny_cpu/rm
+.PHONY: bench-reward
+bench-reward: setup
+	$(PY) benchmarks/reward_server.py --ckpt $(REWARD_CKPT) --config $(CONFIG)
 
 clean-venv:
 	rm -rf $(VENV)

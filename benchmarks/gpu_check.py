@@ -78,7 +78,8 @@ VLLM_RECIPE, VLLM_RUN = "pipelines/tiny_cpu_vllm.yaml", "gpu_check_vllm"
 # Settings only a critic uses: a critic-free recipe refuses them on the command line, so the GRPO
 # run does not get them. Equals megatron_rlhf.config.CRITIC_FIELDS (a test checks; this file
 # does not import the package: its parent process is stdlib-only).
-CRITIC_FIELDS = ("critic_optimizer", "vf_coef", "value_clip", "critic_warmup_steps", "lam", "whiten_advantages")
+CRITIC_FIELDS = ("critic_optimizer", "vf_coef", "value_clip", "critic_warmup_steps", "lam", "whiten_advantages",
+                 "critic_from")
 MIN_PYTHON = (3, 12)  # megatron-core >= 0.17 requires Python >= 3.12 (0.19.2: cp312/cp313 wheels only)
 RL_PHASES = ("generate", "score", "train", "eval")  # colocation.PHASES: the same phases for every algorithm
 PPO_PHASES = RL_PHASES  # the old name

@@ -19,6 +19,7 @@ import json
 import resource
 import subprocess
 import sys
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -40,6 +41,9 @@ def run(algorithm: str, iterations: int) -> dict:
     from megatron_rlhf import parallel
     from megatron_rlhf.colocation import ColocationScheduler, phases_for
     from megatron_rlhf.config import load_config
+    from megatron_rlhf.data.encode import EncodedPrompt
+    from megatron_rlhf.data.jsonl import PromptExample
+    from megatron_rlhf.rewards import RewardSources
     from megatron_rlhf.rollout import MegatronRolloutEngine, SamplingParams
     from megatron_rlhf.trainers import rl as stage
     from megatron_rlhf.trainers.stage_data import resolve_vocab_size, tokenizer_for
@@ -56,16 +60,17 @@ def run(algorithm: str, iterations: int) -> dict:
     engine = MegatronRolloutEngine(roles["actor"], eos_id=-1, pad_id=0)  # no EOS: full-length responses
     sampling = SamplingParams(max_new_tokens=32)
     g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, cfg.model.vocab_size, (int(k),), generator=g).tolist()
+    prompts = [EncodedPrompt(torch.randint(3, cfg.model.vocab_size, (int(k),), generator=g).tolist(), PromptExample("-"))
                for k in torch.randint(3, 7, (16 // n,), generator=g)]
+    score_fn = partial(stage.sequence_rewards, RewardSources(cfg, roles.get("reward")), tokenizer=tokenizer_for(cfg), rl=cfg.rl)
     for it in range(iterations + 1):
         if it == 1:
             sched.stats.clear()  # drop the warm-up iteration
         with sched.phase("generate") as phase:
-            rollout, scores, _ = stage.generate(engine, roles["reward"], lambda: prompts, cfg.rl, sampling, seed=it)
+            rollout, rows, scored, _ = stage.generate(engine, score_fn, lambda: prompts, cfg.rl, sampling, seed=it)
             phase.tokens = int(rollout.response_lengths().sum())
         with sched.phase("score") as phase:
-            batch = stage.score(rollout, scores, roles, cfg.rl)
+            batch, _ = stage.score(rollout, scored or score_fn(rollout, rows), roles, cfg.rl)
             phase.tokens = int(rollout.lengths.sum())
         with sched.phase("train") as phase:
             stage.add_advantages(batch, cfg.rl, 0.05)

@@ -2,7 +2,8 @@
 
 Launch with `python -m megatron_rlhf.torchrun` (our torchrun) or srun for more than one
 process; every rank runs the same command. Exit codes: 0 done, 2 config/data/checkpoint
-error, 3 non-finite training, 42 preempted (checkpointed; rerun or requeue to resume).
+error, 3 non-finite training, 4 reward source failed: fix it and rerun to resume, 42 preempted
+(checkpointed; rerun or requeue to resume).
 """
 
 from __future__ import annotations
@@ -34,6 +35,9 @@ COMMANDS = {
                  "Qwen3) -> our checkpoint (model fields from its config.json; launch at any TP x PP)",
     "export-hf": "--ckpt DIR --role actor|reward|critic --out DIR [--tokenizer DIR]: our checkpoint "
                  "-> a Hugging Face directory (one process; the model config is the one the checkpoint recorded)",
+    "serve-reward": "--ckpt DIR [--host H] [--port P] [--max-batch N] [--max-wait-ms MS]: serve the reward model "
+                    "of an RM checkpoint over HTTP (POST /score, docs/reward_service.md) at TP x PP = world size, "
+                    "until SIGTERM/Ctrl-C",
 }
 
 
@@ -95,6 +99,14 @@ def run_command(command: str, cfg) -> None:
         pipeline.run(cfg)
 
 
+def serve_reward_command(args, cfg) -> None:
+    from megatron_rlhf.rewards.server import serve_reward
+
+    typed = {o.split("=", 1)[0].strip() for o in args.overrides}  # checked against the checkpoint's model
+    serve_reward(cfg, ckpt=args.ckpt, host=args.host, port=args.port, max_batch=args.max_batch,
+                 max_wait_ms=args.max_wait_ms, typed_keys=typed)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m megatron_rlhf", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -105,12 +117,18 @@ def build_parser() -> argparse.ArgumentParser:
                         help="show every third-party warning (default: the known harmless ones are hidden, "
                              "megatron_rlhf/logging/quiet.py) and every metric on the console; = logging.verbose=true")
     parser.add_argument("--hf", help="import-hf: local Hugging Face model directory")
-    parser.add_argument("--ckpt", help="export-hf: a stage or iter_* checkpoint directory")
+    parser.add_argument("--ckpt", help="export-hf, serve-reward: a stage or iter_* checkpoint directory")
     parser.add_argument("--role", choices=("actor", "reward", "critic", "reference"), help="export-hf: the role to export")
     parser.add_argument("--out", help="import-hf / export-hf: output directory")
     parser.add_argument("--tokenizer", help="export-hf: tokenizer directory to copy (default: data.tokenizer)")
     parser.add_argument("--drop-score-bias", action="store_true",
                         help="export-hf of reward/critic: drop the value head's constant offset (HF's score has no bias)")
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="serve-reward: address to listen on (0.0.0.0: every interface)")
+    parser.add_argument("--port", type=int, default=8000, help="serve-reward: port (0: a free one, printed)")
+    parser.add_argument("--max-batch", type=int, default=64, help="serve-reward: most samples per model forward")
+    parser.add_argument("--max-wait-ms", type=float, default=5.0,
+                        help="serve-reward: how long a request waits for others to share its forward")
     return parser
 
 
@@ -147,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     from megatron_rlhf.parallel import cpu
     from megatron_rlhf.resilience.nonfinite import NonFiniteError
     from megatron_rlhf.resilience.preemption import Preempted
+    from megatron_rlhf.rewards.base import RewardSourceError
 
     if cpu.needed():
         quiet.install_cpu(verbose)
@@ -154,6 +173,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command in ("import-hf", "export-hf"):
             convert_command(args, cfg)
+        elif args.command == "serve-reward":
+            serve_reward_command(args, cfg)
         else:
             run_command(args.command, cfg)
     except ConfigError as err:  # checks that need the launched world size or the data
@@ -166,6 +187,8 @@ def main(argv: list[str] | None = None) -> int:
         return report_error(f"checkpoint error: {err}", 2)
     except NonFiniteError as err:  # not requeued: resuming would diverge again
         return report_error(f"training error: {err}", 3)
+    except RewardSourceError as err:  # the last checkpoint is intact: fix the source, rerun to resume
+        return report_error(f"reward error: {err}", 4)
     except Preempted as err:  # the runner logged it; the launcher's last line says it too
         if os.environ.get(ERROR_DIR_ENV):
             report_error(f"preempted: checkpoint at step {err.step} saved; exit {err.code}: rerun or requeue "

@@ -40,7 +40,7 @@ def phases_for(roles, reward_in_generate: bool = False, engine: str = "megatron"
         del table["sync"]
     else:
         del table["generate"]["actor"], table["eval"]["actor"]
-    if reward_in_generate:
+    if reward_in_generate and "reward" in roles:
         table["generate"]["reward"] = "params"
     return table
 

@@ -30,11 +30,13 @@ RL_ALGORITHMS = ("ppo", "grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline",
 CRITIC_FREE = tuple(a for a in RL_ALGORITHMS if a != "ppo")
 GROUP_BASELINES = ("grpo", "rloo", "reinforce_pp_baseline")  # need n_samples_per_prompt >= 2
 # Fields only a critic uses: refused when set with a critic-free algorithm.
-CRITIC_FIELDS = ("critic_optimizer", "vf_coef", "value_clip", "critic_warmup_steps", "lam", "whiten_advantages")
+CRITIC_FIELDS = ("critic_optimizer", "vf_coef", "value_clip", "critic_warmup_steps", "lam", "whiten_advantages",
+                 "critic_from")
 IMPORTANCE_RATIOS = ("token", "sequence")
 STAGES = ("sft", "rm", "rl")
 # What each stage starts from: an earlier stage in pipeline.stages, or the field naming its checkpoint.
 STAGE_INPUTS = {"rm": {"sft": "rm.init_from"}, "rl": {"sft": "rl.sft_from", "rm": "rl.rm_from"}}
+# ... unless the stage does not need that input (see _stage_needs)
 KL_ESTIMATORS = ("k1", "k2", "k3")
 KL_CONTROLLERS = ("fixed", "adaptive")
 LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum")
@@ -221,6 +223,45 @@ class RMConfig(StageConfig):
     holdout_fraction: float = 0.0
 
 
+REWARD_SOURCE_TYPES = ("model", "function", "http")
+# Fields each reward source type reads (beyond type, weight, name); others must stay unset.
+REWARD_SOURCE_FIELDS = {"model": (), "function": ("function",),
+                        "http": ("url", "timeout_s", "max_retries", "backoff_s", "max_backoff_s", "batch_size",
+                                 "max_concurrency")}
+
+
+@dataclass
+class RewardSourceConfig:
+    """One term of the RL reward: weight x this source's score for each response
+    (megatron_rlhf/rewards/; README "Reward sources")."""
+
+    # model: the reward model of the RM stage (the `reward` role, rl.rm_from); function: a
+    # rule function in a Python file; http: a reward service (python -m megatron_rlhf serve-reward).
+    type: str = "model"
+    weight: float = 1.0
+    # Logged as reward_<name>; default: rm, the function's name, or http.
+    name: str | None = None
+    # function: "path/to/file.py:function_name" (a relative path from the working directory,
+    # else from the project root); signature in rewards/arithmetic.py and the README.
+    function: str | None = None
+    # http: the scoring endpoint, e.g. http://rm-host:8000/score (schema: docs/reward_service.md).
+    url: str | None = None
+    timeout_s: float = 30.0          # per request
+    max_retries: int = 4             # after the first attempt; exponential backoff with jitter
+    backoff_s: float = 0.5
+    max_backoff_s: float = 8.0
+    batch_size: int = 64             # responses per request
+    max_concurrency: int = 4         # requests in flight per data-parallel replica
+
+    @property
+    def label(self) -> str:
+        if self.name:
+            return self.name
+        if self.type == "function" and self.function:
+            return self.function.rsplit(":", 1)[-1]
+        return {"model": "rm"}.get(self.type, self.type)
+
+
 @dataclass
 class RLConfig:
     """The RL stage (python -m megatron_rlhf rl): PPO or a critic-free algorithm. Writes
@@ -295,6 +336,14 @@ class RLConfig:
     reward_hacking_window: int = 10
     actor_optimizer: OptimizerConfig = field(default_factory=lambda: OptimizerConfig(lr=1e-5))
     critic_optimizer: OptimizerConfig = field(default_factory=lambda: OptimizerConfig(lr=1e-5))
+    # The reward: the weighted sum of these sources' scores (missing_eos_penalty and
+    # reward_clip then apply to the sum). Without a `model` source no reward model is built
+    # or loaded and the pipeline needs no rm stage.
+    rewards: list[RewardSourceConfig] = field(default_factory=lambda: [RewardSourceConfig()])
+    # Where PPO's critic starts: rm (the reward model, its normalisation folded into the value
+    # head), sft (the SFT actor with a fresh value head) or a checkpoint directory (its critic
+    # role, else its reward role). Default: rm with a model reward source, else sft.
+    critic_from: str | None = None
     # Stage (or iter_*) directories of the inputs; default <run>/sft and <run>/rm.
     sft_from: str | None = None
     rm_from: str | None = None
@@ -302,6 +351,19 @@ class RLConfig:
     @property
     def has_critic(self) -> bool:
         return self.algorithm not in CRITIC_FREE
+
+    @property
+    def has_reward_model(self) -> bool:
+        return any(source.type == "model" for source in self.rewards)
+
+    @property
+    def critic_start(self) -> str:
+        """rm | sft | a checkpoint directory: where the critic starts (with a critic)."""
+        return self.critic_from or ("rm" if self.has_reward_model else "sft")
+
+    @property
+    def needs_rm_checkpoint(self) -> bool:
+        return self.has_reward_model or (self.has_critic and self.critic_start == "rm")
 
     @property
     def corrects_mismatch(self) -> bool:
@@ -426,6 +488,8 @@ def _check_type(value: Any, annotation: Any, name: str) -> Any:
         if not isinstance(value, list):
             raise ConfigError(f"{name}: expected a list, got {value!r} ({type(value).__name__})")
         return [_check_type(v, item, f"{name}[{i}]") for i, v in enumerate(value)]
+    if dataclasses.is_dataclass(annotation):  # e.g. an item of a list of sections (rl.rewards)
+        return from_dict(annotation, value, prefix=f"{name}.")
     if annotation is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if annotation is float and isinstance(value, str):
@@ -806,9 +870,50 @@ def _validate_rl(p: RLConfig, m: ModelConfig, dp: int, given: frozenset = frozen
     if p.mismatch_mask_threshold is not None and p.mismatch_mask_threshold <= 1:
         raise ConfigError(f"rl.mismatch_mask_threshold={p.mismatch_mask_threshold}: must be > 1 (typical 2), "
                           "or null for none")
+    _validate_rewards(p)
     if p.dual_clip is not None and p.dual_clip <= 1:
         raise ConfigError(f"rl.dual_clip={p.dual_clip}: must be > 1 (the bound c * |A| on a negative "
                           "advantage's loss; typical 3), or null for none")
+
+
+def _validate_rewards(p: RLConfig) -> None:
+    if not p.rewards:
+        raise ConfigError("rl.rewards: empty; give at least one reward source, e.g. [{type: model}]")
+    labels = []
+    for i, src in enumerate(p.rewards):
+        where = f"rl.rewards[{i}]"
+        if src.type not in REWARD_SOURCE_TYPES:
+            raise ConfigError(f"{where}.type={src.type!r}: choose one of {REWARD_SOURCE_TYPES}")
+        defaults = RewardSourceConfig()
+        for other, fields in REWARD_SOURCE_FIELDS.items():
+            stray = [f for f in fields if other != src.type and f not in REWARD_SOURCE_FIELDS[src.type]
+                     and getattr(src, f) != getattr(defaults, f)]
+            if stray:
+                raise ConfigError(f"{where}.{stray[0]}: only a reward source of type {other} reads it "
+                                  f"({where}.type={src.type}); remove it")
+        if not math.isfinite(src.weight) or src.weight == 0:
+            raise ConfigError(f"{where}.weight={src.weight}: must be a finite non-zero number")
+        if src.type == "function" and (not src.function or ":" not in src.function
+                                       or not src.function.rsplit(":", 1)[0].endswith(".py")):
+            raise ConfigError(f"{where}.function={src.function!r}: give the file and the function, e.g. "
+                              "rewards/arithmetic.py:score")
+        if src.type == "http":
+            if not src.url or not src.url.startswith(("http://", "https://")):
+                raise ConfigError(f"{where}.url={src.url!r}: give the scoring endpoint, e.g. "
+                                  "http://127.0.0.1:8000/score (python -m megatron_rlhf serve-reward)")
+            if src.timeout_s <= 0 or src.backoff_s < 0 or src.max_backoff_s < src.backoff_s:
+                raise ConfigError(f"{where}: timeout_s={src.timeout_s}, backoff_s={src.backoff_s}, max_backoff_s="
+                                  f"{src.max_backoff_s}: need timeout_s > 0 and 0 <= backoff_s <= max_backoff_s")
+            if src.max_retries < 0 or src.batch_size < 1 or src.max_concurrency < 1:
+                raise ConfigError(f"{where}: max_retries={src.max_retries}, batch_size={src.batch_size}, "
+                                  f"max_concurrency={src.max_concurrency}: need >= 0, >= 1, >= 1")
+        labels.append(src.label)
+    if sum(src.type == "model" for src in p.rewards) > 1:
+        raise ConfigError("rl.rewards: more than one source of type model; the RL stage has one reward model role "
+                          "(serve another checkpoint with serve-reward and add it as type http)")
+    if len(set(labels)) != len(labels):
+        raise ConfigError(f"rl.rewards: two sources are called {sorted(set(l for l in labels if labels.count(l) > 1))}; "
+                          "give them distinct `name`s (each is logged as reward_<name>)")
 
 
 def _validate_rollout(r: RolloutConfig, m: ModelConfig, p: ParallelConfig) -> None:
@@ -851,6 +956,8 @@ def _validate_pipeline(cfg: Config) -> None:
         raise ConfigError(f"pipeline.stages={stages}: list each stage once, at least one")
     for i, name in enumerate(stages):
         for needed, field_name in STAGE_INPUTS.get(name, {}).items():
+            if name == "rl" and needed == "rm" and not cfg.rl.needs_rm_checkpoint:
+                continue  # no reward model source and the critic does not start from one
             if needed not in stages[:i] and _get_dotted(cfg, field_name) is None:
                 raise ConfigError(f"pipeline.stages={stages}: {name} starts from a {needed} checkpoint; put {needed} "
                                   f"before {name} or set {field_name} to an existing {needed} stage directory")

@@ -73,7 +73,7 @@ def test_reads_preferences_and_prompts(tmp_path):
     prefs = write_lines(tmp_path / "p.jsonl", '{"prompt": "q", "chosen": "a", "rejected": "b"}')
     prompts = write_lines(tmp_path / "q.jsonl", '{"prompt": "q1"}', '{"prompt": "q2", "x": 1}')
     assert read_preferences(prefs) == [PreferenceExample("q", "a", "b")]
-    assert read_prompts(prompts) == [PromptExample("q1"), PromptExample("q2")]
+    assert read_prompts(prompts) == [PromptExample("q1"), PromptExample("q2", {"x": 1})]
 
 
 def test_write_jsonl_round_trips_utf8(tmp_path):
@@ -145,6 +145,57 @@ def test_missing_file_is_an_error_naming_the_path(tmp_path):
     with pytest.raises(DataError, match="file not found") as info:
         read_sft(path)
     assert str(path) in str(info.value)
+
+
+def test_prompt_extras_keep_every_other_field_with_its_json_value(tmp_path):
+    path = write_lines(
+        tmp_path / "q.jsonl",
+        '{"prompt": "2 plus 3", "answer": "5", "tests": ["assert f(1) == 2", {"n": 3}], '
+        '"weight": 0.5, "meta": null, "ok": true}',
+        '{"prompt": "no extras"}',
+    )
+    with_extras, without = read_prompts(path)
+    assert with_extras.prompt == "2 plus 3"
+    assert with_extras.extra == {
+        "answer": "5", "tests": ["assert f(1) == 2", {"n": 3}], "weight": 0.5, "meta": None,
+        "ok": True,
+    }
+    assert without.extra == {}
+
+
+def test_prompt_extras_do_not_relax_prompt_validation(tmp_path):
+    path = write_lines(tmp_path / "q.jsonl", '{"answer": "5", "prompt": 5}')
+    with pytest.raises(DataError, match="field 'prompt': expected a string, got int"):
+        read_prompts(path)
+
+
+def test_prompts_with_extras_round_trip_flattened(tmp_path):
+    records = [
+        PromptExample("what is 2 plus 3", {"answer": "5", "tests": [1, [2, "ü"]]}),
+        PromptExample("plain"),
+        PromptExample("nested", {"meta": {"source": "x", "n": None}}),
+    ]
+    path = tmp_path / "prompts.jsonl"
+    assert write_jsonl(path, records) == 3
+    assert read_prompts(path) == records
+    first = json.loads(path.read_text(encoding="utf-8").splitlines()[0])
+    # Flattened, as users write prompt files: no "extra" key in the file.
+    assert first == {"prompt": "what is 2 plus 3", "answer": "5", "tests": [1, [2, "ü"]]}
+
+
+def test_prompt_extras_compare_but_do_not_break_hashing():
+    assert PromptExample("p", {"answer": "1"}) != PromptExample("p", {"answer": "2"})
+    assert PromptExample("p", {"answer": "1"}) == PromptExample("p", {"answer": "1"})
+    assert len({PromptExample("p", {"answer": "1"}), PromptExample("p", {"answer": "1"})}) == 1
+
+
+def test_prompt_extra_cannot_hold_a_prompt_key_or_be_a_non_dict():
+    with pytest.raises(ValueError, match="PromptExample.extra: must not contain the key 'prompt'"):
+        PromptExample("p", {"prompt": "other"})
+    with pytest.raises(ValueError, match="PromptExample.extra: keys must be strings"):
+        PromptExample("p", {1: "x"})
+    with pytest.raises(TypeError, match="PromptExample.extra: expected a dict, got list"):
+        PromptExample("p", ["answer"])
 
 
 def test_write_jsonl_rejects_non_dataclasses(tmp_path):
@@ -511,7 +562,7 @@ def test_task_splits_write_and_read_back(tmp_path):
 
 def test_unknown_task_and_bad_sizes_are_errors():
     assert "sentiment" in TASKS
-    unknown = "data.task: unknown task 'poetry'; known tasks: sentiment"
+    unknown = "data.task: unknown task 'poetry'; known tasks: arithmetic, sentiment"
     with pytest.raises(ValueError, match=unknown):
         get_task("poetry")
     with pytest.raises(ValueError, match="TaskSizes.sft_eval"):

@@ -18,6 +18,7 @@ from torch._subclasses.fake_tensor import FakeTensorDeviceMismatchError, FakeTen
 from megatron_rlhf.algorithms.advantages import ESTIMATORS
 from megatron_rlhf.config import LOSS_AGGREGATIONS, RLConfig
 from megatron_rlhf.parallel.collectives import check_backend_device, masked_moments, stack_values
+from megatron_rlhf.rewards import weighted_sum
 from megatron_rlhf.rollout import Rollout
 from megatron_rlhf.rollout.batch import RolloutBatch
 from megatron_rlhf.trainers import rl as rl_stage
@@ -90,6 +91,20 @@ def test_rl_glue_and_math_stay_on_the_device(fake, algorithm, kl_in_reward):
 
     sums = rl_stage.iteration_sums(r, batch, kl_stats, gold=1.5, repetition=0.25,
                                    sampling={"sampling_rounds": 2, "sampling_shortfall": 1})
+    on_cuda(reduced=stack_values(sums, CUDA))
+
+
+def test_reward_sources_combine_on_the_device(fake):
+    """A service's or rule's scores arrive from the host (on_replica_leader puts them on the
+    device); the weighted sum, the clip and the per-source sums stay there."""
+    cfg = RLConfig(max_new_tokens=NEW, missing_eos_penalty=-1.0)
+    r, batch = rl_batch(cfg)
+    per_source = {"rm": torch.randn(B, device=CUDA), "exact": torch.tensor([1.0, 0.0, 1.0, 1.0], device=CUDA)}
+    total = rl_stage.clip_scores(weighted_sum(per_source, {"rm": 1.0, "exact": 0.5}), r, cfg)
+    on_cuda(total=total)
+    kl_stats = rl_stage.add_advantages(batch, cfg, kl_coef=0.05)
+    sums = rl_stage.iteration_sums(r, batch, kl_stats, gold=1.0, repetition=0.0, sampling={}, per_source=per_source)
+    assert {"reward_rm", "reward_exact"} <= sums.keys()
     on_cuda(reduced=stack_values(sums, CUDA))
 
 

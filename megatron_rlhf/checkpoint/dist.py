@@ -123,6 +123,13 @@ def load_role(role, path: str | Path, with_optimizer: bool = True) -> None:
         role.optimizer.reload_model_params()
 
 
+def load_extra_state(path: str | Path) -> dict:
+    """A role checkpoint's non-tensor state (Role.extra_state, e.g. a reward model's
+    normalisation), without building the role."""
+    with restricted_dcp_unpickling(path):
+        return dist_checkpointing.load_common_state_dict(str(path)).get("extra", {})
+
+
 def load_model_weights(role, path: str | Path, skip_prefixes: tuple[str, ...] = ()) -> list[str]:
     """Collective. Only the model weights of the checkpoint at `path`, at this process's
     layout; parameters whose names start with `skip_prefixes` keep their current values

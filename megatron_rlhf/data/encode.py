@@ -111,12 +111,30 @@ def encode_preferences(
     return encoded, report
 
 
+@dataclass(frozen=True)
+class EncodedPrompt:
+    """A prompt's token ids and the record they came from (its text and extra fields, which
+    reward functions read: they travel with the prompt through sampling and sharding)."""
+
+    ids: list[int]
+    example: PromptExample
+
+
 def encode_prompts(
     examples: Sequence[PromptExample], tokenizer: Tokenizer, max_len: int,
     max_len_field: str = "model.max_seq_length - ppo.max_new_tokens",
 ) -> tuple[list[list[int]], LengthReport]:
     """Encode prompts, dropping those that leave no room (over `max_len - 1`) to generate.
     `max_len_field`: the config fields max_len comes from, for errors."""
+    encoded, report = encode_prompt_records(examples, tokenizer, max_len, max_len_field)
+    return [prompt.ids for prompt in encoded], report
+
+
+def encode_prompt_records(
+    examples: Sequence[PromptExample], tokenizer: Tokenizer, max_len: int,
+    max_len_field: str = "model.max_seq_length - ppo.max_new_tokens",
+) -> tuple[list[EncodedPrompt], LengthReport]:
+    """encode_prompts, keeping each kept prompt's record with its ids."""
     _check_max_len(max_len)
     encoded, dropped = [], 0
     for index, example in enumerate(examples):
@@ -124,7 +142,7 @@ def encode_prompts(
         if len(prompt) > max_len - 1:
             dropped += 1
             continue
-        encoded.append(prompt)
+        encoded.append(EncodedPrompt(prompt, example))
     report = LengthReport(len(examples), 0, dropped)
     why = (
         f"every prompt is longer than {max_len - 1} tokens ({max_len_field}={max_len}, less one "

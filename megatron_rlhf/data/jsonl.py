@@ -2,6 +2,10 @@
 
 Every error starts with `path:line: ` and names the field, so one bad record in a
 100k-line file is found at once instead of surfacing as a shape error mid-training.
+
+A prompts record may carry fields besides `prompt` (a reference `answer`, unit tests, ...):
+they are kept in `PromptExample.extra` for rule rewards, and written back flattened. SFT and
+preference records ignore fields they do not use.
 """
 
 from __future__ import annotations
@@ -9,8 +13,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -40,9 +44,31 @@ class PreferenceExample:
 
 @dataclass(frozen=True)
 class PromptExample:
-    """A prompt for the policy to answer during PPO or evaluation."""
+    """A prompt for the policy to answer during PPO or evaluation.
+
+    `extra` holds the record's other JSON fields (e.g. a reference `answer`), which rule
+    rewards receive next to the response. It never holds `prompt`: written out, the record is
+    `{"prompt": ..., **extra}`, so such a key would overwrite the prompt.
+    """
 
     prompt: str
+    # hash=False keeps instances hashable (a dict is not); equality still compares extras.
+    extra: dict[str, Any] = field(default_factory=dict, hash=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.extra, dict):
+            raise TypeError(
+                f"PromptExample.extra: expected a dict, got {type(self.extra).__name__}"
+            )
+        if "prompt" in self.extra:
+            raise ValueError(
+                "PromptExample.extra: must not contain the key 'prompt' (the prompt is the "
+                "`prompt` field); rename that extra field"
+            )
+        # JSON object keys are strings; any other key would come back as a different key.
+        bad_keys = [key for key in self.extra if not isinstance(key, str)]
+        if bad_keys:
+            raise ValueError(f"PromptExample.extra: keys must be strings, got {bad_keys!r}")
 
 
 Record = TypeVar("Record", SFTExample, PreferenceExample, PromptExample)
@@ -50,17 +76,17 @@ Record = TypeVar("Record", SFTExample, PreferenceExample, PromptExample)
 
 def read_sft(path: PathLike) -> list[SFTExample]:
     """Read SFT examples (`prompt`, `response`) from a JSONL file."""
-    return _read_records(path, SFTExample)
+    return _read_records(path, _sft_record)
 
 
 def read_preferences(path: PathLike) -> list[PreferenceExample]:
     """Read preference pairs (`prompt`, `chosen`, `rejected`) from a JSONL file."""
-    return _read_records(path, PreferenceExample)
+    return _read_records(path, _preference_record)
 
 
 def read_prompts(path: PathLike) -> list[PromptExample]:
-    """Read prompts (`prompt`) from a JSONL file."""
-    return _read_records(path, PromptExample)
+    """Read prompts (`prompt`, plus any other fields, kept in `extra`) from a JSONL file."""
+    return _read_records(path, _prompt_record)
 
 
 def write_jsonl(path: PathLike, records: Iterable[Any]) -> int:
@@ -75,23 +101,46 @@ def write_jsonl(path: PathLike, records: Iterable[Any]) -> int:
                     f"{path}: write_jsonl takes dataclass instances, got {type(record).__name__}"
                 )
             # ensure_ascii=False keeps non-English text readable in the file.
-            handle.write(json.dumps(dataclasses.asdict(record), ensure_ascii=False) + "\n")
+            handle.write(json.dumps(_json_object(record), ensure_ascii=False) + "\n")
             count += 1
     return count
 
 
-def _read_records(path: PathLike, cls: type[Record]) -> list[Record]:
-    fields = [field.name for field in dataclasses.fields(cls)]
-    records = []
-    for where, obj in _read_objects(Path(path)):
-        values = {name: _string_field(obj, name, where) for name in fields}
-        if cls is PreferenceExample and values["chosen"] == values["rejected"]:
-            # A pair with nothing to prefer would only teach the reward model noise.
-            raise DataError(f"{where}: fields 'chosen' and 'rejected': identical")
-        records.append(cls(**values))
+def _json_object(record: Any) -> dict[str, Any]:
+    """The JSON object a record is written as; the inverse of its reader."""
+    if isinstance(record, PromptExample):
+        # Flattened, as users write prompt files: `extra` is not a field name in the file.
+        return {"prompt": record.prompt, **record.extra}
+    return dataclasses.asdict(record)
+
+
+def _read_records(
+    path: PathLike, make_record: Callable[[dict[str, Any], str], Record]
+) -> list[Record]:
+    records = [make_record(obj, where) for where, obj in _read_objects(Path(path))]
     if not records:
         raise DataError(f"{path}: no records (the file is empty or has only blank lines)")
     return records
+
+
+def _sft_record(obj: dict[str, Any], where: str) -> SFTExample:
+    return SFTExample(_string_field(obj, "prompt", where), _string_field(obj, "response", where))
+
+
+def _preference_record(obj: dict[str, Any], where: str) -> PreferenceExample:
+    prompt, chosen, rejected = (
+        _string_field(obj, name, where) for name in ("prompt", "chosen", "rejected")
+    )
+    if chosen == rejected:
+        # A pair with nothing to prefer would only teach the reward model noise.
+        raise DataError(f"{where}: fields 'chosen' and 'rejected': identical")
+    return PreferenceExample(prompt, chosen, rejected)
+
+
+def _prompt_record(obj: dict[str, Any], where: str) -> PromptExample:
+    prompt = _string_field(obj, "prompt", where)
+    extra = {key: value for key, value in obj.items() if key != "prompt"}
+    return PromptExample(prompt, extra)
 
 
 def _read_objects(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:

@@ -11,6 +11,8 @@ SIGKILL). Configured by one environment variable so that launchers pass it throu
     MEGATRON_RLHF_FAULT="nan@train:5+"       ... and of every later step
     MEGATRON_RLHF_FAULT="kill_engine@generate:3"  the rollout engine's processes (vLLM) are
                                              SIGKILLed as step 3 starts generating
+    MEGATRON_RLHF_FAULT="kill@serve:4"       a serve-reward process dies as it starts scoring
+                                             its 4th batch (a reward service lost mid-run)
 
 Several faults are comma-separated; without a rank every rank is hit. Faults fire only in a
 job's first attempt (TORCHELASTIC_RESTART_COUNT and SLURM_RESTART_COUNT unset or 0), so the
@@ -26,7 +28,7 @@ from dataclasses import dataclass
 
 ENV = "MEGATRON_RLHF_FAULT"
 KINDS = ("kill", "hang", "sigusr1", "nan", "kill_engine")
-POINTS = ("train", "save", "generate")
+POINTS = ("train", "save", "generate", "serve")
 
 
 @dataclass

@@ -3,8 +3,10 @@
     python -m megatron_rlhf rl --config pipelines/tiny_cpu.yaml [key=value ...]   (alias: ppo)
 
 Actor and reference start from the SFT checkpoint, the reward model (and PPO's critic) from
-the RM checkpoint. Each iteration: generate (n samples per prompt; with dynamic sampling,
-more groups until the batch is full) -> score (old/reference log-probs, RM score, values) ->
+the RM checkpoint; without a reward model among rl.rewards the critic starts from the SFT
+actor with a fresh value head (rl.critic_from). Each iteration: generate (n samples per prompt;
+with dynamic sampling, more groups until the batch is full) -> score (old/reference log-probs,
+the reward of rl.rewards: reward model, rule functions, reward services; values) ->
 advantages (algorithms/advantages.py, one estimator per rl.algorithm) -> train (epochs x
 minibatches) -> eval when due. The math is in algorithms/; this file wires it. Writes
 <run>/<rl.algorithm>/.
@@ -21,15 +23,16 @@ from megatron_rlhf.algorithms.advantages import ESTIMATORS, Settings, group_view
 from megatron_rlhf.algorithms.kl import kl_estimate, make_kl_controller
 from megatron_rlhf.algorithms.losses import aggregate, log_importance_ratio, policy_loss, rollout_correction, value_loss
 from megatron_rlhf.algorithms.stats import explained_variance, response_repetition_rate
-from megatron_rlhf.checkpoint.dist import load_model_weights, load_role
+from megatron_rlhf.checkpoint.dist import load_extra_state, load_model_weights, load_role
 from megatron_rlhf.checkpoint.manager import resolve_checkpoint
 from megatron_rlhf.colocation import ColocationScheduler, phases_for
-from megatron_rlhf.config import Config, RLConfig, warnings_for
-from megatron_rlhf.data.encode import encode_prompts
+from megatron_rlhf.config import Config, ConfigError, RLConfig, warnings_for
+from megatron_rlhf.data.encode import EncodedPrompt, encode_prompt_records
 from megatron_rlhf.data.sampler import EpochSampler
 from megatron_rlhf.logging.reward_hacking import RewardHackingAlarm
 from megatron_rlhf.models.roles import Actor, Critic, Reference, RewardModel
 from megatron_rlhf.parallel.collectives import all_reduce, any_rank, dp_group, dp_sum, dp_sums, masked_moments
+from megatron_rlhf.rewards import RewardInputs, RewardSourceError, RewardSources
 from megatron_rlhf.rollout import Rollout, SamplingParams, make_engine
 from megatron_rlhf.rollout.batch import RolloutBatch
 from megatron_rlhf.trainers.batching import data_parallel, dp_slice, padded_forward
@@ -38,10 +41,24 @@ from megatron_rlhf.trainers.stage_data import load_stage_data, stage_dir
 
 
 # ----------------------------------------------------------------------------- generate
-def sequence_rewards(reward, rollout: Rollout, rl: RLConfig) -> torch.Tensor:
-    """[B] reward-model scores of the rollout's sequences (clip_scores applied)."""
-    scores = padded_forward(reward, {"tokens": rollout.tokens, "lengths": rollout.lengths}, rl.micro_batch_size)["rewards"]
-    return clip_scores(scores, rollout, rl)
+def sequence_rewards(rewards: RewardSources, rollout: Rollout, rows: list[EncodedPrompt], tokenizer,
+                     rl: RLConfig) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """[B] rewards of the rollout's sequences (clip_scores applied) and each source's [B] scores;
+    rows[i]: the prompt of row i (its text and extra fields go to rule functions and services)."""
+    total, per_source = rewards.score(rollout, lambda: reward_inputs(rollout, rows, tokenizer))
+    return clip_scores(total, rollout, rl), per_source
+
+
+def rm_scores(reward_model, rollout: Rollout, rl: RLConfig) -> torch.Tensor:
+    """[B] a reward model's scores of the rollout's sequences (no clip)."""
+    return padded_forward(reward_model, {"tokens": rollout.tokens, "lengths": rollout.lengths}, rl.micro_batch_size)["rewards"]
+
+
+def reward_inputs(rollout: Rollout, rows: list[EncodedPrompt], tokenizer) -> RewardInputs:
+    responses = rollout.response_ids()
+    return RewardInputs(prompts=[p.example.prompt for p in rows], responses=[tokenizer.decode(r) for r in responses],
+                        prompt_ids=[p.ids for p in rows], response_ids=responses, finished=rollout.finished.tolist(),
+                        extras=[dict(p.example.extra) for p in rows])
 
 
 def clip_scores(scores: torch.Tensor, rollout: Rollout, rl: RLConfig) -> torch.Tensor:
@@ -51,33 +68,40 @@ def clip_scores(scores: torch.Tensor, rollout: Rollout, rl: RLConfig) -> torch.T
     return scores.clamp(-rl.reward_clip, rl.reward_clip)
 
 
-def generate(engine, reward, draw_prompts, rl: RLConfig, sampling, seed: int) -> tuple[Rollout, torch.Tensor | None, dict]:
+def generate(engine, score_fn, draw_prompts, rl: RLConfig, sampling, seed: int):
     """This rank's rollout: each prompt of `draw_prompts()` sampled n times (a group: n
     consecutive rows). With dynamic sampling, groups whose rewards are all equal are dropped
     and new prompts drawn, at most rl.max_sampling_rounds rounds (every rank runs as many, so
     the global sampler stays in step); a shortfall is filled with dropped groups. Returns the
-    rollout, its scores (None without dynamic sampling: the score phase computes them) and,
-    with dynamic sampling, {"sampling_rounds": generation rounds, "sampling_shortfall":
-    uninformative groups this rank had to keep to fill its quota}."""
+    rollout, each row's prompt, its rewards (None without dynamic sampling: the score phase
+    computes them; else `score_fn(rollout, rows)`'s result) and, with dynamic sampling,
+    {"sampling_rounds": generation rounds, "sampling_shortfall": uninformative groups this
+    rank had to keep to fill its quota}."""
     n = rl.n_samples_per_prompt
     prompts = draw_prompts()
-    rollout = engine.generate([p for p in prompts for _ in range(n)], sampling, seed)
+    rows = [p for p in prompts for _ in range(n)]
+    rollout = engine.generate([p.ids for p in rows], sampling, seed)
     if not rl.dynamic_sampling:
-        return rollout, None, {}
-    quota, parts, scores = len(prompts), [rollout], [sequence_rewards(reward, rollout, rl)]
-    informative = [group_informative(scores[0], n)]
+        return rollout, rows, None, {}
+    quota, parts, part_rows, scored = len(prompts), [rollout], [rows], [score_fn(rollout, rows)]
+    informative = [group_informative(scored[0][0], n)]
     for extra in range(1, rl.max_sampling_rounds):
         if not any_rank(int(sum(int(i.sum()) for i in informative)) < quota):
             break
-        more = engine.generate([p for p in draw_prompts() for _ in range(n)], sampling, seed + 7919 * extra)
+        more_rows = [p for p in draw_prompts() for _ in range(n)]
+        more = engine.generate([p.ids for p in more_rows], sampling, seed + 7919 * extra)
         parts.append(more)
-        scores.append(sequence_rewards(reward, more, rl))
-        informative.append(group_informative(scores[-1], n))
+        part_rows.append(more_rows)
+        scored.append(score_fn(more, more_rows))
+        informative.append(group_informative(scored[-1][0], n))
     keep = torch.cat(informative)
-    rows = select_groups(keep, quota, n)
-    rollout = Rollout.cat(parts, engine.pad_id).select(rows)
-    return rollout, torch.cat(scores)[rows], {"sampling_rounds": len(parts),
-                                              "sampling_shortfall": max(quota - int(keep.sum()), 0)}
+    chosen = select_groups(keep, quota, n)
+    rollout = Rollout.cat(parts, engine.pad_id).select(chosen)
+    all_rows = [p for part in part_rows for p in part]
+    scores = torch.cat([total for total, _ in scored])[chosen]
+    per_source = {k: torch.cat([sources[k] for _, sources in scored])[chosen] for k in scored[0][1]}
+    return rollout, [all_rows[i] for i in chosen.tolist()], (scores, per_source), {
+        "sampling_rounds": len(parts), "sampling_shortfall": max(quota - int(keep.sum()), 0)}
 
 
 def select_groups(informative: torch.Tensor, quota: int, n: int) -> torch.Tensor:
@@ -94,18 +118,20 @@ def group_informative(scores: torch.Tensor, n: int) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------- score
-def score(rollout: Rollout, scores: torch.Tensor | None, roles: dict, rl: RLConfig) -> RolloutBatch:
-    """The train phase's batch from one forward of each role (on the roles' device)."""
+def score(rollout: Rollout, rewards: tuple[torch.Tensor, dict], roles: dict, rl: RLConfig):
+    """The train phase's batch from one forward of each role (on the roles' device) and the
+    rewards (sequence_rewards' result); also each reward source's [B] scores."""
     seqs, micro = {"tokens": rollout.tokens, "lengths": rollout.lengths}, rl.micro_batch_size
     mask = rollout.response_mask()
     values = padded_forward(roles["critic"], seqs, micro)["values"] * mask if "critic" in roles else None
+    scores, per_source = rewards
     return RolloutBatch(
         tokens=rollout.tokens, lengths=rollout.lengths, prompt_lengths=rollout.prompt_lengths, mask=mask,
         group_ids=torch.arange(len(rollout), device=mask.device) // rl.n_samples_per_prompt,
         old_logprobs=padded_forward(roles["actor"], seqs, micro)["logprobs"] * mask,
         ref_logprobs=padded_forward(roles["reference"], seqs, micro)["logprobs"] * mask,
-        scores=sequence_rewards(roles["reward"], rollout, rl) if scores is None else scores, values=values,
-        rollout_logprobs=rollout.logprobs * mask if rl.corrects_mismatch else None)
+        scores=scores, values=values,
+        rollout_logprobs=rollout.logprobs * mask if rl.corrects_mismatch else None), per_source
 
 
 # ----------------------------------------------------------------------------- advantages
@@ -183,7 +209,7 @@ def train_on_rollout(trained: dict, batch: RolloutBatch, rl: RLConfig, kl_coef: 
 
 # ----------------------------------------------------------------------------- metrics and eval
 def iteration_sums(rollout: Rollout, batch: RolloutBatch, kl_stats: dict, gold: float, repetition: float,
-                   sampling: dict, holdout: torch.Tensor | None = None) -> dict:
+                   sampling: dict, holdout: torch.Tensor | None = None, per_source: dict | None = None) -> dict:
     """This rank's sums of the per-iteration metrics (device tensors, host numbers for the
     text-based ones); `dp_sums` adds them over data-parallel ranks."""
     n = len(rollout)
@@ -193,19 +219,23 @@ def iteration_sums(rollout: Rollout, batch: RolloutBatch, kl_stats: dict, gold: 
         "logprob_mismatch": ((rollout.logprobs - batch.old_logprobs).abs() * batch.mask).sum(),
         "scored_tokens": batch.mask.sum(), "repetition_rate": repetition * n, **sampling,
         **({"holdout_rm_score": holdout.sum()} if holdout is not None else {}),
+        **{f"reward_{name}": scores.sum() for name, scores in (per_source or {}).items()},
     }
 
 
 def iteration_metrics(rollout, batch, kl_stats, texts, task, sampling: dict, kl_coef: float,
-                      holdout: torch.Tensor | None = None) -> dict[str, float]:
+                      holdout: torch.Tensor | None = None, per_source: dict | None = None) -> dict[str, float]:
     """The per-iteration means over every data-parallel rank (one collective); the dynamic
-    sampling shortfall summed over ranks."""
+    sampling shortfall summed over ranks. rm_score: the combined reward (rl.rewards, clipped);
+    reward_<name>: each source's own mean score."""
     gold = sum(task.gold_score(p, r) for p, r in texts) if task else 0.0
     repetition = response_repetition_rate(rollout.response_ids())
-    sums = dp_sums(iteration_sums(rollout, batch, kl_stats, gold, repetition, sampling, holdout), parallel.device())
+    sums = dp_sums(iteration_sums(rollout, batch, kl_stats, gold, repetition, sampling, holdout, per_source),
+                   parallel.device())
     n = sums["responses"]
     return {
         "responses": n, "rm_score": sums["rm_score"] / n, **({"gold_score": sums["gold_score"] / n} if task else {}),
+        **{name: sums[name] / n for name in sorted(sums) if name.startswith("reward_")},
         **({"holdout_rm_score": sums["holdout_rm_score"] / n} if holdout is not None else {}),
         "kl_mean": sums["kl"] / n, "kl_per_token": sums["kl"] / max(sums["kl_tokens"], 1.0),
         "kl_coef": kl_coef,  # the coefficient this iteration used
@@ -222,16 +252,17 @@ def iteration_metrics(rollout, batch, kl_stats, texts, task, sampling: dict, kl_
     }
 
 
-def evaluate(engine, judges: dict, tokenizer, task, prompts, sampling, micro, seed, sft: dict | None = None):
-    """Responses to the held-out prompts (sharded over DP ranks), scored by each judge (the
-    reward model, the holdout RM if any, the gold scorer if any). Returns the mean scores;
-    with `sft`, the SFT policy's per-prompt scores, the win rate against it (a tie counts
-    half); the per-prompt scores (every rank gets all of them); samples; response tokens."""
+def evaluate(engine, judges: dict, tokenizer, task, prompts: list[EncodedPrompt], sampling, seed, sft: dict | None = None):
+    """Responses to the held-out prompts (sharded over DP ranks), scored by each judge
+    (name -> judge(rollout, rows) -> [B] scores: the reward of rl.rewards, the holdout RM if
+    any) and the gold scorer if any. Returns the mean scores; with `sft`, the SFT policy's
+    per-prompt scores, the win rate against it (a tie counts half); the per-prompt scores
+    (every rank gets all of them); samples; response tokens."""
     rank, size = data_parallel()
-    rollout = engine.generate(prompts[rank::size], sampling, seed)
+    rows = prompts[rank::size]
+    rollout = engine.generate([p.ids for p in rows], sampling, seed)
     texts = decode_responses(rollout, tokenizer)
-    seqs = {"tokens": rollout.tokens, "lengths": rollout.lengths}
-    mine = {name: padded_forward(model, seqs, micro)["rewards"] for name, model in judges.items()}
+    mine = {name: judge(rollout, rows) for name, judge in judges.items()}
     if task:
         mine["gold"] = torch.tensor([task.gold_score(p, r) for p, r in texts], device=rollout.tokens.device)
     device = rollout.tokens.device
@@ -256,8 +287,9 @@ def decode_responses(rollout: Rollout, tokenizer) -> list[tuple[str, str]]:
 
 # ----------------------------------------------------------------------------- roles
 def build_roles(cfg: Config) -> dict:
-    """Actor, reference, reward model; the critic when the algorithm has one; the holdout
-    reward model when the RM stage trained one (rm.holdout_fraction)."""
+    """Actor, reference; the reward model when rl.rewards has a model source; the critic when
+    the algorithm has one; the holdout reward model when the RM stage trained one
+    (rm.holdout_fraction)."""
     rl = cfg.rl
     # LR schedules run over every optimizer step: epochs x minibatches per iteration
     total_steps = rl.steps * rl.epochs * (rl.samples_per_iteration // rl.mini_batch_size)
@@ -265,8 +297,9 @@ def build_roles(cfg: Config) -> dict:
         "actor": Actor(cfg, trainable=True, temperature=rl.temperature, optimizer=rl.actor_optimizer,
                        total_steps=total_steps),
         "reference": Reference(cfg, temperature=rl.temperature),
-        "reward": RewardModel(cfg),
     }
+    if rl.has_reward_model:
+        roles["reward"] = RewardModel(cfg)
     if rl.has_critic:
         roles["critic"] = Critic(cfg, trainable=True, optimizer=rl.critic_optimizer, total_steps=total_steps)
     if cfg.rm.holdout_fraction > 0:  # the reward-hacking alarm's independent judge
@@ -275,32 +308,52 @@ def build_roles(cfg: Config) -> dict:
 
 
 def load_inputs(cfg: Config, roles: dict, fresh_start: bool) -> str:
-    """Reference from SFT and reward model from RM; on a fresh start also the actor (from
-    SFT) and the critic (from RM); a resumed run has them from its own checkpoint."""
-    sft = resolve_checkpoint(cfg.rl.sft_from or stage_dir(cfg, "sft"))
-    rm = resolve_checkpoint(cfg.rl.rm_from or stage_dir(cfg, "rm"))
+    """Reference from SFT and reward model (if any) from RM; on a fresh start also the actor
+    (from SFT) and the critic (rl.critic_from); a resumed run has them from its own checkpoint."""
+    rl = cfg.rl
+    sft = resolve_checkpoint(rl.sft_from or stage_dir(cfg, "sft"))
+    rm = resolve_checkpoint(rl.rm_from or stage_dir(cfg, "rm")) if rl.needs_rm_checkpoint else None
     load_role(roles["reference"], sft / "actor", with_optimizer=False)
-    load_role(roles["reward"], rm / "reward", with_optimizer=False)
+    if "reward" in roles:
+        load_role(roles["reward"], rm / "reward", with_optimizer=False)
     if "holdout_reward" in roles:
         load_role(roles["holdout_reward"], resolve_checkpoint(stage_dir(cfg, "rm_holdout")) / "reward", with_optimizer=False)
-    if not fresh_start:
-        return f"reference from {sft}, reward model from {rm}"
-    load_model_weights(roles["actor"], sft / "actor")
-    if "critic" not in roles:
-        return f"actor/reference from {sft}, reward model from {rm} (no critic: rl.algorithm={cfg.rl.algorithm})"
-    load_model_weights(roles["critic"], rm / "reward")  # value head starts as the reward head
-    fold_reward_normalization(roles["critic"], roles["reward"])
-    return f"actor/reference from {sft}, reward model/critic from {rm}"
+    notes = [f"reference from {sft}", *([f"reward model from {rm}"] if "reward" in roles else [])]
+    if fresh_start:
+        load_model_weights(roles["actor"], sft / "actor")
+        notes[0] = f"actor/reference from {sft}"
+        notes.append(load_critic(rl, roles, sft, rm) if "critic" in roles else f"no critic: rl.algorithm={rl.algorithm}")
+    return ", ".join(notes)
+
+
+def load_critic(rl: RLConfig, roles: dict, sft, rm) -> str:
+    """The critic's starting weights (rl.critic_from): the reward model with its normalisation
+    folded into the value head, the SFT actor with a fresh value head, or a checkpoint's critic."""
+    critic, start = roles["critic"], rl.critic_start
+    if start == "rm":  # with or without a reward model role (a served RM: rl.rm_from, no model source)
+        load_model_weights(critic, rm / "reward")  # value head starts as the reward head
+        normalization = load_extra_state(rm / "reward")
+        fold_reward_normalization(critic, normalization.get("reward_mean", 0.0), normalization.get("reward_std", 1.0))
+        return f"critic from {rm}"
+    if start == "sft":
+        load_model_weights(critic, sft / "actor", skip_prefixes=("output_layer.",))
+        return f"critic from {sft} (fresh value head)"
+    source = resolve_checkpoint(start)
+    if not (source / "critic").is_dir():
+        raise ConfigError(f"rl.critic_from={start}: {source} has no critic role (a ppo stage checkpoint has one); "
+                          "for a reward model use rl.critic_from=rm (with rl.rm_from), for the SFT actor rl.critic_from=sft")
+    load_model_weights(critic, source / "critic")
+    return f"critic from {source}"
 
 
 @torch.no_grad()
-def fold_reward_normalization(critic, reward) -> None:
+def fold_reward_normalization(critic, reward_mean: float = 0.0, reward_std: float = 1.0) -> None:
     """The critic predicts returns in normalised reward units: fold the RM's (mean, std) into
     the value head it starts from, w' = w/std, b' = (b - mean)/std."""
     head = critic.module.output_layer if hasattr(critic.module, "output_layer") else None
     if head is not None:  # only the last pipeline stage holds the head
-        head.weight.div_(reward.reward_std)
-        head.bias.sub_(reward.reward_mean).div_(reward.reward_std)
+        head.weight.div_(reward_std)
+        head.bias.sub_(reward_mean).div_(reward_std)
     critic.optimizer.reload_model_params()
 
 
@@ -310,13 +363,23 @@ def train(cfg: Config) -> dict:
     runner = StageRunner(cfg, "rl", rl.steps, rl.log_interval, rl.save_interval)
     data = load_stage_data(cfg, ("prompts_train", "prompts_eval"))
     tok, max_prompt = data.tokenizer, cfg.model.max_seq_length - rl.max_new_tokens
-    train_prompts, train_report = encode_prompts(data.splits["prompts_train"], tok, max_prompt)
-    eval_prompts, _ = encode_prompts(data.splits["prompts_eval"], tok, max_prompt)
+    train_prompts, train_report = encode_prompt_records(data.splits["prompts_train"], tok, max_prompt)
+    eval_prompts, _ = encode_prompt_records(data.splits["prompts_eval"], tok, max_prompt)
     roles = build_roles(cfg)
     sched = ColocationScheduler(roles, phases_for(roles, reward_in_generate=rl.dynamic_sampling,
                                                   engine=cfg.rollout.engine))
-    with make_engine(cfg, roles["actor"], tok.eos_id, tok.pad_id, workdir=runner.out) as engine:
-        return run_iterations(cfg, runner, data, roles, engine, sched, (train_prompts, train_report, eval_prompts))
+    rewards = RewardSources(cfg, roles.get("reward"))
+    try:
+        with make_engine(cfg, roles["actor"], tok.eos_id, tok.pad_id, workdir=runner.out) as engine:
+            return run_iterations(cfg, runner, data, roles, engine, sched, rewards,
+                                  (train_prompts, train_report, eval_prompts))
+    except RewardSourceError as err:  # stop once the checkpoints already started are committed
+        runner.ckpt.wait()
+        latest = runner.ckpt.latest()
+        where = f"the last checkpoint is {latest}: rerun to resume from it" if latest else "no checkpoint yet: rerun starts over"
+        raise RewardSourceError(f"{err}\n{where}") from err
+    finally:
+        rewards.close()
 
 
 def sync_weights(engine, sched) -> bool:
@@ -328,7 +391,7 @@ def sync_weights(engine, sched) -> bool:
     return True
 
 
-def run_iterations(cfg: Config, runner, data, roles, engine, sched, prompts) -> dict:
+def run_iterations(cfg: Config, runner, data, roles, engine, sched, rewards: RewardSources, prompts) -> dict:
     rl, tok, (train_prompts, train_report, eval_prompts) = cfg.rl, data.tokenizer, prompts
     trained = {name: roles[name] for name in ("actor", "critic") if name in roles}
     kl_ctl = make_kl_controller(rl.kl_controller, rl.kl_coef, rl.kl_target, rl.kl_horizon)
@@ -348,8 +411,11 @@ def run_iterations(cfg: Config, runner, data, roles, engine, sched, prompts) -> 
     sampling = SamplingParams(rl.temperature, rl.top_k, rl.top_p, rl.max_new_tokens)
     dp_rank, dp = data_parallel()
     draw_prompts = lambda: [train_prompts[i] for i in dp_slice(sampler.next_indices(rl.rollout_batch_size), dp_rank, dp)]  # noqa: E731
-    judges = {name: roles[role] for name, role in (("rm", "reward"), ("holdout_rm", "holdout_reward")) if role in roles}
-    run_eval = partial(evaluate, engine, judges, tok, data.task, eval_prompts, sampling, rl.micro_batch_size, cfg.seed + 17)
+    score_fn = partial(sequence_rewards, rewards, tokenizer=tok, rl=rl)  # (rollout, rows) -> (rewards, per source)
+    judges = {"rm": lambda rollout, rows: rewards.score(rollout, lambda: reward_inputs(rollout, rows, tok))[0]}
+    if "holdout_reward" in roles:
+        judges["holdout_rm"] = lambda rollout, rows: rm_scores(roles["holdout_reward"], rollout, rl)
+    run_eval = partial(evaluate, engine, judges, tok, data.task, eval_prompts, sampling, cfg.seed + 17)
     synced = sync_weights(engine, sched)  # False whenever the actor changed since
     with sched.phase("eval") as phase:
         eval_metrics, samples, phase.tokens, per_prompt = run_eval()
@@ -362,17 +428,22 @@ def run_iterations(cfg: Config, runner, data, roles, engine, sched, prompts) -> 
         log.log(0, eval_metrics)  # the SFT policy: the eval curves start here
 
     samples_seen, metrics = state.get("consumed_samples", 0), {}
+    trainer_state = lambda: dict(kl_controller=kl_ctl.state_dict(), before=before,  # noqa: E731
+                                 reward_hacking=alarm.state_dict(), wall_clock_phases=sched.state_dict())
     for step in runner.steps():
         seed = cfg.seed * 100_003 + step * 1_009 + dp_rank
         synced = synced or sync_weights(engine, sched)
-        with sched.phase("generate") as phase:
-            rollout, scores, sampling_stats = generate(engine, roles["reward"], draw_prompts, rl, sampling, seed)
-            phase.tokens = int(rollout.response_lengths().sum())
-        runner.heartbeat.beat()
-        with sched.phase("score") as phase:
-            batch = score(rollout, scores, roles, rl)
-            holdout = sequence_rewards(roles["holdout_reward"], rollout, rl) if "holdout_reward" in roles else None
-            phase.tokens = int(rollout.lengths.sum())
+        # a reward source that fails here (no weights changed yet) leaves the last step checkpointed
+        with runner.rewind_on((RewardSourceError,), samples_seen, **trainer_state()):
+            with sched.phase("generate") as phase:
+                rollout, rows, scored, sampling_stats = generate(engine, score_fn, draw_prompts, rl, sampling, seed)
+                phase.tokens = int(rollout.response_lengths().sum())
+            runner.heartbeat.beat()
+            with sched.phase("score") as phase:
+                batch, per_source = score(rollout, scored or score_fn(rollout, rows), roles, rl)
+                holdout = (clip_scores(rm_scores(roles["holdout_reward"], rollout, rl), rollout, rl)
+                           if "holdout_reward" in roles else None)
+                phase.tokens = int(rollout.lengths.sum())
         runner.heartbeat.beat()
         with sched.phase("train") as phase:
             kl_coef, train_actor = kl_ctl.value, step > rl.critic_warmup_steps
@@ -382,7 +453,7 @@ def run_iterations(cfg: Config, runner, data, roles, engine, sched, prompts) -> 
             synced = synced and not train_actor
             phase.tokens = int(rollout.lengths.sum()) * rl.epochs
         metrics = iteration_metrics(rollout, batch, kl_stats, decode_responses(rollout, tok), data.task,
-                                    sampling_stats, kl_coef, holdout)
+                                    sampling_stats, kl_coef, holdout, per_source)
         samples_seen += int(metrics.pop("responses"))
         if train_actor:  # the actor does not move during critic warm-up: nothing to steer yet
             kl_ctl.update(metrics["kl_mean"], int(rl.samples_per_iteration))
@@ -395,12 +466,13 @@ def run_iterations(cfg: Config, runner, data, roles, engine, sched, prompts) -> 
                 eval_metrics, samples, phase.tokens, _ = run_eval(sft=before.get("per_prompt"))
             metrics.update(eval_metrics)
             log.info(f"step {step} samples: {samples[: rl.eval_samples_logged]}")
-        metrics.update(train_stats, **engine.metrics(), **skipped_steps(trained, by_role=True), **sched.step_metrics())
-        runner.end_step(metrics, samples_seen, evaluated, kl_controller=kl_ctl.state_dict(), before=before,
-                        reward_hacking=alarm.state_dict(), wall_clock_phases=sched.state_dict())
+        metrics.update(train_stats, **engine.metrics(), **rewards.pop_stats(), **skipped_steps(trained, by_role=True),
+                       **sched.step_metrics())
+        runner.end_step(metrics, samples_seen, evaluated, **trainer_state())
 
-    return runner.finish(rl_summary(rl, before, eval_metrics, metrics, kl_ctl, sched, samples_seen, samples, roles,
-                                    alarm, data.sources, cfg.rollout.engine), done_message(before["eval"], eval_metrics))
+    summary = rl_summary(rl, before, eval_metrics, metrics, kl_ctl, sched, samples_seen, samples, roles, alarm,
+                         data.sources, cfg.rollout.engine)
+    return runner.finish(summary, done_message(before["eval"], eval_metrics))
 
 
 def format_scores(metrics: dict) -> str:
@@ -412,6 +484,10 @@ def rl_summary(rl, before, eval_metrics, metrics, kl_ctl, sched, samples_seen, s
     phases = sched.summary()
     return {
         "algorithm": rl.algorithm, "roles": sorted(roles), "data_sources": data_sources,
+        # what the reward is made of, and each source's mean score in the last iteration
+        "reward_sources": [{"name": src.label, "type": src.type, "weight": src.weight,
+                            "source": {"model": rl.rm_from or "<run>/rm", "function": src.function, "http": src.url}[src.type],
+                            "score_final": metrics.get(f"reward_{src.label}")} for src in rl.rewards],
         # the final policy against the SFT policy on the held-out prompts (null: not measured)
         **{f"win_rate_{judge}_final": eval_metrics.get(f"eval_win_rate_{judge}") for judge in ("rm", "gold", "holdout_rm")},
         "reward_hacking_alarms": alarm.alarms,

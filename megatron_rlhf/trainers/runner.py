@@ -19,13 +19,15 @@ from __future__ import annotations
 
 import json
 import time
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
 import torch.distributed as dist
 
 from megatron_rlhf import parallel
-from megatron_rlhf.checkpoint.manager import CheckpointManager
+from megatron_rlhf.checkpoint.manager import CheckpointManager, rng_state, set_rng_state
+from megatron_rlhf.checkpoint.validate import iter_name
 from megatron_rlhf.colocation import peak_memory_bytes, reset_peak_memory
 from megatron_rlhf.config import Config
 from megatron_rlhf.logging.metrics import MetricsLogger, nonfinite_to_null
@@ -87,6 +89,26 @@ class StageRunner:
         checkpoint_if_due(self.ckpt, self.log, self.preemption, self.step, self.total, self.save_interval,
                           self.trained, trainer_state(self.step, consumed_samples, self.sampler, self.trained, **state))
         self.heartbeat.beat()
+
+    @contextmanager
+    def rewind_on(self, errors: tuple[type[BaseException], ...], consumed_samples: int, **state):
+        """Wrap the part of a step that changes no weights (e.g. generate and score). If it
+        raises one of `errors`, the previous step is checkpointed as it ended (the sampler's
+        position and the RNG streams from before this part, the trainer `state` given) unless it
+        already was, then the error propagates: a rerun resumes as if nothing had happened."""
+        position, rng = self.sampler.state_dict(), rng_state()
+        try:
+            yield
+        except errors:
+            previous = self.step - 1
+            if previous > 0 and not (self.ckpt.stage_dir / iter_name(previous)).is_dir():
+                self.sampler.load_state_dict(position)
+                set_rng_state(rng)
+                self.ckpt.save(previous, self.trained, trainer_state(previous, consumed_samples, self.sampler,
+                                                                     self.trained, **state))
+                self.ckpt.wait()
+                self.log.info(f"checkpoint of step {previous} (the last complete one) saved before stopping")
+            raise
 
     # ------------------------------------------------------------------ end
     def finish(self, fields: dict, message: str) -> dict:

@@ -153,6 +153,12 @@ def preflight(cfg: Config, command: str) -> list[str]:
                 raise jsonl.DataError(f"data.{field_name}={where}: file not found")
     if command in ("import-hf", "export-hf", "stages"):
         return list(cfg.hf_notes)
+    if "rl" in stages:  # a rule reward's file must exist before any worker starts
+        from megatron_rlhf.rewards.function import resolve_function_file
+
+        for i, src in enumerate(cfg.rl.rewards):
+            if src.type == "function":
+                resolve_function_file(src.function, f"rl.rewards[{i}].function")
     if "rl" in stages and cfg.rollout.engine == "vllm":
         from megatron_rlhf.rollout.vllm_engine import check_can_run  # imports vLLM: only when asked for
 

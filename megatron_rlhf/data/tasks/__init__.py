@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from megatron_rlhf.data.tasks.arithmetic import ArithmeticTask
 from megatron_rlhf.data.tasks.base import Task, TaskSizes, TaskSplits
 from megatron_rlhf.data.tasks.sentiment import SentimentTask
 
-TASKS: dict[str, type[Task]] = {"sentiment": SentimentTask}
+TASKS: dict[str, type[Task]] = {"sentiment": SentimentTask, "arithmetic": ArithmeticTask}
 
-__all__ = ["TASKS", "SentimentTask", "Task", "TaskSizes", "TaskSplits", "get_task"]
+__all__ = [
+    "TASKS", "ArithmeticTask", "SentimentTask", "Task", "TaskSizes", "TaskSplits", "get_task",
+]
 
 
 def get_task(name: str) -> Task:

@@ -1,0 +1,112 @@
+"""The RL stage's reward: the weighted sum of its reward sources (rl.rewards).
+
+    reward = sum_i weight_i * score_i      (then rl.missing_eos_penalty and rl.reward_clip)
+
+A source is the reward model role (`model`), a rule function (`function`, rewards/function.py)
+or a reward service (`http`, rewards/http.py; served by `python -m megatron_rlhf serve-reward`).
+Each source's own mean score is logged as reward_<name>, so a user sees which one moved.
+
+Device and process discipline: the reward model runs on every rank of its model-parallel group
+(a collective forward). A function or service is called once per data-parallel replica, by the
+replica's first rank, and its scores are broadcast to the rest of the replica as a device
+tensor; a failure anywhere stops every rank with the same error (no rank left waiting).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from megatron_rlhf.config import RLConfig
+from megatron_rlhf.parallel.collectives import any_rank
+from megatron_rlhf.rewards.base import RewardInputs, RewardSourceError
+
+__all__ = ["RewardInputs", "RewardSourceError", "RewardSources"]
+
+
+def build_source(cfg, index: int, reward_role):
+    """The scorer of rl.rewards[index]: the reward role, a FunctionReward or an HttpRewardClient."""
+    src = cfg.rl.rewards[index]
+    if src.type == "model":
+        return reward_role
+    if src.type == "function":
+        from megatron_rlhf.rewards.function import FunctionReward
+
+        return FunctionReward(src.function, src.label, f"rl.rewards[{index}].function")
+    from megatron_rlhf.rewards.http import HttpRewardClient
+
+    return HttpRewardClient(src.url, name=src.label, timeout_s=src.timeout_s, max_retries=src.max_retries,
+                            backoff_s=src.backoff_s, max_backoff_s=src.max_backoff_s, batch_size=src.batch_size,
+                            max_concurrency=src.max_concurrency)
+
+
+class RewardSources:
+    """Scores rollouts with every source of rl.rewards and combines them."""
+
+    def __init__(self, cfg, reward_role=None):
+        self.rl: RLConfig = cfg.rl
+        self.sources = [(src.label, src.weight, build_source(cfg, i, reward_role)) for i, src in enumerate(cfg.rl.rewards)]
+
+    def score(self, rollout, inputs_fn) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """([B] combined reward (penalty and clip not applied), {name: [B] that source's
+        scores}), float32 on the rollout's device. `inputs_fn()` builds the RewardInputs
+        (decoded text), only when a function or service needs them."""
+        inputs, per_source = None, {}
+        for label, _, source in self.sources:
+            if hasattr(source, "forward"):  # the reward model role: a collective forward
+                from megatron_rlhf.trainers.batching import padded_forward
+
+                seqs = {"tokens": rollout.tokens, "lengths": rollout.lengths}
+                per_source[label] = padded_forward(source, seqs, self.rl.micro_batch_size)["rewards"]
+                continue
+
+            inputs = inputs if inputs is not None else inputs_fn()
+            per_source[label] = on_replica_leader(source.score, inputs, rollout.tokens.device)
+        return weighted_sum(per_source, {label: weight for label, weight, _ in self.sources}), per_source
+
+    def pop_stats(self) -> dict[str, float]:
+        """Service statistics since the last call (requests, retries, latency) per source."""
+        stats = {}
+        for label, _, source in self.sources:
+            if hasattr(source, "pop_stats"):
+                stats.update({f"reward_{label}_{k}": v for k, v in source.pop_stats().items()})
+        return stats
+
+    def close(self) -> None:
+        for _, _, source in self.sources:
+            if hasattr(source, "close"):
+                source.close()
+
+
+def weighted_sum(scores: dict[str, torch.Tensor], weights: dict[str, float]) -> torch.Tensor:
+    """sum_i weights[i] * scores[i] in float32, on the scores' device."""
+    total = None
+    for name, weight in weights.items():
+        term = weight * scores[name].float()
+        total = term if total is None else total + term
+    return total
+
+
+def replica_leader_and_group():
+    """(global rank of this data-parallel replica's first rank, the replica's process group)."""
+    from megatron.core import parallel_state
+
+    group = parallel_state.get_model_parallel_group()
+    return dist.get_process_group_ranks(group)[0], group
+
+
+def on_replica_leader(score_fn, inputs: RewardInputs, device: torch.device) -> torch.Tensor:
+    """score_fn(inputs) on the replica's first rank, broadcast to the replica as a float32
+    device tensor. A RewardSourceError on any rank is raised on every rank."""
+    leader, group = replica_leader_and_group()
+    error, scores = None, torch.zeros(len(inputs), dtype=torch.float64, device=device)
+    if dist.get_rank() == leader:
+        try:
+            scores = torch.tensor(score_fn(inputs), dtype=torch.float64, device=device)
+        except RewardSourceError as err:
+            error = err
+    if any_rank(error is not None):  # every rank stops, none waits in a later collective
+        raise error or RewardSourceError("a reward source failed on another rank (its error is in that rank's log)")
+    if dist.get_world_size(group) > 1:
+        dist.broadcast(scores, src=leader, group=group)
+    return scores.float()
