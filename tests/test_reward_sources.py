@@ -134,3 +134,14 @@ def test_the_pre_flight_check_finds_a_missing_rule_file_before_any_worker_starts
     with pytest.raises(ConfigError, match=r"rl.rewards\[0\].function=.*gone.py:score.*file not found"):
         preflight(cfg, "pipeline")
     assert preflight(cfg_with(RULE, "data.task=arithmetic", f"checkpoint.root={tmp_path}"), "rl")  # the shipped one
+
+
+def test_the_reward_is_the_weighted_sum_of_the_sources():
+    import torch
+
+    from megatron_rlhf.rewards import weighted_sum
+
+    rm, exact = torch.tensor([0.5, -1.0, 2.0]), torch.tensor([1.0, 0.0, 1.0], dtype=torch.float64)
+    total = weighted_sum({"rm": rm, "exact": exact}, {"rm": 2.0, "exact": -0.5})
+    assert total.dtype == torch.float32 and torch.equal(total, torch.tensor([0.5, -2.0, 3.5]))
+    assert torch.equal(weighted_sum({"rm": rm}, {"rm": 1.0}), rm)  # one source of weight 1: its scores, bit for bit

@@ -54,12 +54,8 @@ class RewardSources:
         inputs, per_source = None, {}
         for label, _, source in self.sources:
             if hasattr(source, "forward"):  # the reward model role: a collective forward
-                from megatron_rlhf.trainers.batching import padded_forward
-
-                seqs = {"tokens": rollout.tokens, "lengths": rollout.lengths}
-                per_source[label] = padded_forward(source, seqs, self.rl.micro_batch_size)["rewards"]
+                per_source[label] = rm_scores(source, rollout, self.rl.micro_batch_size)
                 continue
-
             inputs = inputs if inputs is not None else inputs_fn()
             per_source[label] = on_replica_leader(source.score, inputs, rollout.tokens.device)
         return weighted_sum(per_source, {label: weight for label, weight, _ in self.sources}), per_source
@@ -76,6 +72,14 @@ class RewardSources:
         for _, _, source in self.sources:
             if hasattr(source, "close"):
                 source.close()
+
+
+def rm_scores(reward_model, rollout, micro_batch_size: int) -> torch.Tensor:
+    """[B] a reward model's (normalised, unclipped) scores of the rollout's sequences."""
+    from megatron_rlhf.trainers.batching import padded_forward
+
+    seqs = {"tokens": rollout.tokens, "lengths": rollout.lengths}
+    return padded_forward(reward_model, seqs, micro_batch_size)["rewards"]
 
 
 def weighted_sum(scores: dict[str, torch.Tensor], weights: dict[str, float]) -> torch.Tensor:

@@ -32,7 +32,7 @@ from megatron_rlhf.data.sampler import EpochSampler
 from megatron_rlhf.logging.reward_hacking import RewardHackingAlarm
 from megatron_rlhf.models.roles import Actor, Critic, Reference, RewardModel
 from megatron_rlhf.parallel.collectives import all_reduce, any_rank, dp_group, dp_sum, dp_sums, masked_moments
-from megatron_rlhf.rewards import RewardInputs, RewardSourceError, RewardSources
+from megatron_rlhf.rewards import RewardInputs, RewardSourceError, RewardSources, rm_scores
 from megatron_rlhf.rollout import Rollout, SamplingParams, make_engine
 from megatron_rlhf.rollout.batch import RolloutBatch
 from megatron_rlhf.trainers.batching import data_parallel, dp_slice, padded_forward
@@ -47,11 +47,6 @@ def sequence_rewards(rewards: RewardSources, rollout: Rollout, rows: list[Encode
     rows[i]: the prompt of row i (its text and extra fields go to rule functions and services)."""
     total, per_source = rewards.score(rollout, lambda: reward_inputs(rollout, rows, tokenizer))
     return clip_scores(total, rollout, rl), per_source
-
-
-def rm_scores(reward_model, rollout: Rollout, rl: RLConfig) -> torch.Tensor:
-    """[B] a reward model's scores of the rollout's sequences (no clip)."""
-    return padded_forward(reward_model, {"tokens": rollout.tokens, "lengths": rollout.lengths}, rl.micro_batch_size)["rewards"]
 
 
 def reward_inputs(rollout: Rollout, rows: list[EncodedPrompt], tokenizer) -> RewardInputs:
@@ -414,7 +409,7 @@ def run_iterations(cfg: Config, runner, data, roles, engine, sched, rewards: Rew
     score_fn = partial(sequence_rewards, rewards, tokenizer=tok, rl=rl)  # (rollout, rows) -> (rewards, per source)
     judges = {"rm": lambda rollout, rows: rewards.score(rollout, lambda: reward_inputs(rollout, rows, tok))[0]}
     if "holdout_reward" in roles:
-        judges["holdout_rm"] = lambda rollout, rows: rm_scores(roles["holdout_reward"], rollout, rl)
+        judges["holdout_rm"] = lambda rollout, rows: rm_scores(roles["holdout_reward"], rollout, rl.micro_batch_size)
     run_eval = partial(evaluate, engine, judges, tok, data.task, eval_prompts, sampling, cfg.seed + 17)
     synced = sync_weights(engine, sched)  # False whenever the actor changed since
     with sched.phase("eval") as phase:
@@ -441,7 +436,7 @@ def run_iterations(cfg: Config, runner, data, roles, engine, sched, rewards: Rew
             runner.heartbeat.beat()
             with sched.phase("score") as phase:
                 batch, per_source = score(rollout, scored or score_fn(rollout, rows), roles, rl)
-                holdout = (clip_scores(rm_scores(roles["holdout_reward"], rollout, rl), rollout, rl)
+                holdout = (clip_scores(rm_scores(roles["holdout_reward"], rollout, rl.micro_batch_size), rollout, rl)
                            if "holdout_reward" in roles else None)
                 phase.tokens = int(rollout.lengths.sum())
         runner.heartbeat.beat()
