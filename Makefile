@@ -13,7 +13,7 @@ PYTHON312 ?= $(shell (python3.12 -c 'import sys' >/dev/null 2>&1 && command -v p
 	(v=$$(pyenv versions --bare 2>/dev/null | grep '^3\.12' | tail -n1); \
 	 [ -n "$$v" ] && PYENV_VERSION=$$v pyenv which python3.12 2>/dev/null))
 
-.PHONY: setup test test-fast pipeline pipeline-vllm pipeline-arithmetic smoke sft rm ppo bench bench-vllm clean-venv
+.PHONY: setup test test-fast pipeline pipeline-vllm pipeline-arithmetic pipeline-dpo smoke sft rm dpo rl ppo bench bench-vllm clean-venv
 
 setup: $(STAMP)
 
@@ -97,8 +97,14 @@ pipeline-arithmetic: setup
 	$(PY) -m megatron_rlhf.torchrun --nproc-per-node $(PIPELINE_NPROC) \
 	  pipeline --config pipelines/tiny_cpu_arithmetic.yaml $(ARGS)
 
+# SFT -> DPO on the default task (pipelines/tiny_cpu_dpo.yaml; README "DPO"). The route
+# SFT -> RM -> DPO -> PPO: make pipeline CONFIG=pipelines/tiny_cpu_dpo_ppo.yaml
+pipeline-dpo: setup
+	$(PY) -m megatron_rlhf.torchrun --nproc-per-node $(PIPELINE_NPROC) \
+	  pipeline --config pipelines/tiny_cpu_dpo.yaml $(ARGS)
+
 # Stages on the default recipe; NPROC processes (data-parallel unless ARGS sets TP/PP).
-sft rm rl ppo: setup
+sft rm dpo rl ppo: setup
 	$(PY) -m megatron_rlhf.torchrun --nproc-per-node $(NPROC) \
 	  $@ --config $(CONFIG) $(ARGS)
 

@@ -25,6 +25,8 @@ COMMANDS = {
     "smoke": "the four roles at the configured TP x PP: forward + one optimizer step each",
     "sft": "supervised fine-tuning stage -> <run>/sft",
     "rm": "reward-model stage (starts from the SFT checkpoint) -> <run>/rm",
+    "dpo": "DPO stage: the policy from preference pairs against a frozen reference (both start from SFT) "
+           "-> <run>/dpo",
     "rl": "RL stage, rl.algorithm = ppo (default) | grpo | rloo | reinforce_pp | reinforce_pp_baseline | "
           "batch_mean (actor/reference from SFT, reward model and PPO's critic from RM) -> <run>/<algorithm>",
     "ppo": "the rl stage (the name older scripts use)",
@@ -88,6 +90,10 @@ def run_command(command: str, cfg) -> None:
         from megatron_rlhf.trainers import rm
 
         rm.train(cfg)
+    elif command == "dpo":
+        from megatron_rlhf.trainers import dpo
+
+        dpo.train(cfg)
     elif command in ("rl", "ppo"):
         from megatron_rlhf.trainers import rl
 

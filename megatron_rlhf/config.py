@@ -33,10 +33,13 @@ GROUP_BASELINES = ("grpo", "rloo", "reinforce_pp_baseline")  # need n_samples_pe
 CRITIC_FIELDS = ("critic_optimizer", "vf_coef", "value_clip", "critic_warmup_steps", "lam", "whiten_advantages",
                  "critic_from")
 IMPORTANCE_RATIOS = ("token", "sequence")
-STAGES = ("sft", "rm", "rl")
+STAGES = ("sft", "rm", "dpo", "rl")
+DEFAULT_STAGES = ("sft", "rm", "rl")
 # What each stage starts from: an earlier stage in pipeline.stages, or the field naming its checkpoint.
-STAGE_INPUTS = {"rm": {"sft": "rm.init_from"}, "rl": {"sft": "rl.sft_from", "rm": "rl.rm_from"}}
+STAGE_INPUTS = {"rm": {"sft": "rm.init_from"}, "dpo": {"sft": "dpo.init_from"},
+                "rl": {"sft": "rl.sft_from", "rm": "rl.rm_from"}}
 # ... unless the stage does not need that input (see _stage_needs)
+DPO_LOSSES = ("sigmoid", "ipo")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 KL_CONTROLLERS = ("fixed", "adaptive")
 LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum")
@@ -223,6 +226,28 @@ class RMConfig(StageConfig):
     holdout_fraction: float = 0.0
 
 
+@dataclass
+class DPOConfig(StageConfig):
+    """Direct preference optimisation (python -m megatron_rlhf dpo; algorithms/dpo.py): batch
+    sizes in preference pairs, like rm. Writes <run>/dpo/ (an actor role, like sft)."""
+
+    # sigmoid: DPO's -log sigmoid(beta x (log-ratio chosen - log-ratio rejected)), log-ratios
+    # summed over the response tokens; ipo: (h - 1/(2 beta))^2 with log-ratios averaged over them.
+    loss: str = "sigmoid"
+    beta: float = 0.1
+    # sigmoid only: conservative DPO, the preference label is wrong with this probability (< 0.5).
+    label_smoothing: float = 0.0
+    # Weight of an extra NLL term on the chosen response (mean over its tokens; 0: none).
+    sft_weight: float = 0.0
+    # false: a reference role resident at the actor's TP x PP computes each batch's reference
+    # log-probs; true: computed once for every pair at the start, the reference freed, and the
+    # table kept in the stage's checkpoints (no reference forward or weights during training).
+    precompute_reference: bool = False
+    # Stage (or iter_*) directory of the starting checkpoint (actor and reference); default:
+    # <run>/sft, or, when that has no checkpoint, model.init_from_hf.
+    init_from: str | None = None
+
+
 REWARD_SOURCE_TYPES = ("model", "function", "http")
 # Fields each reward source type reads (beyond type, weight, name); others must stay unset.
 REWARD_SOURCE_FIELDS = {"model": (), "function": ("function",),
@@ -344,7 +369,8 @@ class RLConfig:
     # head), sft (the SFT actor with a fresh value head) or a checkpoint directory (its critic
     # role, else its reward role). Default: rm with a model reward source, else sft.
     critic_from: str | None = None
-    # Stage (or iter_*) directories of the inputs; default <run>/sft and <run>/rm.
+    # Stage (or iter_*) directories of the inputs; default <run>/sft (<run>/dpo when
+    # pipeline.stages runs dpo before rl: the actor and reference start from the DPO policy) and <run>/rm.
     sft_from: str | None = None
     rm_from: str | None = None
 
@@ -400,9 +426,10 @@ class RolloutConfig:
 
 @dataclass
 class PipelineConfig:
-    # Stages `pipeline` (and slurm/submit_pipeline.sh, megatron_rlhf.launch) run in order:
-    # sft, rm, rl. Each starts from an earlier stage's checkpoint or its *_from field.
-    stages: list[str] = field(default_factory=lambda: list(STAGES))
+    # Stages `pipeline` (and slurm/submit_pipeline.sh, megatron_rlhf.launch) run in order,
+    # from sft, rm, dpo, rl: e.g. [sft, rm, rl] (default), [sft, dpo], [sft, rm, dpo, rl].
+    # Each starts from an earlier stage's checkpoint or its *_from field.
+    stages: list[str] = field(default_factory=lambda: list(DEFAULT_STAGES))
 
 
 @dataclass
@@ -446,6 +473,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
     rm: RMConfig = field(default_factory=RMConfig)
+    dpo: DPOConfig = field(default_factory=DPOConfig)
     rl: RLConfig = field(default_factory=RLConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
@@ -710,9 +738,11 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
         raise ConfigError(f"rm.holdout_fraction={cfg.rm.holdout_fraction}: must be in [0, 1) (e.g. 0.5; 0: no holdout RM)")
     if cfg.data.overflow not in OVERFLOW_POLICIES:
         raise ConfigError(f"data.overflow={cfg.data.overflow!r}: choose one of {OVERFLOW_POLICIES}")
-    for name in ("sft", "rm"):
+    for name in ("sft", "rm", "dpo"):
         _validate_stage(name, getattr(cfg, name), m, dp)
-    for name in ("optimizer", "sft.optimizer", "rm.optimizer", "rl.actor_optimizer", "rl.critic_optimizer"):
+    _validate_dpo(cfg.dpo)
+    for name in ("optimizer", "sft.optimizer", "rm.optimizer", "dpo.optimizer", "rl.actor_optimizer",
+                 "rl.critic_optimizer"):
         _validate_optimizer(name, _get_dotted(cfg, name))
     _validate_rl(cfg.rl, m, dp, cfg.given)
     _validate_rollout(cfg.rollout, m, p)
@@ -876,6 +906,30 @@ def _validate_rl(p: RLConfig, m: ModelConfig, dp: int, given: frozenset = frozen
                           "advantage's loss; typical 3), or null for none")
 
 
+def _validate_dpo(d: DPOConfig) -> None:
+    if d.loss not in DPO_LOSSES:
+        raise ConfigError(f"dpo.loss={d.loss!r}: choose one of {DPO_LOSSES}")
+    if not (math.isfinite(d.beta) and d.beta > 0):
+        raise ConfigError(f"dpo.beta={d.beta}: must be > 0 (typical 0.1; smaller lets the policy move further "
+                          "from the reference)")
+    if not 0 <= d.label_smoothing < 0.5:
+        raise ConfigError(f"dpo.label_smoothing={d.label_smoothing}: must be in [0, 0.5) (the probability that a "
+                          "preference label is wrong; 0: plain DPO)")
+    if d.label_smoothing and d.loss != "sigmoid":
+        raise ConfigError(f"dpo.label_smoothing={d.label_smoothing} with dpo.loss={d.loss}: conservative DPO's label "
+                          "smoothing belongs to the sigmoid loss; set dpo.loss=sigmoid or dpo.label_smoothing=0")
+    if not (math.isfinite(d.sft_weight) and d.sft_weight >= 0):
+        raise ConfigError(f"dpo.sft_weight={d.sft_weight}: must be >= 0 (0: no NLL term on the chosen response)")
+
+
+def policy_start(cfg: Config) -> tuple[str, str | None]:
+    """Where the RL stage's actor and reference start: (stage name, rl.sft_from or None for
+    <run>/<stage>): dpo when pipeline.stages runs dpo before rl, else sft."""
+    stages = cfg.pipeline.stages
+    after_dpo = "dpo" in stages and "rl" in stages and stages.index("dpo") < stages.index("rl")
+    return ("dpo" if after_dpo else "sft"), cfg.rl.sft_from
+
+
 def _validate_rewards(p: RLConfig) -> None:
     if not p.rewards:
         raise ConfigError("rl.rewards: empty; give at least one reward source, e.g. [{type: model}]")
@@ -958,6 +1012,8 @@ def _validate_pipeline(cfg: Config) -> None:
         for needed, field_name in STAGE_INPUTS.get(name, {}).items():
             if name == "rl" and needed == "rm" and not cfg.rl.needs_rm_checkpoint:
                 continue  # no reward model source and the critic does not start from one
+            if name == "dpo" and cfg.model.init_from_hf:
+                continue  # starts from the Hugging Face weights
             if needed not in stages[:i] and _get_dotted(cfg, field_name) is None:
                 raise ConfigError(f"pipeline.stages={stages}: {name} starts from a {needed} checkpoint; put {needed} "
                                   f"before {name} or set {field_name} to an existing {needed} stage directory")

@@ -1,12 +1,13 @@
-"""The stages of `pipeline.stages` (default sft -> rm -> rl) in one launch: each stage reads
-an earlier stage's checkpoint (config.STAGE_INPUTS).
+"""The stages of `pipeline.stages` (default sft -> rm -> rl; also sft -> dpo, sft -> rm ->
+dpo -> rl) in one launch: each stage reads an earlier stage's checkpoint (config.STAGE_INPUTS).
 
     python -m megatron_rlhf pipeline --config pipelines/tiny_cpu.yaml [key=value ...]
 
 A stage whose summary.json exists is skipped; a stage with checkpoints but no summary
-resumes from its latest complete checkpoint. At the end, the RL actor (the only model that
-is deployed) as a Hugging Face directory in <run>/export/actor_hf/ (<run>/export/<algorithm>_actor_hf
-for an algorithm other than ppo), and <run>/report.md with PNG plots.
+resumes from its latest complete checkpoint. At the end, the policy of the last stage that
+trains one (rl, else dpo: the only model that is deployed) as a Hugging Face directory in
+<run>/export/actor_hf/ (<run>/export/<algorithm>_actor_hf for an RL algorithm other than ppo,
+<run>/export/dpo_actor_hf for dpo), and <run>/report.md with PNG plots.
 """
 
 from __future__ import annotations
@@ -18,10 +19,10 @@ import torch.distributed as dist
 
 from megatron_rlhf.config import Config, validate
 from megatron_rlhf.logging.report import write_report
-from megatron_rlhf.trainers import rl, rm, sft
+from megatron_rlhf.trainers import dpo, rl, rm, sft
 from megatron_rlhf.trainers.stage_data import resolve_vocab_size, run_dir, stage_dir, tokenizer_for
 
-TRAIN = {"sft": sft.train, "rm": rm.train, "rl": rl.train}
+TRAIN = {"sft": sft.train, "rm": rm.train, "dpo": dpo.train, "rl": rl.train}
 
 
 def run(cfg: Config) -> dict:
@@ -35,36 +36,38 @@ def run(cfg: Config) -> dict:
             continue
         summaries[name] = train(cfg)
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
-    if "rl" in cfg.pipeline.stages:
-        export = export_actor(cfg)
+    policy = next((s for s in ("rl", "dpo") if s in cfg.pipeline.stages), None)
+    if policy is not None:
+        export = export_actor(cfg, policy)
         if rank0:
-            print(f"[pipeline] {cfg.rl.algorithm.upper()} actor exported for deployment: {export}", flush=True)
+            name = cfg.rl.algorithm if policy == "rl" else policy
+            print(f"[pipeline] {name.upper()} actor exported for deployment: {export}", flush=True)
     if rank0:
         report = write_report(run_dir(cfg), [stage_dir(cfg, s).name for s in cfg.pipeline.stages])
         print(f"[pipeline] report: {report}", flush=True)
     return summaries
 
 
-def export_actor(cfg: Config) -> Path:
-    """<run>/export/actor_hf (ppo; <algorithm>_actor_hf otherwise): the final RL actor with
-    its tokenizer, in Hugging Face format (written by rank 0 under a temporary name, then
-    renamed; kept if it exists already)."""
+def export_actor(cfg: Config, stage: str = "rl") -> Path:
+    """<run>/export/actor_hf (ppo; <algorithm>_actor_hf for another RL algorithm, dpo_actor_hf
+    for `stage` dpo): the final actor of `stage` with its tokenizer, in Hugging Face format
+    (written by rank 0 under a temporary name, then renamed; kept if it exists already)."""
     from megatron_rlhf.convert import export_hf
 
     tokenizer = tokenizer_for(cfg)
     if cfg.model.vocab_size is None:  # every stage finished earlier: none has read the tokenizer
         resolve_vocab_size(cfg, tokenizer)
-    algorithm = cfg.rl.algorithm
-    out = run_dir(cfg) / "export" / ("actor_hf" if algorithm == "ppo" else f"{algorithm}_actor_hf")
+    name = cfg.rl.algorithm if stage == "rl" else stage
+    out = run_dir(cfg) / "export" / ("actor_hf" if name == "ppo" else f"{name}_actor_hf")
     if (not dist.is_initialized() or dist.get_rank() == 0) and not out.is_dir():
         tmp = out.with_name(out.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         if cfg.data.tokenizer == "builtin":  # written next to the weights, in HF format
-            export_hf(stage_dir(cfg, "rl"), "actor", tmp, model_cfg=cfg.model,
+            export_hf(stage_dir(cfg, stage), "actor", tmp, model_cfg=cfg.model,
                       special_token_ids={"eos_token_id": tokenizer.eos_id, "pad_token_id": tokenizer.pad_id})
             tokenizer.save_hf(tmp)
         else:
-            export_hf(stage_dir(cfg, "rl"), "actor", tmp, model_cfg=cfg.model, tokenizer_dir=cfg.data.tokenizer)
+            export_hf(stage_dir(cfg, stage), "actor", tmp, model_cfg=cfg.model, tokenizer_dir=cfg.data.tokenizer)
         tmp.rename(out)
     if dist.is_initialized():
         dist.barrier()

@@ -23,7 +23,7 @@ from megatron_rlhf.__main__ import COMMANDS, ERROR_DIR_ENV, build_parser
 from megatron_rlhf.config import ConfigError, load_config, validate
 from megatron_rlhf.logging import quiet
 
-STAGE_COMMANDS = ("smoke", "sft", "rm", "rl", "ppo", "pipeline")  # checked here before launch
+STAGE_COMMANDS = ("smoke", "sft", "rm", "dpo", "rl", "ppo", "pipeline")  # checked here before launch
 FLAGS = ("--standalone", "--verbose", "-m", "--module", "--no-python", "--no_python", "--run-path", "--run_path")
 
 

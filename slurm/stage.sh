@@ -1,5 +1,5 @@
-# Sourced by the stage scripts (sft_70b.sh, rm_70b.sh, rl_70b.sh; ppo_70b.sh and grpo_70b.sh are
-# rl_70b.sh with the PPO / GRPO recipe), which set STAGE (sft | rm | rl) and the default RECIPE:
+# Sourced by the stage scripts (sft_70b.sh, rm_70b.sh, dpo_70b.sh, rl_70b.sh; ppo_70b.sh and grpo_70b.sh
+# are rl_70b.sh with the PPO / GRPO recipe), which set STAGE (sft | rm | dpo | rl) and the default RECIPE:
 # launches `python -m megatron_rlhf $STAGE` with srun, one task per device, and handles
 # preemption. slurm/submit_pipeline.sh submits one such job per stage of pipeline.stages.
 # Environment (all optional):

@@ -5,7 +5,7 @@
 # The stages are what `$PYTHON -m megatron_rlhf stages --config "$RECIPE" $EXTRA_ARGS` prints
 # (validated), so EXTRA_ARGS can change them, e.g. "pipeline.stages=[sft,rm]"
 # (no spaces inside a value). Each stage runs its script: sft -> sft_70b.sh, rm -> rm_70b.sh,
-# rl -> rl_70b.sh (the recipe's rl.algorithm: <run>/ppo for PPO, <run>/grpo for GRPO, ...).
+# dpo -> dpo_70b.sh (RECIPE=pipelines/llama3_70b_dpo.yaml: the SFT -> DPO route), rl -> rl_70b.sh (the recipe's rl.algorithm: <run>/ppo for PPO, <run>/grpo for GRPO, ...).
 # sbatch options (e.g. --nodes=2 --ntasks-per-node=1 --gpus-per-node=0 --partition=x) apply to
 # every stage. RECIPE (default pipelines/llama3_70b.yaml), EXTRA_ARGS, RUN_ROOT, RUN_NAME, REPO
 # and PYTHON pass through the environment to every job (see slurm/stage.sh). Run it from the
@@ -16,7 +16,7 @@ here=$(cd "$(dirname "$0")" && pwd)
 export RECIPE=${RECIPE:-pipelines/llama3_70b.yaml}
 REPO=${REPO:-$PWD}
 PYTHON=${PYTHON:-$REPO/.venv/bin/python}
-declare -A script=([sft]=sft_70b.sh [rm]=rm_70b.sh [rl]=rl_70b.sh)
+declare -A script=([sft]=sft_70b.sh [rm]=rm_70b.sh [dpo]=dpo_70b.sh [rl]=rl_70b.sh)
 
 read -ra extra <<< "${EXTRA_ARGS:-}"  # words, not globs: pipeline.stages=[sft,rm] stays as given
 stages=$(cd "$REPO" && "$PYTHON" -m megatron_rlhf stages --config "$RECIPE" ${extra[@]+"${extra[@]}"})

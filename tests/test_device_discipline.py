@@ -155,6 +155,25 @@ def test_rm_glue_stays_on_the_device(fake):
     on_cuda(count=count, mean=mean, var=var)
 
 
+@pytest.mark.parametrize("loss", ["sigmoid", "ipo"])
+def test_dpo_glue_stays_on_the_device(fake, loss):
+    """The DPO loss (the reference's sums as either source hands them over) and the eval's
+    reduction vector on the device; the reference table lookup on the table's device."""
+    from megatron_rlhf.config import DPOConfig
+    from megatron_rlhf.trainers.dpo import ReferenceSource, pair_loss
+
+    logprobs = torch.randn(2 * B, S, device=CUDA, requires_grad=True)
+    loss_mask = (torch.rand(2 * B, S) > 0.5).float()  # as collate_preferences makes it: on the host
+    table = torch.randn(10, 2, device=CUDA)  # precomputed: [pairs, (chosen, rejected)] on the device
+    ref = ReferenceSource(None, {"train": table}, micro_rows=4)("train", [3, 1, 7, 0], {})
+    on_cuda(ref=ref)
+    for ref_logps in (ref, ref.cpu()):  # train_step moves the batch to the device; eval passes it as it is
+        total, units, stats = pair_loss({"logprobs": logprobs}, {"loss_mask": loss_mask, "ref_logps": ref_logps},
+                                        DPOConfig(loss=loss, sft_weight=0.1))
+        on_cuda(loss=total, units=units, **stats, reduced=stack_values({"loss": total, "pairs": units, **stats}, CUDA))
+        assert total.requires_grad
+
+
 def test_a_host_tensor_among_device_values_is_caught(fake):
     """The old `all_reduce_sum` built its tensor on the host; a host tensor handed to the
     reduction next to device values fails here as it would on a GPU."""

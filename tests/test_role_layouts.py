@@ -20,6 +20,10 @@ LAYOUTS = {"tp2pp1dp1": (2, 1, 2), "tp1pp2dp1": (1, 2, 2), "tp2pp2dp1": (2, 2, 4
 ATOL = 1e-5
 GRAD_RTOL = 1e-6  # of the largest gradient entry: float32 rounding, while a split-dependent
 #                   weighting of tokens moves gradients by percents
+# DPO's gradient is the difference of the chosen and rejected sides' (sigmoid-weighted):
+# cancellation leaves float32 rounding at ~1.4e-6 of the largest entry (measured, DP2); the
+# issue's 1e-5 bound is still far below what a split-dependent weighting does.
+LOOSER = {"dpo_sigmoid": 1e-5, "dpo_ipo": 1e-5}
 
 
 @pytest.fixture(scope="module")
@@ -76,6 +80,19 @@ def test_optimizer_checkpoint_reshards_from_tp1pp1(runs, layout):
     assert_same_tensors(read_global_tensors(root / "resharded_step" / layout / "actor"), want, ATOL)
 
 
+@pytest.mark.parametrize("layout", [BASE, *LAYOUTS])
+def test_dpo_precomputed_reference_equals_the_reference_forward(runs, layout):
+    """The table DPO precomputes (pairs sharded over DP ranks, then summed) holds each side's
+    summed response log-probs: the TP1-PP1 reference forward's, within 1e-6 relative (a sum of ~60
+    nats: float32 rounding moves it by ~4e-6), at every layout."""
+    from workers.role_layouts import make_batch
+
+    _, results = runs
+    batch = make_batch(seed=1)
+    sums = (results[BASE]["outputs"]["reference"]["logprobs"] * batch["mask"]).sum(-1)
+    torch.testing.assert_close(results[layout]["dpo_reference"], sums.view(-1, 2), atol=0, rtol=1e-6)
+
+
 def test_roles_are_initialised_differently(runs):
     """Guards the comparisons above against trivially equal outputs."""
     _, results = runs
@@ -97,7 +114,7 @@ def test_gradients_do_not_depend_on_the_micro_batch_size(runs, layout, loss):
     checks = results[layout]["gradients"][loss]
     assert checks["grad_scale"] > 0
     for mbs, diff in checks["rel_diff"].items():
-        assert diff <= GRAD_RTOL, f"micro batch {mbs}: gradients differ by {diff:.2e} of their largest entry"
+        assert diff <= LOOSER.get(loss, GRAD_RTOL), f"micro batch {mbs}: gradients differ by {diff:.2e} of their largest entry"
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -109,7 +126,7 @@ def test_gradients_match_tp1pp1(runs, layout, loss):
     want = read_global_tensors(root / "grads" / BASE / loss)
     got = read_global_tensors(root / "grads" / layout / loss)
     assert got.keys() == want.keys()
-    assert relative_difference(got, want) <= GRAD_RTOL
+    assert relative_difference(got, want) <= LOOSER.get(loss, GRAD_RTOL)
 
 
 @pytest.mark.parametrize("layout", [BASE, *LAYOUTS])

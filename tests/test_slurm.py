@@ -1,6 +1,6 @@
 """The real sbatch scripts on a real (local, 2 emulated nodes) Slurm cluster: a stage across
-2 nodes x 1 task, the dependent SFT -> RM -> RL (PPO) chain of pipeline.stages (and a shorter
-pipeline.stages), and preemption: USR1 to the batch shell mid-PPO -> checkpoint -> requeue ->
+2 nodes x 1 task, the dependent SFT -> RM -> RL (PPO) chain of pipeline.stages (and the scripts
+other stage lists submit, the DPO route's included), and preemption: USR1 to the batch shell mid-PPO -> checkpoint -> requeue ->
 resume -> finish. The cluster comes from
 slurm/local_cluster.sh, which installs Debian's Slurm when it is missing (needs root)."""
 
@@ -94,15 +94,17 @@ def test_pipeline_submits_dependent_stages_in_order(cluster, tmp_path):
         assert summary(tmp_path, "chain", stage_name)["stage"] == stage_name
 
 
-def test_pipeline_submits_the_recipes_stages(cluster):
-    """pipeline.stages (here overridden to sft, rm) decides the jobs; held, so nothing runs."""
+@pytest.mark.parametrize("stages", [["sft", "rm"], ["sft", "rm", "dpo", "rl"]])
+def test_pipeline_submits_the_recipes_stages(cluster, stages):
+    """pipeline.stages (here overridden) decides the jobs, each stage its script; held, so nothing runs."""
     state, env = cluster
-    ids = submit(env, "submit_pipeline.sh", state, ["pipeline.stages=[sft,rm]"], "--hold")
+    ids = submit(env, "submit_pipeline.sh", state, [f"pipeline.stages=[{','.join(stages)}]"], "--hold")
     try:
-        assert len(ids) == 2
+        assert len(ids) == len(stages)
         infos = [job(env, i) for i in ids]
-        assert [i["Command"] for i in infos] == [str(REPO / "slurm" / s) for s in ("sft_70b.sh", "rm_70b.sh")]
-        assert infos[1]["Dependency"].startswith(f"afterok:{ids[0]}")
+        assert [i["Command"] for i in infos] == [str(REPO / "slurm" / f"{s}_70b.sh") for s in stages]
+        for before, info in zip(ids, infos[1:]):
+            assert info["Dependency"].startswith(f"afterok:{before}")
     finally:
         subprocess.run(["scancel", *ids], env=env, check=True)
 

@@ -35,6 +35,8 @@ def nonfinite_to_null(value: Any) -> Any:
 CONSOLE = {
     "sft": {"loss": "loss", "eval_loss": "eval loss", "grad_norm": "grad norm"},
     "rm": {"loss": "loss", "accuracy": "acc", "eval_accuracy": "eval acc", "eval_margin_raw": "eval margin(raw)"},
+    "dpo": {"loss": "loss", "reward_accuracy": "acc", "margin": "margin", "eval_reward_accuracy": "eval acc",
+            "eval_margin": "eval margin", "eval_gold_score": "eval gold", "eval_win_rate_gold": "win(gold)"},
     "rl": {"rm_score": "reward", "gold_score": "gold", "holdout_rm_score": "holdout rm", "kl_mean": "kl",
            "response_length": "len", "eval_rm_score": "eval reward", "eval_gold_score": "eval gold",
            "eval_win_rate_gold": "win(gold)", "eval_win_rate_rm": "win(rm)",
@@ -43,7 +45,7 @@ CONSOLE = {
 
 
 def console_kind(stage: str) -> str:
-    """sft | rm (also rm_holdout) | rl (every algorithm's directory)."""
+    """sft | rm (also rm_holdout) | dpo | rl (every algorithm's directory)."""
     return "rm" if stage.startswith("rm") else stage if stage in CONSOLE else "rl"
 
 

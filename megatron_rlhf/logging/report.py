@@ -17,6 +17,8 @@ from pathlib import Path
 CURVES = {
     "sft": ["loss", "eval_loss"],
     "rm": ["loss", "eval_accuracy"],
+    "dpo": ["loss", "eval_loss", ("reward_accuracy", "eval_reward_accuracy"), ("chosen_reward", "rejected_reward"),
+            "eval_margin", "eval_gold_score"],
     # every RL algorithm (<run>/ppo, <run>/grpo, ...); a curve a run did not log is left out;
     # a tuple shares one panel
     "rl": ["rm_score", "gold_score", "holdout_rm_score", "kl_mean", "response_length", "entropy", "value_loss",
@@ -29,8 +31,10 @@ ALARM = "reward-hacking alarm"
 
 
 def _kind(stage: str) -> str:
-    """sft, rm (rm, rm_holdout) or rl (a directory per RL algorithm)."""
-    return "sft" if stage == "sft" else "rm" if stage == "rm" or stage.startswith("rm_") else "rl"
+    """sft, dpo, rm (rm, rm_holdout) or rl (a directory per RL algorithm)."""
+    if stage in ("sft", "dpo"):
+        return stage
+    return "rm" if stage == "rm" or stage.startswith("rm_") else "rl"
 
 
 def _read_metrics(stage_dir: Path) -> list[dict]:
@@ -254,7 +258,7 @@ def write_report(run_dir: str | Path, stages: list[str] | None = None) -> Path:
 
     run_dir = Path(run_dir)
     if stages is None:
-        stages = ["sft", "rm", *(s for s in ("rm_holdout", *RL_ALGORITHMS) if (run_dir / s).is_dir())]
+        stages = ["sft", "rm", *(s for s in ("rm_holdout", "dpo", *RL_ALGORITHMS) if (run_dir / s).is_dir())]
     rl_stages = [s for s in stages if _kind(s) == "rl"]
     rl_stages += [a for a in RL_ALGORITHMS if a not in rl_stages and (run_dir / a).is_dir()]
     lines = [f"# Run report: {run_dir.name}", ""]

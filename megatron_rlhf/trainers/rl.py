@@ -2,7 +2,8 @@
 
     python -m megatron_rlhf rl --config pipelines/tiny_cpu.yaml [key=value ...]   (alias: ppo)
 
-Actor and reference start from the SFT checkpoint, the reward model (and PPO's critic) from
+Actor and reference start from the SFT checkpoint (the DPO one when pipeline.stages runs dpo
+before rl), the reward model (and PPO's critic) from
 the RM checkpoint; without a reward model among rl.rewards the critic starts from the SFT
 actor with a fresh value head (rl.critic_from). Each iteration: generate (n samples per prompt;
 with dynamic sampling, more groups until the batch is full) -> score (old/reference log-probs,
@@ -26,7 +27,7 @@ from megatron_rlhf.algorithms.stats import explained_variance, response_repetiti
 from megatron_rlhf.checkpoint.dist import load_extra_state, load_model_weights, load_role
 from megatron_rlhf.checkpoint.manager import resolve_checkpoint
 from megatron_rlhf.colocation import ColocationScheduler, phases_for
-from megatron_rlhf.config import Config, ConfigError, RLConfig, warnings_for
+from megatron_rlhf.config import Config, ConfigError, RLConfig, policy_start, warnings_for
 from megatron_rlhf.data.encode import EncodedPrompt, encode_prompt_records
 from megatron_rlhf.data.sampler import EpochSampler
 from megatron_rlhf.logging.reward_hacking import RewardHackingAlarm
@@ -306,7 +307,8 @@ def load_inputs(cfg: Config, roles: dict, fresh_start: bool) -> str:
     """Reference from SFT and reward model (if any) from RM; on a fresh start also the actor
     (from SFT) and the critic (rl.critic_from); a resumed run has them from its own checkpoint."""
     rl = cfg.rl
-    sft = resolve_checkpoint(rl.sft_from or stage_dir(cfg, "sft"))
+    policy_stage, given = policy_start(cfg)  # sft, or dpo when the pipeline runs it before rl
+    sft = resolve_checkpoint(given or stage_dir(cfg, policy_stage))
     rm = resolve_checkpoint(rl.rm_from or stage_dir(cfg, "rm")) if rl.needs_rm_checkpoint else None
     load_role(roles["reference"], sft / "actor", with_optimizer=False)
     if "reward" in roles:
@@ -416,7 +418,8 @@ def run_iterations(cfg: Config, runner, data, roles, engine, sched, rewards: Rew
         eval_metrics, samples, phase.tokens, per_prompt = run_eval()
     # "before" means the SFT policy: a resumed run keeps the numbers its first start measured
     before = state["before"] if runner.resumed else {"eval": eval_metrics, "samples": samples, "per_prompt": per_prompt}
-    log.info(f"eval of the {'SFT' if not runner.resumed else 'resumed'} policy: {format_scores(eval_metrics)}; "
+    start = policy_start(cfg)[0].upper()  # SFT, or DPO when the pipeline runs it first
+    log.info(f"eval of the {start if not runner.resumed else 'resumed'} policy: {format_scores(eval_metrics)}; "
              f"e.g. {samples[: rl.eval_samples_logged]}")
     sched.step_metrics()  # the first step reports its own phases only
     if not runner.resumed:

@@ -44,7 +44,7 @@ _READERS = {"sft": jsonl.read_sft, "preference": jsonl.read_preferences, "prompt
 _TASK_SPLIT = {"prompts_train": "ppo_prompts", "prompts_eval": "eval_prompts"}
 # The splits each command reads; RM normalises rewards over SFT responses when it has them.
 STAGE_SPLITS = {"sft": ("sft_train", "sft_eval"), "rm": ("preference_train", "preference_eval"),
-                "rl": ("prompts_train", "prompts_eval")}
+                "dpo": ("preference_train", "preference_eval"), "rl": ("prompts_train", "prompts_eval")}
 
 
 def split_source(cfg: Config, name: str) -> tuple[str, str | None]:

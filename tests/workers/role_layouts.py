@@ -6,7 +6,7 @@ both, so every layout starts from identical weights and identical loss inputs.
 Otherwise, at this launch's layout:
   1. forward outputs of actor, reference, critic and reward model on a fixed batch;
   2. gradients of the trainers' own losses (SFT, PPO actor in two aggregation modes, PPO
-     critic, Bradley-Terry) on a batch of very unequal sequence lengths, for several micro
+     critic, Bradley-Terry, DPO sigmoid and IPO) on a batch of very unequal sequence lengths, for several micro
      batch sizes: compared in-process (same layout), and saved for the rank's whole share
      (one microbatch) for the test to compare across layouts; data-parallel whitening and moments vs one process;
   3. one optimizer step of each trainable role (its batch split across DP ranks); the
@@ -24,9 +24,10 @@ import torch
 from megatron_rlhf import parallel
 from megatron_rlhf.algorithms.stats import masked_whiten, whiten
 from megatron_rlhf.checkpoint.dist import load_role, save_role
-from megatron_rlhf.config import RLConfig
+from megatron_rlhf.config import DPOConfig, RLConfig
 from megatron_rlhf.models.roles import Actor, Critic, Reference, RewardModel
 from megatron_rlhf.parallel.collectives import masked_moments
+from megatron_rlhf.trainers.dpo import pair_loss
 from megatron_rlhf.trainers.rl import actor_loss, critic_loss
 from megatron_rlhf.trainers.rm import bradley_terry_loss
 from megatron_rlhf.trainers.sft import sft_loss
@@ -50,7 +51,12 @@ LOSSES = {
         kl_estimator="k3", loss_aggregation="seq_mean_token_mean"))),
     "critic": ("critic", partial(critic_loss, rl=PPO())),
     "reward": ("reward", bradley_terry_loss),
+    # DPO on the same rows read as pairs (chosen, rejected): sigmoid with label smoothing and the
+    # SFT term, and IPO (log-ratios averaged over each side's response tokens)
+    "dpo_sigmoid": ("actor", partial(pair_loss, dpo=DPOConfig(beta=0.5, label_smoothing=0.1, sft_weight=0.2))),
+    "dpo_ipo": ("actor", partial(pair_loss, dpo=DPOConfig(beta=0.5, loss="ipo"))),
 }
+PAIR_LOSSES = ("reward", "dpo_sigmoid", "dpo_ipo")  # microbatches of whole pairs
 STEP_LOSSES = {"actor": "ppo_actor", "critic": "critic", "reward": "reward"}
 
 
@@ -76,8 +82,9 @@ def ppo_inputs(roles, batch, seed: int = 5) -> dict[str, torch.Tensor]:
     values = roles["critic"].forward(batch, MBS)["values"]
     noise = lambda scale: scale * torch.randn(BATCH, SEQ, generator=g)  # noqa: E731
     mask = batch["mask"]
-    return {"old_logprobs": (logprobs + noise(0.2)) * mask, "ref_logprobs": (logprobs + noise(0.5)) * mask,
-            "values": (values + noise(0.3)) * mask}
+    ref_logprobs = (logprobs + noise(0.5)) * mask
+    return {"old_logprobs": (logprobs + noise(0.2)) * mask, "ref_logprobs": ref_logprobs,
+            "values": (values + noise(0.3)) * mask, "ref_logps": ref_logprobs.sum(-1)}
 
 
 def dp_shard(batch):
@@ -122,7 +129,7 @@ def gradient_checks(args, roles, batch) -> dict:
     out = {}
     for name, (role_name, loss_fn) in LOSSES.items():
         role = roles[role_name]
-        sizes = [2, rows] if role_name == "reward" else [1, 2, rows]  # the reward model needs whole pairs
+        sizes = [2, rows] if name in PAIR_LOSSES else [1, 2, rows]
         reported, grads = {}, {}
         for mbs in sizes:
             reported[mbs] = role.gradients(shard, mbs, loss_fn)
@@ -154,6 +161,17 @@ def whitening_checks(batch) -> dict:
             "whiten_diff": max_over_ranks((local - want).abs().max().item())}
 
 
+def precomputed_reference(reference, batch) -> torch.Tensor:
+    """DPO's precomputed reference table ([pairs, 2], each data-parallel rank computing its share)
+    for the batch's rows read as pairs (chosen, rejected): collated, they are the batch again."""
+    from megatron_rlhf.data.encode import EncodedPair
+    from megatron_rlhf.trainers.dpo import precompute
+
+    rows = [batch["tokens"][i, : batch["lengths"][i]].tolist() for i in range(BATCH)]
+    pairs = [EncodedPair(rows[i], rows[i + 1], PROMPT) for i in range(0, BATCH, 2)]
+    return precompute(reference, pairs, pad_id=1, seq_len=SEQ, micro_pairs=1)
+
+
 def main() -> None:
     args, cfg = start_layout_worker()
     rank = torch.distributed.get_rank()
@@ -174,6 +192,7 @@ def main() -> None:
     results = {"outputs": {}, "losses": {}}
     for name, role in roles.items():
         results["outputs"][name] = role.forward(batch, MBS)
+    results["dpo_reference"] = precomputed_reference(roles["reference"], batch)
     results["gradients"] = gradient_checks(args, roles, batch)
     results["whitening"] = whitening_checks(batch)
     for name in TRAINABLE:
