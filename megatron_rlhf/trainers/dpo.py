@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import time
+from array import array
 from functools import partial
 
 import torch
@@ -34,11 +35,10 @@ from megatron_rlhf.parallel.collectives import dp_sum, dp_sums
 from megatron_rlhf.rollout import SamplingParams
 from megatron_rlhf.rollout.megatron_engine import MegatronRolloutEngine
 from megatron_rlhf.trainers.batching import data_parallel, dp_slice, padded_forward
+from megatron_rlhf.trainers.rl import EVAL_SEED_OFFSET
 from megatron_rlhf.trainers.rl import evaluate as sample_and_score
 from megatron_rlhf.trainers.runner import StageRunner, skipped_steps
 from megatron_rlhf.trainers.stage_data import load_stage_data, stage_dir
-
-GOLD_EVAL_SEED_OFFSET = 17  # the RL stage's eval seed: the SFT policy's gold score is the same number
 
 
 # ----------------------------------------------------------------------------- loss
@@ -76,12 +76,13 @@ def precompute(reference: Reference, pairs: list, pad_id: int, seq_len: int, mic
 
 
 def fingerprint(*datasets: list) -> str:
-    """What a precomputed table belongs to: the encoded pairs (ids and prompt lengths), in order."""
+    """The encoded pairs (ids and prompt lengths, in order) that a checkpoint's sampler position
+    and precomputed table index: a resume on other data is refused."""
     h = hashlib.sha256()
     for pairs in datasets:
-        h.update(f"{len(pairs)};".encode())
+        h.update(array("q", [len(pairs)]).tobytes())
         for p in pairs:
-            h.update(f"{p.prompt_len}:{p.chosen}:{p.rejected};".encode())
+            h.update(array("q", [p.prompt_len, len(p.chosen), *p.chosen, len(p.rejected), *p.rejected]).tobytes())
     return h.hexdigest()[:16]
 
 
@@ -147,7 +148,7 @@ def gold_eval(engine, data, prompts, cfg: Config, before: dict | None) -> tuple[
     rl = cfg.rl
     sampling = SamplingParams(rl.temperature, rl.top_k, rl.top_p, rl.max_new_tokens)
     metrics, samples, _, per_prompt = sample_and_score(engine, {}, data.tokenizer, data.task, prompts, sampling,
-                                                       cfg.seed + GOLD_EVAL_SEED_OFFSET,
+                                                       cfg.seed + EVAL_SEED_OFFSET,
                                                        sft=before and before.get("per_prompt"))
     return metrics, samples, per_prompt
 

@@ -41,6 +41,11 @@ from megatron_rlhf.trainers.runner import StageRunner, skipped_steps
 from megatron_rlhf.trainers.stage_data import load_stage_data, stage_dir
 
 
+# The eval's sampling seed, cfg.seed + this: the DPO stage's gold eval uses it too, so both stages
+# score the same policy with the same samples.
+EVAL_SEED_OFFSET = 17
+
+
 # ----------------------------------------------------------------------------- generate
 def sequence_rewards(rewards: RewardSources, rollout: Rollout, rows: list[EncodedPrompt], tokenizer,
                      rl: RLConfig) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -412,7 +417,7 @@ def run_iterations(cfg: Config, runner, data, roles, engine, sched, rewards: Rew
     judges = {"rm": lambda rollout, rows: rewards.score(rollout, lambda: reward_inputs(rollout, rows, tok))[0]}
     if "holdout_reward" in roles:
         judges["holdout_rm"] = lambda rollout, rows: rm_scores(roles["holdout_reward"], rollout, rl.micro_batch_size)
-    run_eval = partial(evaluate, engine, judges, tok, data.task, eval_prompts, sampling, cfg.seed + 17)
+    run_eval = partial(evaluate, engine, judges, tok, data.task, eval_prompts, sampling, cfg.seed + EVAL_SEED_OFFSET)
     synced = sync_weights(engine, sched)  # False whenever the actor changed since
     with sched.phase("eval") as phase:
         eval_metrics, samples, phase.tokens, per_prompt = run_eval()
