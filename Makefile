@@ -113,9 +113,67 @@ bench: setup
 	$(PY) benchmarks/rl_step.py
 	$(PY) benchmarks/hf_import.py
 	$(PY) benchmarks/split_invariance.py
+	$(PY) benchmarks/rl_algorithms.py
+
+# Every CPU benchmark's --quick: the same code at tiny sizes, a few steps, one layout (~20-60 s each
+# on 2 cores): does it still run? JSON under $(QUICK_OUT), apart from the full results.
+# tests/test_benchmarks.py runs these in `make test` (and rollout_engines.py --quick in $(VENV_VLLM)).
+QUICK_OUT ?= benchmarks/results/quick
+.PHONY: bench-quick
+bench-quick: setup
+	$(PY) benchmarks/bench_roles.py --quick --out $(QUICK_OUT)/bench_roles.json
+	$(PY) benchmarks/rl_step.py --quick --out $(QUICK_OUT)/rl_step.json
+	$(PY) benchmarks/hf_import.py --quick --out $(QUICK_OUT)/hf_import.json
+	$(PY) benchmarks/split_invariance.py --quick --out $(QUICK_OUT)/split_invariance.json
+	$(PY) benchmarks/rl_algorithms.py --quick --out $(QUICK_OUT)/rl_algorithms.json
+	$(PY) benchmarks/reward_server.py --quick --out $(QUICK_OUT)/reward_server.json
 
 bench-vllm: $(VLLM_STAMP)
 	$(VENV_VLLM)/bin/python benchmarks/rollout_engines.py
+
+# PPO throughput against TRL's PPOTrainer (benchmarks/vs_trl.py, issue 18). TRL is never a project
+# dependency: it lives in $(VENV_TRL), a venv on .venv's Python layered on .venv like $(VENV_VLLM),
+# so both sides run on the same torch build (.venv's 2.13.0: a fair RSS comparison). The layer's
+# own site-packages hold only $(TRL_PINS) and what .venv lacks or has at an incompatible version
+# (transformers 5.24 there shadows .venv's 5.19; datasets' pyarrow, pandas, dill, ...): a dry run
+# that sees .venv through a temporary .pth names that set, with torch constrained to .venv's
+# version (so a resolution that wants another torch fails instead of installing one); the set is
+# then installed --no-deps while pip sees only the layer, and the .pth goes back in afterwards.
+# All four pins exist on PyPI. .venv is never written to.
+VENV_TRL  ?= .venv-trl
+TRL_PINS  ?= trl==1.12.0 transformers==5.24.* accelerate==1.15.* datasets==5.2.*
+TRL_STAMP := $(VENV_TRL)/.installed
+.PHONY: bench-trl-setup bench-trl
+
+bench-trl-setup: $(TRL_STAMP)
+
+$(TRL_STAMP): $(STAMP)
+	rm -rf $(VENV_TRL)
+	$(PY) -m venv $(VENV_TRL)
+	$(VENV_TRL)/bin/python -m pip install -q --upgrade pip
+	@base=$$($(PY) -c 'import sysconfig; print(sysconfig.get_path("purelib"))') && \
+	  layer=$$($(VENV_TRL)/bin/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))') && \
+	  echo "torch==$$($(PY) -c 'import importlib.metadata as m; print(m.version("torch"))')" > $(VENV_TRL)/constraints.txt && \
+	  echo "import site; site.addsitedir(\"$$base\")" > "$$layer/$(VLLM_PTH)" && \
+	  $(VENV_TRL)/bin/python -m pip install -q --dry-run --report $(VENV_TRL)/resolved.json \
+	    -c $(VENV_TRL)/constraints.txt $(foreach p,$(TRL_PINS),'$(p)') && \
+	  rm "$$layer/$(VLLM_PTH)"
+	$(VENV_TRL)/bin/python -c 'import json; r = json.load(open("$(VENV_TRL)/resolved.json")); \
+	  print("\n".join(d["metadata"]["name"] + "==" + d["metadata"]["version"] for d in r["install"]))' \
+	  > $(VENV_TRL)/requirements.txt
+	@! grep -qi '^torch==' $(VENV_TRL)/requirements.txt || { echo "error: the TRL stack wants another torch" >&2; exit 1; }
+	$(VENV_TRL)/bin/python -m pip install -q --no-deps -r $(VENV_TRL)/requirements.txt
+	@base=$$($(PY) -c 'import sysconfig; print(sysconfig.get_path("purelib"))') && \
+	  layer=$$($(VENV_TRL)/bin/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))') && \
+	  echo "import site; site.addsitedir(\"$$base\")" > "$$layer/$(VLLM_PTH)"
+	@$(VENV_TRL)/bin/python -m pip check || echo "warning: pip check violations in $(VENV_TRL) (above)" >&2
+	@$(VENV_TRL)/bin/python -c 'import importlib.metadata as m, importlib.util as u; \
+	  print("$(VENV_TRL):", ", ".join(f"{p} {m.version(p)}" for p in ("trl", "transformers", "accelerate", "datasets")), \
+	        "on torch", m.version("torch"), "from", u.find_spec("torch").submodule_search_locations[0])'
+	@touch $(TRL_STAMP)
+
+bench-trl: $(TRL_STAMP) setup
+	$(PY) benchmarks/vs_trl.py --trl-python $(VENV_TRL)/bin/python $(ARGS)
 
 # serve-reward's requests/s and responses/s at client batch 1, 8, 32 (docs/reward_service.md), on the
 # RM checkpoint `make pipeline` writes; REWARD_CKPT=<an RM stage directory> for another.
@@ -133,13 +191,15 @@ clean-venv:
 # into $(WHEELS_DIR). `make gpu-check` (on a machine with one GPU; no network, no `make setup`):
 # SFT -> RM -> PPO, then GRPO on the same SFT and RM, in bf16 on the machine's own CUDA torch, dependencies from $(WHEELS_DIR);
 # a table and $(GPU_CHECK_OUT)/gpu_check.json. benchmarks/gpu_check.py says more.
+# benchmarks/gpu_ppo.py beside it: make bench-gpu (1B-parameter PPO: MFU, tokens/s, memory with offload
+# on/off; BENCH_GPU_ARGS=--dry-run for CPU; PY=python3 for the machine's CUDA torch).
 WHEELS_DIR       ?= .whl
 WHEEL_PYTHONS    ?= 3.12
 WHEELS_ALL       ?=
 GPU_CHECK_OUT    ?= benchmarks/results
 GPU_CHECK_PYTHON ?=
 GPU_CHECK_ARGS   ?=
-.PHONY: wheels gpu-check
+.PHONY: wheels gpu-check bench-gpu
 
 wheels: setup
 	$(PY) benchmarks/gpu_check.py --build-wheels $(WHEELS_DIR) --wheel-python "$(WHEEL_PYTHONS)" $(if $(WHEELS_ALL),--all-deps)
@@ -147,3 +207,6 @@ wheels: setup
 gpu-check:
 	python3 benchmarks/gpu_check.py --wheels $(WHEELS_DIR) --out $(GPU_CHECK_OUT) \
 	  $(if $(GPU_CHECK_PYTHON),--python $(GPU_CHECK_PYTHON)) $(GPU_CHECK_ARGS)
+
+bench-gpu:
+	$(PY) benchmarks/gpu_ppo.py $(BENCH_GPU_ARGS)

@@ -1,6 +1,6 @@
 """Throughput of `serve-reward` (the reward model over HTTP) against client batch size.
 
-    python benchmarks/reward_server.py [--ckpt checkpoints/tiny_cpu/rm] [--config pipelines/tiny_cpu.yaml]
+    python benchmarks/reward_server.py [--quick] [--ckpt checkpoints/tiny_cpu/rm] [--config pipelines/tiny_cpu.yaml]
         [--batches 1,8,32] [--clients 4] [--seconds 4] [--max-batch 64] [--max-wait-ms 5]
         [--out benchmarks/results/reward_server.json]
 
@@ -11,6 +11,8 @@ data-parallel replica), for --seconds after one warm-up call. Samples are random
 within the server's vocabulary, prompts and responses of 8-16 tokens each. Reports requests/s,
 responses/s (samples scored) and the client-side latency of a call (median, p95). Prints a
 markdown table and writes JSON. The server and the clients share this machine's cores.
+--quick: client batches 1 and 4, 2 clients, 1 s each; without --ckpt, on an RM of a 2-step SFT ->
+RM pipeline it trains first in a temporary directory (QUICK; tests/test_benchmarks.py runs it).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import warnings
@@ -31,6 +34,23 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # megatron_rlhf without installing
 warnings.filterwarnings("ignore", message="The pynvml package is deprecated")  # torch.cuda's import, harmless
+FULL = dict(batches="1,8,32", clients=4, seconds=4.0)
+QUICK = dict(batches="1,4", clients=2, seconds=1.0, rm_overrides=[
+    "pipeline.stages=[sft,rm]", "checkpoint.run_name=quick", "data.task_sizes.sft_train=64",
+    "data.task_sizes.sft_eval=16", "data.task_sizes.preference_train=64", "data.task_sizes.preference_eval=16",
+    *(f"{stage}.{key}={value}" for stage in ("sft", "rm") for key, value in
+      (("steps", 2), ("eval_interval", 2), ("save_interval", 0), ("optimizer.warmup_steps", 0)))])
+
+
+def train_quick_rm(config: str, root: Path) -> Path:
+    """A 2-step SFT -> RM pipeline under root: its RM stage directory."""
+    cmd = [sys.executable, "-m", "megatron_rlhf", "pipeline", "--config", config, f"checkpoint.root={root}",
+           *QUICK["rm_overrides"]]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    if proc.returncode:
+        raise SystemExit(f"training the quick RM failed (exit {proc.returncode}): {' '.join(cmd)}\n"
+                         f"{proc.stderr[-4000:]}")
+    return root / "quick" / "rm"
 
 
 def start_server(args) -> tuple[subprocess.Popen, str]:
@@ -103,27 +123,38 @@ def measure(url: str, batch: int, clients: int, seconds: float, vocab: int) -> d
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--ckpt", type=Path, default=REPO / "checkpoints/tiny_cpu/rm")
+    ap.add_argument("--quick", action="store_true", help=f"{QUICK['batches']}, {QUICK['clients']} clients, "
+                    f"{QUICK['seconds']:g} s each, on a 2-step RM unless --ckpt: does it run")
+    ap.add_argument("--ckpt", type=Path,
+                    help="RM stage directory (default checkpoints/tiny_cpu/rm; --quick: trains one)")
     ap.add_argument("--config", default="pipelines/tiny_cpu.yaml")
-    ap.add_argument("--batches", default="1,8,32", help="client batch sizes, comma-separated")
-    ap.add_argument("--clients", type=int, default=4, help="concurrent client threads")
-    ap.add_argument("--seconds", type=float, default=4.0, help="measured seconds per batch size")
+    ap.add_argument("--batches", help=f"client batch sizes, comma-separated (default {FULL['batches']})")
+    ap.add_argument("--clients", type=int, help=f"concurrent client threads (default {FULL['clients']})")
+    ap.add_argument("--seconds", type=float, help=f"measured seconds per batch size (default {FULL['seconds']:g})")
     ap.add_argument("--max-batch", type=int, default=64)
     ap.add_argument("--max-wait-ms", type=float, default=5.0)
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks/results/reward_server.json")
     args = ap.parse_args()
-    if not args.ckpt.is_dir():
-        raise SystemExit(f"no RM checkpoint at {args.ckpt}: run `make pipeline` (it writes checkpoints/tiny_cpu/rm) "
-                         "or pass --ckpt <an RM stage directory>")
-    import httpx
+    for key, value in FULL.items():
+        if getattr(args, key) is None:
+            setattr(args, key, QUICK[key] if args.quick else value)
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.ckpt is None:
+            args.ckpt = train_quick_rm(args.config, Path(tmp)) if args.quick else REPO / "checkpoints/tiny_cpu/rm"
+        if not args.ckpt.is_dir():
+            raise SystemExit(f"no RM checkpoint at {args.ckpt}: run `make pipeline` (it writes "
+                             "checkpoints/tiny_cpu/rm) or pass --ckpt <an RM stage directory>, or --quick to train "
+                             "a tiny one")
+        import httpx
 
-    proc, url = start_server(args)
-    try:
-        health = httpx.get(url.replace("/score", "/health")).json()
-        rows = [measure(url, int(b), args.clients, args.seconds, health["vocab_size"]) for b in args.batches.split(",")]
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=60)
+        proc, url = start_server(args)
+        try:
+            health = httpx.get(url.replace("/score", "/health")).json()
+            rows = [measure(url, int(b), args.clients, args.seconds, health["vocab_size"])
+                    for b in args.batches.split(",")]
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=60)
     print(f"\nserve-reward --max-batch {args.max_batch} --max-wait-ms {args.max_wait_ms:g}, {args.clients} client "
           f"threads, {os.cpu_count()} CPUs (server and clients share them)\n")
     print("| client batch | requests/s | responses/s | latency p50 ms | latency p95 ms | retries |\n"
@@ -135,7 +166,8 @@ def main() -> None:
     args.out.write_text(json.dumps({
         "benchmark": "serve-reward throughput vs client batch size (HTTP, loopback, one server process, TP1 PP1)",
         "checkpoint": health["checkpoint"], "max_seq_length": health["max_seq_length"], "max_batch": args.max_batch,
-        "max_wait_ms": args.max_wait_ms, "clients": args.clients, "cpu_count": os.cpu_count(), "rows": rows},
+        "max_wait_ms": args.max_wait_ms, "clients": args.clients, "cpu_count": os.cpu_count(), "quick": args.quick,
+        "rows": rows},
         indent=2))
     print(f"wrote {args.out}")
 

@@ -344,6 +344,13 @@ class RLConfig:
     # exp(mean_t log(pi_old / pi_rollout)) lies outside [1/t, t] get no policy gradient.
     tis_cap: float | None = None
     mismatch_mask_threshold: float | None = None
+    # Old log-probs: the in-place engine (rollout.engine=megatron) samples with the actor's
+    # current weights under the same softmax, so its per-token log-probs are pi_old up to float
+    # rounding (~1e-7); reusing them skips the actor's forward in the score phase. Every
+    # logprob_recompute_interval-th iteration (and the first) still recomputes them and logs
+    # the mismatch (0: only the first).
+    reuse_rollout_logprobs: bool = False
+    logprob_recompute_interval: int = 10
     group_std_normalization: bool = True  # grpo: divide by the group's std (false: Dr.GRPO)
     entropy_coef: float = 0.0
     # Critic (ppo only; setting one with a critic-free algorithm is an error).
@@ -746,6 +753,10 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
         _validate_optimizer(name, _get_dotted(cfg, name))
     _validate_rl(cfg.rl, m, dp, cfg.given)
     _validate_rollout(cfg.rollout, m, p)
+    if cfg.rl.reuse_rollout_logprobs and cfg.rollout.engine != "megatron":
+        raise ConfigError(f"rl.reuse_rollout_logprobs=true with rollout.engine={cfg.rollout.engine}: only the in-place "
+                          "megatron engine samples with the actor's own weights and softmax; a separate engine's "
+                          "log-probs are not pi_old. Set rl.reuse_rollout_logprobs=false or rollout.engine=megatron")
     _validate_pipeline(cfg)
     if cfg.checkpoint.keep_last < 1:
         raise ConfigError(f"checkpoint.keep_last={cfg.checkpoint.keep_last}: must be >= 1")
@@ -895,6 +906,13 @@ def _validate_rl(p: RLConfig, m: ModelConfig, dp: int, given: frozenset = frozen
         raise ConfigError(f"rl.importance_ratio={p.importance_ratio!r}: choose one of {IMPORTANCE_RATIOS}")
     if p.clip_eps_high is not None and p.clip_eps_high <= 0:
         raise ConfigError(f"rl.clip_eps_high={p.clip_eps_high}: must be > 0, or null for rl.clip_eps")
+    if p.logprob_recompute_interval < 0:
+        raise ConfigError(f"rl.logprob_recompute_interval={p.logprob_recompute_interval}: must be >= 0 "
+                          "(0: recompute only in the first iteration)")
+    if p.reuse_rollout_logprobs and p.corrects_mismatch:
+        raise ConfigError("rl.reuse_rollout_logprobs=true with rl.tis_cap / rl.mismatch_mask_threshold: the "
+                          "correction weighs pi_old against pi_rollout, which reusing makes the same; "
+                          "set rl.reuse_rollout_logprobs=false")
     if p.tis_cap is not None and p.tis_cap < 1:
         raise ConfigError(f"rl.tis_cap={p.tis_cap}: must be >= 1 (typical 2), or null for no correction")
     if p.mismatch_mask_threshold is not None and p.mismatch_mask_threshold <= 1:

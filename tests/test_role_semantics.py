@@ -69,3 +69,30 @@ def test_ddp_and_optimizer_follow_the_stage_optimizer_section(res):
     """wrap_ddp once read the top-level `optimizer` section and the optimizer the stage's:
     a DistributedOptimizer over all-reduced buffers, or the reverse."""
     assert res["optimizer_sections"] == {False: (False, False), True: (True, True)}
+
+
+def test_trimmed_microbatches_match_at_every_real_position(res):
+    """Microbatches (rows 0-1: lengths 12, 7; rows 2-3: 3, 9) cut to their longest row give the
+    untrimmed outputs at every real position, and 0 from where a row has no next token
+    (log-probs, entropy: lengths - 1) or no token (values: lengths) to the batch's width."""
+    lengths = res["lengths"]
+    for key, full, first_zero in (("logprobs", res["logprobs"], -1), ("entropy", res["entropy"], -1),
+                                  ("values", res["values"], 0)):
+        trimmed = res[f"trimmed_{key}"]
+        assert trimmed.shape == full.shape
+        for row, n in enumerate(lengths.tolist()):
+            torch.testing.assert_close(trimmed[row, : n - 1], full[row, : n - 1], atol=1e-6, rtol=1e-6)
+            assert torch.all(trimmed[row, n + first_zero :] == 0), (key, row)
+            assert not torch.all(full[row, n + first_zero :] == 0) or n == 12  # without lengths: computed
+
+
+def test_memory_account_counts_weights_gradients_and_adam_state(res):
+    """fp32 weights, one fp32 gradient buffer (DDP) and two Adam moments of the trained roles;
+    the distributed optimizer's main parameters are views of the fp32 weights, no extra bytes."""
+    actor = res["memory_account"]["roles"]["actor"]
+    n = res["param_count"]
+    assert actor["weights"] == 4 * n
+    assert actor["gradient_buffers"] >= 4 * n  # buffers are padded to bucket boundaries
+    assert 2 * 4 * n <= actor["optimizer_state"] <= 2 * 4 * n + 1024  # + Adam's step counters
+    assert res["memory_account"]["model_state_bytes"] == sum(
+        sum(r.values()) for r in res["memory_account"]["roles"].values())

@@ -53,6 +53,29 @@ def split_microbatches(batch: Batch, micro_batch_size: int) -> list[Batch]:
     ]
 
 
+def trim_padding(microbatches: list[Batch]) -> list[Batch]:
+    """Each microbatch cut to its longest row (`lengths`): a causal model computes the same at
+    every real position without the right padding past it, and every consumer masks the
+    positions from `lengths - 1` on. Sequence-shaped tensors ([b, S, ...]) are cut; one host
+    read for the whole batch."""
+    width = microbatches[0]["tokens"].size(1)
+    longest = torch.stack([mb["lengths"].max() for mb in microbatches]).clamp(min=1).tolist()
+    return [{k: v[:, :w] if v.dim() >= 2 and v.size(1) == width else v for k, v in mb.items()}
+            for mb, w in zip(microbatches, longest)]
+
+
+def real_positions(lengths: torch.Tensor, width: int, offset: int = 0) -> torch.Tensor:
+    """[b, width] float: 1 at positions < lengths - offset."""
+    return (torch.arange(width, device=lengths.device) < (lengths - offset)[:, None]).float()
+
+
+def pad_to_width(x: torch.Tensor, width: int) -> torch.Tensor:
+    """[b, s, ...] -> [b, width, ...] with zeros after s (a trimmed microbatch's outputs)."""
+    if x.dim() < 2 or x.size(1) >= width:
+        return x
+    return torch.nn.functional.pad(x, (0, 0) * (x.dim() - 2) + (0, width - x.size(1)))
+
+
 def broadcast_from_last_stage(tensors: dict[str, torch.Tensor], like: dict[str, torch.Size]) -> dict[str, torch.Tensor]:
     """Every pipeline stage gets the last stage's tensors (float32, shapes from `like`)."""
     if parallel_state.get_pipeline_model_parallel_world_size() == 1:
@@ -143,7 +166,7 @@ class Role:
         raise NotImplementedError
 
     # --- megatron schedule plumbing
-    def _forward_step(self, loss_fn: LossFn | None, data_iterator, model):
+    def _forward_step(self, loss_fn: LossFn | None, width: int, data_iterator, model):
         mb = next(data_iterator)
         tokens = mb["tokens"]
         position_ids = torch.arange(tokens.size(1), device=tokens.device).expand_as(tokens)
@@ -152,7 +175,8 @@ class Role:
             output_processor=self.outputs, output_processor_context=mb,
         )
         if loss_fn is None:
-            return out, lambda o: (torch.zeros((), device=tokens.device), {k: v.detach() for k, v in o.items()})
+            return out, lambda o: (torch.zeros((), device=tokens.device),
+                                   {k: pad_to_width(v.detach(), width) for k, v in o.items()})
 
         def loss_func(o):
             loss, units, stats = loss_fn(o, mb)
@@ -167,8 +191,13 @@ class Role:
     def _run(self, batch: Batch, micro_batch_size: int, loss_fn: LossFn | None,
              force_all_reduce: bool = False) -> list[dict]:
         microbatches = split_microbatches({k: v.to(device()) for k, v in batch.items()}, micro_batch_size)
+        # Without pipeline stages (whose p2p buffers have one fixed shape) each microbatch runs
+        # at its own width: no compute on the padding past its longest row.
+        if ("lengths" in batch and "attention_mask" not in batch
+                and parallel_state.get_pipeline_model_parallel_world_size() == 1):
+            microbatches = trim_padding(microbatches)
         return get_forward_backward_func()(
-            forward_step_func=partial(self._forward_step, loss_fn),
+            forward_step_func=partial(self._forward_step, loss_fn, batch["tokens"].size(1)),
             data_iterator=iter(microbatches),
             model=self.model,
             num_microbatches=len(microbatches),
@@ -226,7 +255,8 @@ class Actor(Role):
     """The policy: per-token log-probs of given tokens and per-token entropy.
 
     `logprobs[:, t]` is log p(tokens[:, t+1] | tokens[:, :t+1]) under logits / temperature;
-    the last column has no next token and is 0. Same for `entropy`.
+    the last column has no next token and is 0, and so are the columns from `lengths - 1` on
+    when the batch has `lengths`. Same for `entropy`.
     """
 
     def __init__(self, cfg: Config, trainable: bool = True, temperature: float = 1.0, **optim):
@@ -240,6 +270,8 @@ class Actor(Role):
         targets = torch.cat([tokens[1:], torch.zeros_like(tokens[:1])])
         valid = torch.ones_like(targets, dtype=logits.dtype)
         valid[-1] = 0
+        if "lengths" in context:  # no next token from the last real one on: 0 there too, so a
+            valid = valid * real_positions(context["lengths"], tokens.size(0), offset=1).t()  # trimmed batch agrees
         logprobs = vocab_parallel_logprobs(logits, targets) * valid
         entropy = vocab_parallel_entropy(logits) * valid
         return {"logprobs": logprobs.t(), "entropy": entropy.t()}
@@ -256,7 +288,8 @@ class Reference(Actor):
 
 
 class Critic(Role):
-    """Per-token values V(prefix up to and including token t)."""
+    """Per-token values V(prefix up to and including token t); 0 from `lengths` on when the
+    batch has `lengths`."""
 
     value_head = True
 
@@ -264,7 +297,10 @@ class Critic(Role):
         super().__init__(cfg, trainable, **optim)
 
     def outputs(self, *, hidden_states, output_layer, context, **_):
-        return {"values": output_layer(hidden_states)}
+        values = output_layer(hidden_states)  # [b, s]
+        if "lengths" in context:  # 0 past the sequence, whatever the batch's width
+            values = values * real_positions(context["lengths"], values.size(1))
+        return {"values": values}
 
     def output_shapes(self, batch_size, seq_len):
         return {"values": torch.Size([batch_size, seq_len])}

@@ -130,6 +130,41 @@ def _assert_not_none(tensor) -> None:
     assert tensor is not None
 
 
+@contextlib.contextmanager
+def hot_path():
+    """Model compute without the device-rewriting mode: a Python __torch_function__ on every
+    op of a forward and backward costs ~10% of a decode step of a small model. Inside model
+    compute megatron names the device only through torch.cuda.current_device() (patched) and
+    the two mask builders replaced in apply(), so the mode has nothing to rewrite there. A
+    no-op on GPU, when the adaptations are not applied, or when another mode is on top."""
+    stack = torch.overrides._get_current_function_mode_stack()
+    if not (_applied and stack and stack[-1] is _mode):
+        yield
+        return
+    with torch.overrides._pop_mode_temporarily():
+        yield
+
+
+def _without_mode(fn):
+    def run(*args, **kwargs):
+        with hot_path():
+            return fn(*args, **kwargs)
+
+    run.__wrapped__ = fn
+    return run
+
+
+def _causal_mask(sq: int) -> torch.Tensor:
+    return torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1)
+
+
+def _sliding_window_causal_mask(sq: int, skv: int, window_size) -> torch.Tensor:
+    m = torch.ones(sq, skv, dtype=torch.bool)
+    mu = torch.triu(m, diagonal=skv - sq - window_size[0])
+    ml = torch.tril(mu, diagonal=skv - sq + window_size[1])
+    return ~ml
+
+
 def apply() -> bool:
     """Install the CPU adaptations once. Returns True when they are active."""
     global _applied, _mode
@@ -162,6 +197,16 @@ def apply() -> bool:
     from megatron.core.inference import communication_utils
 
     communication_utils._is_cuda = _assert_not_none
+    # Model compute runs outside the mode (hot_path): the schedules' per-microbatch forward and
+    # backward steps, and the default masks that the unfused softmax builds with device="cuda"
+    # (transformer/utils.py:39/44) built on CPU instead.
+    from megatron.core.fusions import fused_softmax
+    from megatron.core.pipeline_parallel import schedules
+
+    fused_softmax.get_default_causal_mask = _causal_mask
+    fused_softmax.get_sliding_window_causal_mask = _sliding_window_causal_mask
+    schedules.forward_step = _without_mode(schedules.forward_step)
+    schedules.backward_step = _without_mode(schedules.backward_step)
 
     _mode = _CudaToCpu()
     _mode.__enter__()  # stays active for the life of the process

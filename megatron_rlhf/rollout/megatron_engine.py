@@ -29,7 +29,7 @@ from megatron.core.inference.communication_utils import (
 from megatron.core.inference.contexts import StaticInferenceContext
 from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
 
-from megatron_rlhf.parallel import device
+from megatron_rlhf.parallel import cpu, device
 from megatron_rlhf.rollout.base import Rollout, RolloutEngine, SamplingParams, sample_next
 
 
@@ -100,7 +100,8 @@ class MegatronRolloutEngine(RolloutEngine):
                                  dtype=model.config.params_dtype, device=chunk.device)
             recv_from_prev_pipeline_rank_(hidden)
             model.set_input_tensor(hidden)
-        out = model(chunk, position_ids, None, inference_context=context)
+        with cpu.hot_path():  # no-op on GPU
+            out = model(chunk, position_ids, None, inference_context=context)
         context.sequence_len_offset += length
         if not ps.is_pipeline_last_stage(ignore_virtual=True):
             send_to_next_pipeline_rank(out.contiguous())

@@ -18,10 +18,38 @@ def dp_slice(items: list, rank: int, size: int) -> list:
     return items[rank * per_rank : (rank + 1) * per_rank]
 
 
+def by_length(lengths: torch.Tensor) -> torch.Tensor:
+    """Row order, longest first (stable): consecutive rows, hence each microbatch, have similar
+    lengths, so the padding that Role._run trims away is most of the padding there is."""
+    return torch.argsort(lengths, descending=True, stable=True)
+
+
 def padded_forward(role, batch: dict[str, torch.Tensor], micro_batch_size: int) -> dict[str, torch.Tensor]:
-    """role.forward on a batch whose size need not be a multiple of the microbatch size."""
+    """role.forward on a batch whose size need not be a multiple of the microbatch size; rows
+    with `lengths` run sorted by length and come back in their own order."""
     rows = batch["tokens"].size(0)
+    order = by_length(batch["lengths"]) if "lengths" in batch else None
+    if order is not None:
+        batch = {k: v[order] for k, v in batch.items()}
     extra = -rows % micro_batch_size
     if extra:
         batch = {k: torch.cat([v, v[-1:].expand(extra, *v.shape[1:])]) for k, v in batch.items()}
-    return {k: v[:rows] for k, v in role.forward(batch, micro_batch_size).items()}
+    out = {k: v[:rows] for k, v in role.forward(batch, micro_batch_size).items()}
+    if order is not None:
+        inverse = torch.argsort(order)
+        out = {k: v[inverse.to(v.device)] for k, v in out.items()}
+    return out
+
+
+def padding_sums(lengths: torch.Tensor, width: int, micro_batch_size: int, trimmed: bool) -> dict[str, torch.Tensor]:
+    """Token slots of a batch of `lengths` [B] (device): its real tokens, the slots at the
+    batch's width, and the slots its microbatches compute: sorted by length and, when
+    `trimmed` (Role._run at PP = 1), each cut to its longest row."""
+    batch_slots = torch.tensor(lengths.numel() * width, device=lengths.device)
+    if not trimmed:
+        return {"real_tokens": lengths.sum(), "batch_slots": batch_slots, "microbatch_slots": batch_slots.clone()}
+    ordered = lengths[by_length(lengths)]
+    extra = -ordered.numel() % micro_batch_size
+    micro = torch.cat([ordered, ordered.new_zeros(extra)]).view(-1, micro_batch_size)
+    return {"real_tokens": lengths.sum(), "batch_slots": batch_slots,
+            "microbatch_slots": (micro.max(dim=1).values * micro.size(1)).sum()}

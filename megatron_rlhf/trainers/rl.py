@@ -18,6 +18,7 @@ from __future__ import annotations
 from functools import partial
 
 import torch
+from megatron.core import parallel_state
 
 from megatron_rlhf import parallel
 from megatron_rlhf.algorithms.advantages import ESTIMATORS, Settings, group_view
@@ -36,7 +37,7 @@ from megatron_rlhf.parallel.collectives import all_reduce, any_rank, dp_group, d
 from megatron_rlhf.rewards import RewardInputs, RewardSourceError, RewardSources, rm_scores
 from megatron_rlhf.rollout import Rollout, SamplingParams, make_engine
 from megatron_rlhf.rollout.batch import RolloutBatch
-from megatron_rlhf.trainers.batching import data_parallel, dp_slice, padded_forward
+from megatron_rlhf.trainers.batching import by_length, data_parallel, dp_slice, padded_forward, padding_sums
 from megatron_rlhf.trainers.runner import StageRunner, skipped_steps
 from megatron_rlhf.trainers.stage_data import load_stage_data, stage_dir
 
@@ -119,17 +120,21 @@ def group_informative(scores: torch.Tensor, n: int) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------- score
-def score(rollout: Rollout, rewards: tuple[torch.Tensor, dict], roles: dict, rl: RLConfig):
+def score(rollout: Rollout, rewards: tuple[torch.Tensor, dict], roles: dict, rl: RLConfig,
+          recompute_old: bool = True):
     """The train phase's batch from one forward of each role (on the roles' device) and the
-    rewards (sequence_rewards' result); also each reward source's [B] scores."""
+    rewards (sequence_rewards' result); also each reward source's [B] scores. recompute_old=False:
+    the rollout's own log-probs are the old log-probs (the in-place engine sampled with the
+    actor's current weights; rl.reuse_rollout_logprobs), saving the actor's forward."""
     seqs, micro = {"tokens": rollout.tokens, "lengths": rollout.lengths}, rl.micro_batch_size
     mask = rollout.response_mask()
     values = padded_forward(roles["critic"], seqs, micro)["values"] * mask if "critic" in roles else None
     scores, per_source = rewards
+    old = padded_forward(roles["actor"], seqs, micro)["logprobs"] if recompute_old else rollout.logprobs
     return RolloutBatch(
         tokens=rollout.tokens, lengths=rollout.lengths, prompt_lengths=rollout.prompt_lengths, mask=mask,
         group_ids=torch.arange(len(rollout), device=mask.device) // rl.n_samples_per_prompt,
-        old_logprobs=padded_forward(roles["actor"], seqs, micro)["logprobs"] * mask,
+        old_logprobs=old * mask,
         ref_logprobs=padded_forward(roles["reference"], seqs, micro)["logprobs"] * mask,
         scores=scores, values=values,
         rollout_logprobs=rollout.logprobs * mask if rl.corrects_mismatch else None), per_source
@@ -200,7 +205,8 @@ def train_on_rollout(trained: dict, batch: RolloutBatch, rl: RLConfig, kl_coef: 
     for _ in range(rl.epochs):
         order = torch.randperm(rows, generator=generator).to(batch.tokens.device)
         for start in range(0, rows, mini):
-            mb = batch.select(order[start : start + mini]).tensors()
+            minibatch = order[start : start + mini]
+            mb = batch.select(minibatch[by_length(batch.lengths[minibatch])]).tensors()  # less padding per microbatch
             for role, model in trained.items():
                 for k, v in model.train_step(mb, rl.micro_batch_size, losses[role]).items():
                     if k not in ("update_ok", "skipped"):
@@ -210,14 +216,17 @@ def train_on_rollout(trained: dict, batch: RolloutBatch, rl: RLConfig, kl_coef: 
 
 # ----------------------------------------------------------------------------- metrics and eval
 def iteration_sums(rollout: Rollout, batch: RolloutBatch, kl_stats: dict, gold: float, repetition: float,
-                   sampling: dict, holdout: torch.Tensor | None = None, per_source: dict | None = None) -> dict:
+                   sampling: dict, holdout: torch.Tensor | None = None, per_source: dict | None = None,
+                   micro_batch_size: int = 1, mismatch_measured: bool = True, trimmed: bool = True) -> dict:
     """This rank's sums of the per-iteration metrics (device tensors, host numbers for the
     text-based ones); `dp_sums` adds them over data-parallel ranks."""
     n = len(rollout)
     return {
         "responses": n, "rm_score": batch.scores.sum(), "gold_score": gold,
         "response_length": rollout.response_lengths().sum(), "kl": kl_stats["kl"], "kl_tokens": kl_stats["kl_tokens"],
-        "logprob_mismatch": ((rollout.logprobs - batch.old_logprobs).abs() * batch.mask).sum(),
+        **padding_sums(rollout.lengths, rollout.tokens.size(1), micro_batch_size, trimmed),
+        **({"logprob_mismatch": ((rollout.logprobs - batch.old_logprobs).abs() * batch.mask).sum()}
+           if mismatch_measured else {}),
         "scored_tokens": batch.mask.sum(), "repetition_rate": repetition * n, **sampling,
         **({"holdout_rm_score": holdout.sum()} if holdout is not None else {}),
         **{f"reward_{name}": scores.sum() for name, scores in (per_source or {}).items()},
@@ -225,14 +234,16 @@ def iteration_sums(rollout: Rollout, batch: RolloutBatch, kl_stats: dict, gold: 
 
 
 def iteration_metrics(rollout, batch, kl_stats, texts, task, sampling: dict, kl_coef: float,
-                      holdout: torch.Tensor | None = None, per_source: dict | None = None) -> dict[str, float]:
+                      holdout: torch.Tensor | None = None, per_source: dict | None = None,
+                      micro_batch_size: int = 1, mismatch_measured: bool = True, trimmed: bool = True) -> dict[str, float]:
     """The per-iteration means over every data-parallel rank (one collective); the dynamic
     sampling shortfall summed over ranks. rm_score: the combined reward (rl.rewards, clipped);
-    reward_<name>: each source's own mean score."""
+    reward_<name>: each source's own mean score. The rollout-vs-trainer mismatch only when
+    the old log-probs were recomputed (`mismatch_measured`)."""
     gold = sum(task.gold_score(p, r) for p, r in texts) if task else 0.0
     repetition = response_repetition_rate(rollout.response_ids())
-    sums = dp_sums(iteration_sums(rollout, batch, kl_stats, gold, repetition, sampling, holdout, per_source),
-                   parallel.device())
+    sums = dp_sums(iteration_sums(rollout, batch, kl_stats, gold, repetition, sampling, holdout, per_source,
+                                  micro_batch_size, mismatch_measured, trimmed), parallel.device())
     n = sums["responses"]
     return {
         "responses": n, "rm_score": sums["rm_score"] / n, **({"gold_score": sums["gold_score"] / n} if task else {}),
@@ -243,10 +254,13 @@ def iteration_metrics(rollout, batch, kl_stats, texts, task, sampling: dict, kl_
         "response_length": sums["response_length"] / n, "repetition_rate": sums["repetition_rate"] / n,
         # rollout engine vs trainer: mean |log pi_rollout - log pi_old| per token, and the largest
         # token probability ratio between them, max(pi_old / pi_rollout, pi_rollout / pi_old)
-        "logprob_mismatch": sums["logprob_mismatch"] / max(sums["scored_tokens"], 1.0),
-        "mismatch_max_ratio": float(torch.exp(all_reduce(
-            ((rollout.logprobs - batch.old_logprobs).abs() * batch.mask).max().reshape(1),
-            op=torch.distributed.ReduceOp.MAX, group=dp_group()))),
+        **({"logprob_mismatch": sums["logprob_mismatch"] / max(sums["scored_tokens"], 1.0),
+            "mismatch_max_ratio": float(torch.exp(all_reduce(
+                ((rollout.logprobs - batch.old_logprobs).abs() * batch.mask).max().reshape(1),
+                op=torch.distributed.ReduceOp.MAX, group=dp_group())))} if mismatch_measured else {}),
+        # padding: of the batch at its width, and of what the score phase's microbatches compute
+        "padding_fraction": 1.0 - sums["real_tokens"] / sums["batch_slots"],
+        "padding_fraction_computed": 1.0 - sums["real_tokens"] / sums["microbatch_slots"],
         **({"explained_variance": float(kl_stats["explained_variance"])} if "explained_variance" in kl_stats else {}),
         **({"sampling_rounds": sums["sampling_rounds"] / data_parallel()[1],  # every rank runs as many
             "sampling_shortfall": sums["sampling_shortfall"]} if sampling else {}),
@@ -384,6 +398,16 @@ def train(cfg: Config) -> dict:
         rewards.close()
 
 
+def recomputes_old_logprobs(rl: RLConfig, engine: str, step: int) -> bool:
+    """Whether this iteration's score phase runs the actor for the old log-probs. With
+    rl.reuse_rollout_logprobs the in-place engine's own (the same weights and softmax; they
+    differ by float rounding only) stand in, except every rl.logprob_recompute_interval-th
+    iteration (and the first), which recomputes them and measures the mismatch."""
+    if not rl.reuse_rollout_logprobs or engine != "megatron":
+        return True
+    return step == 1 or (rl.logprob_recompute_interval > 0 and step % rl.logprob_recompute_interval == 0)
+
+
 def sync_weights(engine, sched) -> bool:
     """Refit a separate rollout engine with the actor's current weights (the `sync` phase);
     the in-place engine samples from the actor itself. True: in sync."""
@@ -430,7 +454,7 @@ def run_iterations(cfg: Config, runner, data, roles, engine, sched, rewards: Rew
     if not runner.resumed:
         log.log(0, eval_metrics)  # the SFT policy: the eval curves start here
 
-    samples_seen, metrics = state.get("consumed_samples", 0), {}
+    samples_seen, metrics, last_mismatch = state.get("consumed_samples", 0), {}, {}
     trainer_state = lambda: dict(kl_controller=kl_ctl.state_dict(), before=before,  # noqa: E731
                                  reward_hacking=alarm.state_dict(), wall_clock_phases=sched.state_dict())
     for step in runner.steps():
@@ -443,7 +467,8 @@ def run_iterations(cfg: Config, runner, data, roles, engine, sched, rewards: Rew
                 phase.tokens = int(rollout.response_lengths().sum())
             runner.heartbeat.beat()
             with sched.phase("score") as phase:
-                batch, per_source = score(rollout, scored or score_fn(rollout, rows), roles, rl)
+                recompute_old = recomputes_old_logprobs(rl, cfg.rollout.engine, step)
+                batch, per_source = score(rollout, scored or score_fn(rollout, rows), roles, rl, recompute_old)
                 holdout = (clip_scores(rm_scores(roles["holdout_reward"], rollout, rl.micro_batch_size), rollout, rl)
                            if "holdout_reward" in roles else None)
                 phase.tokens = int(rollout.lengths.sum())
@@ -456,8 +481,10 @@ def run_iterations(cfg: Config, runner, data, roles, engine, sched, rewards: Rew
             synced = synced and not train_actor
             phase.tokens = int(rollout.lengths.sum()) * rl.epochs
         metrics = iteration_metrics(rollout, batch, kl_stats, decode_responses(rollout, tok), data.task,
-                                    sampling_stats, kl_coef, holdout, per_source)
+                                    sampling_stats, kl_coef, holdout, per_source, rl.micro_batch_size, recompute_old,
+                                    trimmed=parallel_state.get_pipeline_model_parallel_world_size() == 1)
         samples_seen += int(metrics.pop("responses"))
+        last_mismatch.update({k: metrics[k] for k in ("logprob_mismatch", "mismatch_max_ratio") if k in metrics})
         if train_actor:  # the actor does not move during critic warm-up: nothing to steer yet
             kl_ctl.update(metrics["kl_mean"], int(rl.samples_per_iteration))
         if warning := alarm.update(step, metrics):
@@ -473,9 +500,10 @@ def run_iterations(cfg: Config, runner, data, roles, engine, sched, rewards: Rew
                        **sched.step_metrics())
         runner.end_step(metrics, samples_seen, evaluated, **trainer_state())
 
+    metrics = {**last_mismatch, **metrics}  # the last measured one when the last iteration reused
     summary = rl_summary(rl, before, eval_metrics, metrics, kl_ctl, sched, samples_seen, samples, roles, alarm,
                          data.sources, cfg.rollout.engine)
-    return runner.finish(summary, done_message(before["eval"], eval_metrics))
+    return runner.finish(summary, done_message(before["eval"], eval_metrics), roles=roles)
 
 
 def format_scores(metrics: dict) -> str:

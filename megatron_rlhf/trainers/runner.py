@@ -29,6 +29,7 @@ from megatron_rlhf import parallel
 from megatron_rlhf.checkpoint.manager import CheckpointManager, rng_state, set_rng_state
 from megatron_rlhf.checkpoint.validate import iter_name
 from megatron_rlhf.colocation import peak_memory_bytes, reset_peak_memory
+from megatron_rlhf.logging.memory import current_memory_bytes, memory_account
 from megatron_rlhf.config import Config
 from megatron_rlhf.logging.metrics import MetricsLogger, nonfinite_to_null
 from megatron_rlhf.resilience.faults import FAULTS
@@ -48,6 +49,7 @@ class StageRunner:
         self.preemption = PreemptionHandler()  # first: a signal during start-up is not lost
         parallel.initialize(cfg)
         reset_peak_memory()  # this stage's own peak, also after an earlier stage in the same process
+        self.memory_at_start = current_memory_bytes()  # before any role is built
         self.heartbeat = Heartbeat.from_env()
         self.cfg, self.stage, self.total = cfg, stage, total_steps
         self.log_interval, self.save_interval = log_interval, save_interval
@@ -111,11 +113,14 @@ class StageRunner:
             raise
 
     # ------------------------------------------------------------------ end
-    def finish(self, fields: dict, message: str) -> dict:
-        """Wait for the last checkpoint, write summary.json, close the logs; returns the summary."""
+    def finish(self, fields: dict, message: str, roles: dict | None = None) -> dict:
+        """Wait for the last checkpoint, write summary.json, close the logs; returns the summary.
+        `roles`: every role the stage built (default: the trained ones), for the memory account."""
         self.ckpt.wait()
+        peak = peak_memory_bytes()
         summary = {"stage": self.stage_name, "steps": self.step, **fields,
-                   "wall_seconds": time.perf_counter() - self.start_time, "peak_memory_bytes": peak_memory_bytes(),
+                   "wall_seconds": time.perf_counter() - self.start_time, "peak_memory_bytes": peak,
+                   "memory_account": memory_account(roles or self.trained, peak, self.memory_at_start),
                    "checkpoint": str(self.ckpt.latest())}
         write_summary(self.out, summary)
         self.log.info(message)

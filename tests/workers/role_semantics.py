@@ -45,6 +45,11 @@ def main() -> None:
     head = reward_model.module.output_layer
     res["head_weight"], res["head_bias"] = head.weight.detach().clone(), head.bias.detach().clone()
 
+    # Rows with `lengths` run each microbatch trimmed to its longest row (models/roles.py): the
+    # same outputs at every real position as the untrimmed forward, zeros past the trim.
+    trimmed = actor.forward({"tokens": tokens, "lengths": lengths}, micro_batch_size=2)
+    res.update(trimmed_logprobs=trimmed["logprobs"], trimmed_entropy=trimmed["entropy"],
+               trimmed_values=critic.forward({"tokens": tokens, "lengths": lengths}, 2)["values"])
     reference = Reference(cfg)
     res["reference_trainable_params"] = sum(p.requires_grad for p in reference.module.parameters())
     res["reference_training_mode"] = reference.module.training
@@ -64,6 +69,10 @@ def main() -> None:
     loss_fn = lambda o, mb: (*summed(-o["logprobs"]), {})  # noqa: E731
     actor.train_step({"tokens": tokens}, 2, loss_fn)
     twin.train_step({"tokens": tokens}, 2, loss_fn)
+    from megatron_rlhf.logging.memory import memory_account  # after a step: Adam's state exists
+
+    res["memory_account"] = memory_account({"actor": actor, "critic": critic}, 0, 0)
+    res["param_count"] = sum(p.numel() for p in actor.module.parameters())
     res["fresh_save_step_diff"] = max(
         (p - q).abs().max().item() for p, q in zip(actor.module.parameters(), twin.module.parameters())
     )

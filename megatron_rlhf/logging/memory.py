@@ -1,0 +1,59 @@
+"""Where a stage's memory goes: per role, the bytes of weights, gradient buffers and optimizer
+state (Adam moments and fp32 main copies), against the stage's peak.
+
+On GPU the peak is the device's allocated peak and the baseline what was allocated when the
+stage started; on CPU the peak is the process's peak RSS and the baseline its RSS when the
+stage started (Python, torch and megatron-core already imported). `other` is what the account
+does not explain: activations, logits, the allocator's caches, communication buffers.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def current_memory_bytes() -> int:
+    """Allocated device memory on GPU; the process's resident set on CPU."""
+    if torch.cuda.is_available():
+        return int(torch.cuda.memory_allocated())
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def role_memory(role) -> dict[str, int]:
+    """Bytes of one role's weights, gradient buffers and optimizer state on this rank."""
+    weights = sum(_nbytes(p) for p in role.module.parameters())
+    grads = optimizer = 0
+    if role.trainable:
+        buffers = role.model.buffers + role.model.expert_parallel_buffers
+        grads = sum(_nbytes(b.grad_data) for b in buffers if b.grad_data is not None)
+        # fp32 main parameters that are views into the model's own buffers are no extra memory
+        shared = {b.param_data.untyped_storage().data_ptr() for b in buffers if b.param_data is not None}
+        shared |= {p.untyped_storage().data_ptr() for p in role.module.parameters()}
+        for inner in getattr(role.optimizer, "chained_optimizers", [role.optimizer]):
+            torch_opt = getattr(inner, "optimizer", None)
+            if torch_opt is None:
+                continue
+            for group in torch_opt.param_groups:
+                optimizer += sum(_nbytes(p) for p in group["params"] if p.untyped_storage().data_ptr() not in shared)
+            for state in torch_opt.state.values():
+                optimizer += sum(_nbytes(v) for v in state.values() if torch.is_tensor(v))
+    return {"weights": weights, "gradient_buffers": grads, "optimizer_state": optimizer}
+
+
+def memory_account(roles: dict, peak_bytes: int, baseline_bytes: int) -> dict:
+    """The stage summary's `memory_account`: per role and in total, with the peak above the
+    baseline and what the roles' state leaves unexplained (`other_bytes`)."""
+    per_role = {name: role_memory(role) for name, role in roles.items()}
+    state = sum(sum(r.values()) for r in per_role.values())
+    above = max(peak_bytes - baseline_bytes, 0)
+    return {"roles": per_role, "model_state_bytes": state, "baseline_bytes": baseline_bytes,
+            "peak_above_baseline_bytes": above, "other_bytes": above - state,
+            "peak_over_account": above / state if state else None}

@@ -1,0 +1,152 @@
+"""Every benchmark under benchmarks/ runs: `python benchmarks/X.py --quick --out <json>` (the same
+code as the full measurement, at tiny sizes, a few steps, one layout) must exit 0 and write rows
+of finite, positive times, rates and memory. A benchmark that rots fails here, not on the first
+user who runs `make bench`. rollout_engines.py needs vLLM: marked `vllm`, it runs in .venv-vllm
+(the second pytest run of `make test`). gpu_check.py has its own tests (test_gpu.py).
+
+Most of a quick run is Python importing torch and megatron-core (~10 s of one core per process),
+so the selected runs start together, two at a time, when the first test needs them; each test
+waits for its own.
+"""
+
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def positive(row: dict, *keys: str) -> None:
+    for key in keys:
+        value = row[key]
+        assert isinstance(value, (int, float)) and math.isfinite(value) and value > 0, f"{key}={value!r} in {row}"
+
+
+def finite(row: dict, *keys: str) -> None:
+    for key in keys:
+        value = row[key]
+        assert isinstance(value, (int, float)) and math.isfinite(value), f"{key}={value!r} in {row}"
+
+
+def check_bench_roles(res: dict) -> None:
+    assert res["quick"] and res["rows"]
+    for row in res["rows"]:
+        positive(row, "step_ms", "step_ms_min", "peak_rss_mib", "params_rank0")
+        assert row["step_ms_min"] <= row["step_ms"]
+
+
+def check_rl_step(res: dict) -> None:
+    assert res["quick"] and res["rows"]
+    for row in res["rows"]:
+        positive(row, "sequences", "seconds_per_iteration", "samples_per_s", "tokens_per_s", "model_state_mib",
+                 "peak_rss_mib")
+        assert set(row["phases"]) == {"generate", "score", "train"}, row["phases"]
+        for phase in row["phases"].values():
+            positive(phase, "seconds", "tokens_per_s")
+
+
+def check_hf_import(res: dict) -> None:
+    assert res["quick"]
+    positive(res, "parameters")
+    assert res["hf_shards"] > 1 and res["exported_shards"] > 1, res  # the sharded paths ran
+    assert [r["step"] for r in res["rows"]] == ["start (imports)", "import_hf", "export_hf"]
+    for row in res["rows"]:
+        positive(row, "peak_rss_mib", *(["seconds"] if row["seconds"] is not None else []))
+
+
+def check_split_invariance(res: dict) -> None:
+    assert res["quick"] and res["splits"]
+    for name, row in res["splits"].items():
+        finite(row, "max_abs_diff", "fraction_over_threshold")
+        # the splits agree to float rounding (a per-microbatch mean would not)
+        assert 0 <= row["max_abs_diff"] < res["threshold"], (name, row)
+        assert row["fraction_over_threshold"] == 0, (name, row)
+
+
+def check_rl_algorithms(res: dict) -> None:
+    assert res["quick"] and res["rows"]
+    for row in res["rows"]:
+        positive(row, "wall_seconds", "peak_rss_mib", "train_phase_peak_mib")
+        finite(row, "gold_before", "gold_after", "gold_gain", "rm_before", "rm_after", "kl_final")
+        assert row["roles"], row
+
+
+def check_reward_server(res: dict) -> None:
+    assert res["quick"] and res["rows"]
+    for row in res["rows"]:
+        positive(row, "client_batch", "seconds", "requests", "samples", "requests_per_s", "responses_per_s",
+                 "latency_p50_s", "latency_p95_s")
+        assert row["retries"] == 0, row
+        assert row["latency_p50_s"] <= row["latency_p95_s"]
+
+
+def check_rollout_engines(res: dict) -> None:
+    assert res["quick"]
+    assert [r["engine"] for r in res["rows"]] == ["megatron", "vllm"], res["rows"]
+    for row in res["rows"]:
+        positive(row, "params", "generate_s", "generated_tokens", "tokens_per_s")
+    positive(res["rows"][1], "start_s", "refit_s", "refit_bytes", "refit_mb_per_s", "speedup")
+
+
+BENCHMARKS = {
+    "bench_roles": check_bench_roles,
+    "rl_step": check_rl_step,
+    "hf_import": check_hf_import,
+    "split_invariance": check_split_invariance,
+    "rl_algorithms": check_rl_algorithms,
+    "reward_server": check_reward_server,
+    "rollout_engines": check_rollout_engines,
+}
+NEEDS_VLLM = {"rollout_engines"}
+
+
+def run_quick(name: str, out: Path) -> tuple[list[str], float]:
+    """`python benchmarks/<name>.py --quick --out <out>`: (the command, its wall seconds)."""
+    cmd = [sys.executable, str(REPO / "benchmarks" / f"{name}.py"), "--quick", "--out", str(out)]
+    env = {k: v for k, v in os.environ.items() if k != "MEGATRON_RLHF_FAULT"}  # no injected faults
+    t0 = time.perf_counter()
+    try:
+        subprocess.run(cmd, cwd=REPO, env=env, check=True, capture_output=True, text=True, timeout=600)
+    except subprocess.CalledProcessError as e:
+        raise AssertionError(f"{' '.join(cmd)} exited {e.returncode}\n--- stdout\n{e.stdout[-4000:]}\n"
+                             f"--- stderr\n{e.stderr[-8000:]}") from None
+    return cmd, time.perf_counter() - t0
+
+
+@pytest.fixture(scope="module")
+def quick_runs(request, tmp_path_factory):
+    """The quick runs of this session's selected benchmark tests, two at a time: name -> future."""
+    names = [item.callspec.params["name"] for item in request.session.items
+             if item.module is request.module and hasattr(item, "callspec")]
+    root = tmp_path_factory.mktemp("benchmarks")
+    pool = ThreadPoolExecutor(max_workers=2)
+    yield {name: (pool.submit(run_quick, name, root / f"{name}.json"), root / f"{name}.json") for name in names}
+    pool.shutdown(cancel_futures=True)
+
+
+@pytest.mark.slow  # processes that import megatron-core (~10 s of CPU each), some under torchrun
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.vllm) if n in NEEDS_VLLM else n
+                                  for n in BENCHMARKS])
+def test_benchmark_quick_mode_runs(name, quick_runs):
+    future, out = quick_runs[name]
+    try:
+        cmd, seconds = future.result()
+    except AssertionError as e:
+        pytest.fail(str(e), pytrace=False)
+    print(f"{' '.join(cmd)}: {seconds:.1f} s")
+    BENCHMARKS[name](json.loads(out.read_text()))
+
+
+def test_every_benchmark_is_covered():
+    """A new benchmark gets a quick mode and an entry here (gpu_check.py: test_gpu.py; vs_trl.py and
+    gpu_ppo.py: their own tests)."""
+    own_tests = {"gpu_check", "vs_trl", "gpu_ppo"}
+    scripts = {p.stem for p in (REPO / "benchmarks").glob("*.py")} - own_tests
+    assert scripts <= set(BENCHMARKS), f"benchmarks without a quick-mode test: {sorted(scripts - set(BENCHMARKS))}"
