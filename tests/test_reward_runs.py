@@ -26,7 +26,7 @@ from stages import assert_same_tensors, assert_same_trainer_state, fault, iter_d
 pytestmark = pytest.mark.slow
 
 RECIPE = "pipelines/tiny_cpu_arithmetic.yaml"
-RL_STEPS = 20  # the recipe's 30 reach ~0.57 from ~0.2; 20 keep CI shorter
+RL_STEPS = 25  # the recipe's 30 reach ~0.57 from ~0.2; 25 keep CI shorter (20 gave +0.09 once microbatches were sorted by length: too close to the bar)
 MIN_ACCURACY_GAIN = 0.1
 
 
