@@ -7,8 +7,9 @@ Runs the RL stage's own phase functions (generate -> score -> advantages -> trai
 randomly initialised roles of the tiny_cpu model, so every response runs to the full 32 new
 tokens; 4 epochs; 16 sequences per iteration (PPO: 16 prompts; GRPO: 4 prompts x 4 samples).
 One process per algorithm (TP1 PP1), so each peak RSS is its own. Also the bytes of model
-state each algorithm holds (weights of every role; gradients and Adam states of the trained
-ones): what the missing critic saves, independent of the allocator. Times are means over
+state each algorithm holds (weights of every role; gradient buffers and Adam states of the
+trained ones, measured as the stage summary's memory_account counts them): what the missing
+critic saves, independent of the allocator. Times are means over
 --iterations after one warm-up iteration. Prints a table, writes JSON.
 --quick: PPO only, 4 sequences of 8 new tokens, 2 epochs, 1 iteration (tests/test_benchmarks.py runs it).
 """
@@ -32,21 +33,13 @@ FULL = dict(sequences=16, new_tokens=32, epochs=4, mini=8, micro=4)
 QUICK = dict(sequences=4, new_tokens=8, epochs=2, mini=4, micro=4, algorithms=["ppo"], iterations=1)
 
 
-def state_bytes(roles: dict) -> int:
-    """Weights of every role, plus fp32 main gradients and two Adam moments of the trained ones."""
-    total = 0
-    for role in roles.values():
-        n = sum(p.numel() for p in role.module.parameters())
-        total += n * next(role.module.parameters()).element_size() + (n * 4 * 3 if role.trainable else 0)
-    return total
-
-
 def run(algorithm: str, iterations: int, quick: bool = False) -> dict:
     from megatron_rlhf import parallel
     from megatron_rlhf.colocation import ColocationScheduler, phases_for
     from megatron_rlhf.config import load_config
     from megatron_rlhf.data.encode import EncodedPrompt
     from megatron_rlhf.data.jsonl import PromptExample
+    from megatron_rlhf.logging.memory import memory_account
     from megatron_rlhf.rewards import RewardSources
     from megatron_rlhf.rollout import MegatronRolloutEngine, SamplingParams
     from megatron_rlhf.trainers import rl as stage
@@ -85,11 +78,13 @@ def run(algorithm: str, iterations: int, quick: bool = False) -> dict:
     phases = {p: {"seconds": v["seconds"] / iterations, "tokens_per_s": v["tokens_per_s"]}
               for p, v in sched.summary().items()}
     total = sum(p["seconds"] for p in phases.values())
+    state = memory_account(roles, 0, 0)["model_state_bytes"]  # as the stage summaries count it
     parallel.destroy()
     return {"algorithm": algorithm, "roles": sorted(roles), "sequences": len(rollout),
             "response_tokens": size["new_tokens"], "epochs": size["epochs"], "phases": phases,
             "seconds_per_iteration": total, "samples_per_s": len(rollout) / total,
-            "tokens_per_s": float(rollout.lengths.sum()) / total, "model_state_mib": state_bytes(roles) / 2**20,
+            "tokens_per_s": float(rollout.lengths.sum()) / total,
+            "model_state_mib": state / 2**20,
             "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
 

@@ -136,6 +136,18 @@ def reset_peak_memory() -> None:
         torch.cuda.reset_peak_memory_stats()
 
 
+def current_memory_bytes() -> int:
+    """Allocated device memory on GPU; the process's resident set on CPU (unlike its peak,
+    ru_maxrss cannot give the current one)."""
+    if torch.cuda.is_available():
+        return int(torch.cuda.memory_allocated())
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
 def peak_memory_bytes() -> int:
     if torch.cuda.is_available():
         return int(torch.cuda.max_memory_allocated())

@@ -76,6 +76,7 @@ def test_trimmed_microbatches_match_at_every_real_position(res):
     untrimmed outputs at every real position, and 0 from where a row has no next token
     (log-probs, entropy: lengths - 1) or no token (values: lengths) to the batch's width."""
     lengths = res["lengths"]
+    assert res["trimmed_widths"] == [12, 9]  # each microbatch ran at its longest row's width
     for key, full, first_zero in (("logprobs", res["logprobs"], -1), ("entropy", res["entropy"], -1),
                                   ("values", res["values"], 0)):
         trimmed = res[f"trimmed_{key}"]

@@ -12,17 +12,6 @@ from __future__ import annotations
 import torch
 
 
-def current_memory_bytes() -> int:
-    """Allocated device memory on GPU; the process's resident set on CPU."""
-    if torch.cuda.is_available():
-        return int(torch.cuda.memory_allocated())
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
@@ -32,7 +21,7 @@ def role_memory(role) -> dict[str, int]:
     weights = sum(_nbytes(p) for p in role.module.parameters())
     grads = optimizer = 0
     if role.trainable:
-        buffers = role.model.buffers + role.model.expert_parallel_buffers
+        buffers = role.grad_buffers
         grads = sum(_nbytes(b.grad_data) for b in buffers if b.grad_data is not None)
         # fp32 main parameters that are views into the model's own buffers are no extra memory
         shared = {b.param_data.untyped_storage().data_ptr() for b in buffers if b.param_data is not None}

@@ -64,6 +64,12 @@ def trim_padding(microbatches: list[Batch]) -> list[Batch]:
             for mb, w in zip(microbatches, longest)]
 
 
+def trims_padding() -> bool:
+    """Whether Role._run cuts microbatches with `lengths` to their longest row: only without
+    pipeline stages, whose p2p buffers have one fixed shape."""
+    return parallel_state.get_pipeline_model_parallel_world_size() == 1
+
+
 def real_positions(lengths: torch.Tensor, width: int, offset: int = 0) -> torch.Tensor:
     """[b, width] float: 1 at positions < lengths - offset."""
     return (torch.arange(width, device=lengths.device) < (lengths - offset)[:, None]).float()
@@ -147,6 +153,11 @@ class Role:
             self.model = module
 
     @property
+    def grad_buffers(self) -> list:
+        """DDP's parameter-and-gradient buffers of a trainable role (dense and expert-parallel)."""
+        return self.model.buffers + self.model.expert_parallel_buffers
+
+    @property
     def module(self) -> torch.nn.Module:
         """The bare GPTModel (unwrapped from DDP): what checkpoints save and load."""
         return getattr(self.model, "module", self.model)
@@ -191,11 +202,8 @@ class Role:
     def _run(self, batch: Batch, micro_batch_size: int, loss_fn: LossFn | None,
              force_all_reduce: bool = False) -> list[dict]:
         microbatches = split_microbatches({k: v.to(device()) for k, v in batch.items()}, micro_batch_size)
-        # Without pipeline stages (whose p2p buffers have one fixed shape) each microbatch runs
-        # at its own width: no compute on the padding past its longest row.
-        if ("lengths" in batch and "attention_mask" not in batch
-                and parallel_state.get_pipeline_model_parallel_world_size() == 1):
-            microbatches = trim_padding(microbatches)
+        if "lengths" in batch and "attention_mask" not in batch and trims_padding():
+            microbatches = trim_padding(microbatches)  # no compute on the padding past each one's longest row
         return get_forward_backward_func()(
             forward_step_func=partial(self._forward_step, loss_fn, batch["tokens"].size(1)),
             data_iterator=iter(microbatches),
@@ -240,7 +248,7 @@ class Role:
         """
         store = self._forward_backward(batch, micro_batch_size, loss_fn)
         FAULTS.at("train")  # between backward and the optimizer step: the middle of a step
-        grads = [b.grad_data for b in self.model.buffers + self.model.expert_parallel_buffers]
+        grads = [b.grad_data for b in self.grad_buffers]
         skipped = self.guard.should_skip([d["loss"] for d in store], grads)
         update_ok, grad_norm = False, float("nan")
         if not skipped:

@@ -18,7 +18,6 @@ from __future__ import annotations
 from functools import partial
 
 import torch
-from megatron.core import parallel_state
 
 from megatron_rlhf import parallel
 from megatron_rlhf.algorithms.advantages import ESTIMATORS, Settings, group_view
@@ -32,7 +31,7 @@ from megatron_rlhf.config import Config, ConfigError, RLConfig, policy_start, wa
 from megatron_rlhf.data.encode import EncodedPrompt, encode_prompt_records
 from megatron_rlhf.data.sampler import EpochSampler
 from megatron_rlhf.logging.reward_hacking import RewardHackingAlarm
-from megatron_rlhf.models.roles import Actor, Critic, Reference, RewardModel
+from megatron_rlhf.models.roles import Actor, Critic, Reference, RewardModel, trims_padding
 from megatron_rlhf.parallel.collectives import all_reduce, any_rank, dp_group, dp_sum, dp_sums, masked_moments
 from megatron_rlhf.rewards import RewardInputs, RewardSourceError, RewardSources, rm_scores
 from megatron_rlhf.rollout import Rollout, SamplingParams, make_engine
@@ -482,7 +481,7 @@ def run_iterations(cfg: Config, runner, data, roles, engine, sched, rewards: Rew
             phase.tokens = int(rollout.lengths.sum()) * rl.epochs
         metrics = iteration_metrics(rollout, batch, kl_stats, decode_responses(rollout, tok), data.task,
                                     sampling_stats, kl_coef, holdout, per_source, rl.micro_batch_size, recompute_old,
-                                    trimmed=parallel_state.get_pipeline_model_parallel_world_size() == 1)
+                                    trimmed=trims_padding())
         samples_seen += int(metrics.pop("responses"))
         last_mismatch.update({k: metrics[k] for k in ("logprob_mismatch", "mismatch_max_ratio") if k in metrics})
         if train_actor:  # the actor does not move during critic warm-up: nothing to steer yet

@@ -28,9 +28,9 @@ import torch.distributed as dist
 from megatron_rlhf import parallel
 from megatron_rlhf.checkpoint.manager import CheckpointManager, rng_state, set_rng_state
 from megatron_rlhf.checkpoint.validate import iter_name
-from megatron_rlhf.colocation import peak_memory_bytes, reset_peak_memory
-from megatron_rlhf.logging.memory import current_memory_bytes, memory_account
+from megatron_rlhf.colocation import current_memory_bytes, peak_memory_bytes, reset_peak_memory
 from megatron_rlhf.config import Config
+from megatron_rlhf.logging.memory import memory_account
 from megatron_rlhf.logging.metrics import MetricsLogger, nonfinite_to_null
 from megatron_rlhf.resilience.faults import FAULTS
 from megatron_rlhf.resilience.heartbeat import Heartbeat

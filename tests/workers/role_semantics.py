@@ -47,7 +47,12 @@ def main() -> None:
 
     # Rows with `lengths` run each microbatch trimmed to its longest row (models/roles.py): the
     # same outputs at every real position as the untrimmed forward, zeros past the trim.
+    widths = []  # the sequence width megatron's embedding actually sees, per microbatch
+    hook = actor.module.embedding.register_forward_pre_hook(
+        lambda module, args, kwargs: widths.append(kwargs["input_ids"].size(1)), with_kwargs=True)
     trimmed = actor.forward({"tokens": tokens, "lengths": lengths}, micro_batch_size=2)
+    hook.remove()
+    res["trimmed_widths"] = widths
     res.update(trimmed_logprobs=trimmed["logprobs"], trimmed_entropy=trimmed["entropy"],
                trimmed_values=critic.forward({"tokens": tokens, "lengths": lengths}, 2)["values"])
     reference = Reference(cfg)
