@@ -114,6 +114,7 @@ bench: setup
 	$(PY) benchmarks/hf_import.py
 	$(PY) benchmarks/split_invariance.py
 	$(PY) benchmarks/rl_algorithms.py
+	$(PY) benchmarks/memory.py
 
 # Every CPU benchmark's --quick: the same code at tiny sizes, a few steps, one layout (~20-60 s each
 # on 2 cores): does it still run? JSON under $(QUICK_OUT), apart from the full results.
@@ -127,6 +128,7 @@ bench-quick: setup
 	$(PY) benchmarks/split_invariance.py --quick --out $(QUICK_OUT)/split_invariance.json
 	$(PY) benchmarks/rl_algorithms.py --quick --out $(QUICK_OUT)/rl_algorithms.json
 	$(PY) benchmarks/reward_server.py --quick --out $(QUICK_OUT)/reward_server.json
+	$(PY) benchmarks/memory.py --quick --out $(QUICK_OUT)/memory.json
 
 bench-vllm: $(VLLM_STAMP)
 	$(VENV_VLLM)/bin/python benchmarks/rollout_engines.py

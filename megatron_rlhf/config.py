@@ -106,6 +106,13 @@ class ModelConfig:
     share_embeddings_and_output_weights: bool = False
     init_method_std: float = 0.02
     params_dtype: str = "float32"
+    # megatron-core activation recomputation of trained roles (memory for compute): null |
+    # selective (each layer's core attention, whose [b, heads, s, s] scores dominate activations
+    # without flash attention) | full (whole layers: recompute_method uniform | block, and
+    # recompute_num_layers, as megatron's --recompute-* flags).
+    recompute_granularity: str | None = None
+    recompute_method: str | None = None
+    recompute_num_layers: int | None = None
     # A local Hugging Face directory (config.json + safetensors): a fresh SFT run starts from
     # these weights. Implies from_hf_config (unless that is set).
     init_from_hf: str | None = None
@@ -305,6 +312,9 @@ class RLConfig:
     max_sampling_rounds: int = 3
     mini_batch_size: int = 16        # sequences per optimizer step, over all data-parallel ranks
     micro_batch_size: int = 8
+    # > 0: score and train microbatches hold as many length-sorted sequences as fit in this many
+    # token slots (rows x longest row) instead of micro_batch_size rows; >= model.max_seq_length.
+    micro_batch_tokens: int = 0
     epochs: int = 2                  # passes over each rollout batch, reshuffled every epoch
     # Sampling (also the temperature of the recomputed log-probs).
     max_new_tokens: int = 12
@@ -775,6 +785,15 @@ def _validate_model(m: ModelConfig) -> None:
     if m.max_position_embeddings is not None and m.max_seq_length > m.max_position_embeddings:
         raise ConfigError(f"model.max_seq_length={m.max_seq_length}: longer than model.max_position_embeddings="
                           f"{m.max_position_embeddings} (the context the weights are meant for); lower max_seq_length")
+    if m.recompute_granularity not in (None, "selective", "full"):
+        raise ConfigError(f"model.recompute_granularity={m.recompute_granularity!r}: choose null, selective or full")
+    if m.recompute_granularity == "full" and (m.recompute_method not in ("uniform", "block")
+                                               or not m.recompute_num_layers or m.recompute_num_layers < 1):
+        raise ConfigError(f"model.recompute_granularity=full: set model.recompute_method (uniform | block, got "
+                          f"{m.recompute_method!r}) and model.recompute_num_layers >= 1 (got {m.recompute_num_layers})")
+    if m.recompute_granularity != "full" and (m.recompute_method or m.recompute_num_layers):
+        raise ConfigError(f"model.recompute_method={m.recompute_method!r}, model.recompute_num_layers="
+                          f"{m.recompute_num_layers}: only for model.recompute_granularity=full; unset them")
     if m.family not in MODEL_FAMILIES:
         raise ConfigError(f"model.family={m.family!r}: choose one of {MODEL_FAMILIES}")
     # Each family's attention is fixed by transformers: Qwen2 always has q/k/v biases, Qwen3
@@ -853,6 +872,10 @@ def _validate_rl(p: RLConfig, m: ModelConfig, dp: int, given: frozenset = frozen
     if p.mini_batch_size % (p.micro_batch_size * dp):
         raise ConfigError(f"rl.mini_batch_size={p.mini_batch_size}: must be a multiple of "
                           f"rl.micro_batch_size={p.micro_batch_size} x data-parallel size {dp}")
+    if p.micro_batch_tokens and p.micro_batch_tokens < m.max_seq_length:
+        raise ConfigError(f"rl.micro_batch_tokens={p.micro_batch_tokens}: a sequence of up to model.max_seq_length="
+                          f"{m.max_seq_length} tokens must fit; set it >= {m.max_seq_length}, or 0 for "
+                          "rl.micro_batch_size rows per microbatch")
     if p.max_new_tokens > m.max_seq_length - 2:  # encode_prompts needs room for >= 2 prompt tokens
         raise ConfigError(f"rl.max_new_tokens={p.max_new_tokens}: leaves no room for a prompt in "
                           f"model.max_seq_length={m.max_seq_length}; at most {m.max_seq_length - 2}")

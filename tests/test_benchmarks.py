@@ -95,8 +95,19 @@ def check_rollout_engines(res: dict) -> None:
     positive(res["rows"][1], "start_s", "refit_s", "refit_bytes", "refit_mb_per_s", "speedup")
 
 
+def check_memory(res: dict) -> None:
+    assert res["quick"]
+    assert [r["recompute"] for r in res["rows"]] == ["none", "selective", "full"], res["rows"]
+    for row in res["rows"]:
+        positive(row, "params", "step_s", "model_state_bytes", "activation_bytes", "peak_above_baseline_bytes",
+                 "peak_over_account")
+        # the account covers weights, gradients and both Adam moments: at least 4 x fp32 weights
+        assert row["model_state_bytes"] >= 16 * row["params"], row
+
+
 BENCHMARKS = {
     "bench_roles": check_bench_roles,
+    "memory": check_memory,
     "rl_step": check_rl_step,
     "hf_import": check_hf_import,
     "split_invariance": check_split_invariance,

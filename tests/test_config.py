@@ -202,3 +202,15 @@ def test_pipeline_stages_are_checked_against_what_each_stage_starts_from():
     assert "rm.init_from" in assert_error_names("pipeline.stages", "pipeline.stages=[rm,sft]")
     assert_error_names("pipeline.stages", "pipeline.stages=[sft,sft]")
     assert_error_names("pipeline.stages", "pipeline.stages=sft")  # not a list
+
+
+@pytest.mark.parametrize("overrides, field", [
+    (["model.recompute_granularity=some"], "model.recompute_granularity"),
+    (["model.recompute_granularity=full"], "model.recompute_granularity=full"),
+    (["model.recompute_granularity=full", "model.recompute_method=uniform"], "model.recompute_granularity=full"),
+    (["model.recompute_granularity=selective", "model.recompute_num_layers=1"], "model.recompute_method"),
+])
+def test_activation_recomputation_settings_are_checked(overrides, field):
+    assert_error_names(field, *overrides)
+    validate(load_config(None, ["model.recompute_granularity=full", "model.recompute_method=block",
+                                "model.recompute_num_layers=1"]), world_size=1)

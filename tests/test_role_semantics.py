@@ -96,4 +96,32 @@ def test_memory_account_counts_weights_gradients_and_adam_state(res):
     assert actor["gradient_buffers"] >= 4 * n  # buffers are padded to bucket boundaries
     assert 2 * 4 * n <= actor["optimizer_state"] <= 2 * 4 * n + 1024  # + Adam's step counters
     assert res["memory_account"]["model_state_bytes"] == sum(
-        sum(r.values()) for r in res["memory_account"]["roles"].values())
+        r["weights"] + r["gradient_buffers"] + r["optimizer_state"] for r in res["memory_account"]["roles"].values())
+
+
+def test_memory_account_measures_the_activations_kept_for_backward(res):
+    """The actor's first step measured what its microbatch [2, 12] kept for backward: at least
+    the fp32 logits the log-softmax saves; the never-trained critic has none; recomputing whole
+    layers keeps less (only each layer's input)."""
+    account = res["memory_account"]
+    logits_bytes = 2 * 12 * res["padded_vocab"] * 4
+    assert account["roles"]["actor"]["activations"] >= logits_bytes
+    assert account["roles"]["critic"]["activations"] == 0
+    assert account["activation_bytes"] == account["roles"]["actor"]["activations"]
+    assert account["account_bytes"] == account["model_state_bytes"] + account["activation_bytes"]
+    kept = res["recompute_activation_bytes"]
+    assert kept["full"] < kept[None], kept
+
+
+def test_activation_recomputation_leaves_gradients_unchanged(res):
+    assert res["recompute_grad_scale"] > 0
+    for granularity in ("selective", "full"):
+        assert res["recompute_grad_diff"][granularity] <= 1e-6 * res["recompute_grad_scale"], granularity
+
+
+def test_fused_logprobs_and_entropy_match_autograd_of_the_formulas(res):
+    """One softmax, one saved tensor, a hand-written backward: the values and the gradient equal
+    autograd through log_softmax and -sum p log p (float64)."""
+    assert res["fused_logprob_entropy_diff"] < 1e-12
+    assert res["fused_grad_scale"] > 0.1
+    assert res["fused_grad_diff"] < 1e-12

@@ -1,5 +1,6 @@
-"""Where a stage's memory goes: per role, the bytes of weights, gradient buffers and optimizer
-state (Adam moments and fp32 main copies), against the stage's peak.
+"""Where a stage's memory goes: per role, the bytes of weights, gradient buffers, optimizer
+state (Adam moments and fp32 main copies) and activations kept for backward, against the
+stage's peak.
 
 On GPU the peak is the device's allocated peak and the baseline what was allocated when the
 stage started; on CPU the peak is the process's peak RSS and the baseline its RSS when the
@@ -16,8 +17,38 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+class SavedActivations:
+    """Bytes autograd keeps for backward from the forwards run inside this context (each storage
+    counted once; the given parameters' storages, which layers also save, not at all): the
+    activations and logits a microbatch holds until its backward. A `saved_tensors_hooks` pair
+    that only looks, so it costs one Python call per saved tensor while active."""
+
+    def __init__(self, parameters):
+        self.exclude = {p.untyped_storage().data_ptr() for p in parameters}
+        self.storages: dict[int, int] = {}
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in self.exclude:
+            self.storages[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    def __enter__(self):
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._hooks.__exit__(*exc)
+
+    @property
+    def bytes(self) -> int:
+        return sum(self.storages.values())
+
+
 def role_memory(role) -> dict[str, int]:
-    """Bytes of one role's weights, gradient buffers and optimizer state on this rank."""
+    """Bytes of one role's weights, gradient buffers and optimizer state on this rank, and the
+    activations its largest measured microbatch kept for backward (Role.activation_bytes)."""
     weights = sum(_nbytes(p) for p in role.module.parameters())
     grads = optimizer = 0
     if role.trainable:
@@ -34,15 +65,20 @@ def role_memory(role) -> dict[str, int]:
                 optimizer += sum(_nbytes(p) for p in group["params"] if p.untyped_storage().data_ptr() not in shared)
             for state in torch_opt.state.values():
                 optimizer += sum(_nbytes(v) for v in state.values() if torch.is_tensor(v))
-    return {"weights": weights, "gradient_buffers": grads, "optimizer_state": optimizer}
+    return {"weights": weights, "gradient_buffers": grads, "optimizer_state": optimizer,
+            "activations": role.activation_bytes or 0}
 
 
 def memory_account(roles: dict, peak_bytes: int, baseline_bytes: int) -> dict:
     """The stage summary's `memory_account`: per role and in total, with the peak above the
-    baseline and what the roles' state leaves unexplained (`other_bytes`)."""
+    baseline and what the account leaves unexplained (`other_bytes`). The account is the roles'
+    state plus the activations of the one role that trains at a time (the largest)."""
     per_role = {name: role_memory(role) for name, role in roles.items()}
-    state = sum(sum(r.values()) for r in per_role.values())
+    state = sum(r["weights"] + r["gradient_buffers"] + r["optimizer_state"] for r in per_role.values())
+    activations = max((r["activations"] for r in per_role.values()), default=0)
+    account = state + activations
     above = max(peak_bytes - baseline_bytes, 0)
-    return {"roles": per_role, "model_state_bytes": state, "baseline_bytes": baseline_bytes,
-            "peak_above_baseline_bytes": above, "other_bytes": above - state,
-            "peak_over_account": above / state if state else None}
+    return {"roles": per_role, "model_state_bytes": state, "activation_bytes": activations,
+            "account_bytes": account, "baseline_bytes": baseline_bytes,
+            "peak_above_baseline_bytes": above, "other_bytes": above - account,
+            "peak_over_account": above / account if account else None}

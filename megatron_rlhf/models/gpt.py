@@ -50,6 +50,10 @@ def transformer_config(cfg: Config) -> TransformerConfig:
         tensor_model_parallel_size=cfg.parallel.tensor_parallel,
         pipeline_model_parallel_size=cfg.parallel.pipeline_parallel,
         sequence_parallel=False,
+        # Stages exchange each microbatch's shape first: microbatches are cut to their longest
+        # row and sized by a token budget (Role._run), so shapes vary within a batch.
+        variable_seq_lengths=cfg.parallel.pipeline_parallel > 1,
+        moe_token_dispatcher_type="alltoall",  # no experts here; megatron refuses the default with the line above
         normalization="RMSNorm",
         layernorm_epsilon=m.norm_epsilon,
         gated_linear_unit=True,  # SwiGLU
@@ -57,6 +61,9 @@ def transformer_config(cfg: Config) -> TransformerConfig:
         add_bias_linear=False,
         add_qkv_bias=m.qkv_bias,  # Qwen2
         qk_layernorm=m.qk_layernorm,  # Qwen3: RMSNorm of each head's q and k (eps = norm_epsilon)
+        recompute_granularity=m.recompute_granularity,
+        recompute_method=m.recompute_method,
+        recompute_num_layers=m.recompute_num_layers,
         hidden_dropout=0.0,  # RL roles run without dropout (PPO checklist item 8)
         attention_dropout=0.0,
         init_method_std=m.init_method_std,

@@ -18,7 +18,9 @@ not change the objective.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from functools import partial
+from itertools import accumulate
 from typing import Callable
 
 import torch
@@ -27,10 +29,11 @@ from megatron.core.distributed import finalize_model_grads
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megatron_rlhf.config import Config, OptimizerConfig
+from megatron_rlhf.logging.memory import SavedActivations
 from megatron_rlhf.models.gpt import build_model
 from megatron_rlhf.models.optimizer import build_optimizer, build_scheduler, wrap_ddp
 from megatron_rlhf.models.vocab_parallel import (
-    mask_padded_vocab, vocab_parallel_entropy, vocab_parallel_logprobs,
+    mask_padded_vocab, vocab_parallel_logprobs_and_entropy,
 )
 from megatron_rlhf.parallel import device
 from megatron_rlhf.parallel.collectives import dp_sum
@@ -43,14 +46,32 @@ Batch = dict[str, torch.Tensor]
 LossFn = Callable[[dict[str, torch.Tensor], Batch], tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]]
 
 
-def split_microbatches(batch: Batch, micro_batch_size: int) -> list[Batch]:
+def microbatch_rows(lengths: list[int], micro_batch_size: int, token_budget: int = 0) -> list[int]:
+    """Rows per microbatch, in order: `micro_batch_size` each, or with a `token_budget` as many
+    consecutive rows as fit in it (rows x their longest length, at least one row). Rows sorted
+    longest first (trainers.batching.by_length) waste the least."""
+    if not token_budget:
+        return [micro_batch_size] * (len(lengths) // micro_batch_size)
+    rows, count, longest = [], 0, 0
+    for n in lengths:
+        if count and (count + 1) * max(longest, n) > token_budget:
+            rows.append(count)
+            count, longest = 0, 0
+        count, longest = count + 1, max(longest, n)
+    return rows + [count] if count else rows
+
+
+def split_microbatches(batch: Batch, micro_batch_size: int, token_budget: int = 0) -> list[Batch]:
+    """Consecutive microbatches; by `token_budget` when given and the batch has `lengths`."""
     size = batch["tokens"].size(0)
-    if size % micro_batch_size:
+    if token_budget and "lengths" in batch:
+        rows = microbatch_rows(batch["lengths"].tolist(), micro_batch_size, token_budget)
+    elif size % micro_batch_size:
         raise ValueError(f"batch of {size} is not a multiple of micro_batch_size={micro_batch_size}")
-    return [
-        {k: v[i : i + micro_batch_size] for k, v in batch.items()}
-        for i in range(0, size, micro_batch_size)
-    ]
+    else:
+        rows = microbatch_rows([0] * size, micro_batch_size)
+    starts = [0, *accumulate(rows)]
+    return [{k: v[i : i + n] for k, v in batch.items()} for i, n in zip(starts, rows)]
 
 
 def trim_padding(microbatches: list[Batch]) -> list[Batch]:
@@ -62,12 +83,6 @@ def trim_padding(microbatches: list[Batch]) -> list[Batch]:
     longest = torch.stack([mb["lengths"].max() for mb in microbatches]).clamp(min=1).tolist()
     return [{k: v[:, :w] if v.dim() >= 2 and v.size(1) == width else v for k, v in mb.items()}
             for mb, w in zip(microbatches, longest)]
-
-
-def trims_padding() -> bool:
-    """Whether Role._run cuts microbatches with `lengths` to their longest row: only without
-    pipeline stages, whose p2p buffers have one fixed shape."""
-    return parallel_state.get_pipeline_model_parallel_world_size() == 1
 
 
 def real_positions(lengths: torch.Tensor, width: int, offset: int = 0) -> torch.Tensor:
@@ -133,6 +148,10 @@ class Role:
         self.cfg = cfg
         self.trainable = trainable
         self.optimizer = self.scheduler = None
+        # Bytes the largest microbatch kept for backward, measured on the first training call
+        # (logging/memory.py: SavedActivations); None until then.
+        self.activation_bytes: int | None = None
+        self._meter = None
         module = build_model(cfg, value_head=self.value_head)
         if trainable:
             optimizer = optimizer or cfg.optimizer
@@ -181,10 +200,14 @@ class Role:
         mb = next(data_iterator)
         tokens = mb["tokens"]
         position_ids = torch.arange(tokens.size(1), device=tokens.device).expand_as(tokens)
-        out = model(
-            tokens, position_ids, mb.get("attention_mask"),
-            output_processor=self.outputs, output_processor_context=mb,
-        )
+        meter = SavedActivations(self.module.parameters()) if self._meter is not None else nullcontext()
+        with meter:
+            out = model(
+                tokens, position_ids, mb.get("attention_mask"),
+                output_processor=self.outputs, output_processor_context=mb,
+            )
+        if self._meter is not None:
+            self._meter.append(meter.bytes)
         if loss_fn is None:
             return out, lambda o: (torch.zeros((), device=tokens.device),
                                    {k: pad_to_width(v.detach(), width) for k, v in o.items()})
@@ -200,9 +223,9 @@ class Role:
         return out, loss_func
 
     def _run(self, batch: Batch, micro_batch_size: int, loss_fn: LossFn | None,
-             force_all_reduce: bool = False) -> list[dict]:
-        microbatches = split_microbatches({k: v.to(device()) for k, v in batch.items()}, micro_batch_size)
-        if "lengths" in batch and "attention_mask" not in batch and trims_padding():
+             force_all_reduce: bool = False, token_budget: int = 0) -> list[dict]:
+        microbatches = split_microbatches({k: v.to(device()) for k, v in batch.items()}, micro_batch_size, token_budget)
+        if "lengths" in batch and "attention_mask" not in batch:
             microbatches = trim_padding(microbatches)  # no compute on the padding past each one's longest row
         return get_forward_backward_func()(
             forward_step_func=partial(self._forward_step, loss_fn, batch["tokens"].size(1)),
@@ -215,30 +238,37 @@ class Role:
             force_all_reduce=force_all_reduce,
         )
 
-    def forward(self, batch: Batch, micro_batch_size: int) -> dict[str, torch.Tensor]:
-        """Role outputs for the whole batch, on every rank."""
+    def forward(self, batch: Batch, micro_batch_size: int, token_budget: int = 0) -> dict[str, torch.Tensor]:
+        """Role outputs for the whole batch, on every rank. With a `token_budget` (and `lengths`)
+        microbatches hold as many rows as fit in it instead of `micro_batch_size`."""
         self.model.eval()
         with torch.no_grad():
-            store = self._run(batch, micro_batch_size, loss_fn=None)
+            store = self._run(batch, micro_batch_size, loss_fn=None, token_budget=token_budget)
         merged = {k: torch.cat([d[k] for d in store]) for k in store[0]} if store else {}
         return broadcast_from_last_stage(merged, self.output_shapes(*batch["tokens"].shape))
 
     def _forward_backward(self, batch: Batch, micro_batch_size: int, loss_fn: LossFn,
-                          force_all_reduce: bool = False) -> list[dict]:
+                          force_all_reduce: bool = False, token_budget: int = 0) -> list[dict]:
         assert self.trainable, f"{type(self).__name__} is frozen"
         self.model.train()
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
-        return self._run(batch, micro_batch_size, loss_fn, force_all_reduce)
+        self._meter = [] if self.activation_bytes is None else None  # once: the hooks cost a call per tensor
+        try:
+            return self._run(batch, micro_batch_size, loss_fn, force_all_reduce, token_budget)
+        finally:
+            if self._meter:
+                self.activation_bytes = max(self._meter)
+            self._meter = None
 
-    def gradients(self, batch: Batch, micro_batch_size: int, loss_fn: LossFn) -> dict[str, float]:
+    def gradients(self, batch: Batch, micro_batch_size: int, loss_fn: LossFn, token_budget: int = 0) -> dict[str, float]:
         """Forward and backward only (checks and tests): afterwards each parameter's
         `main_grad` holds the gradient of the global-batch loss, complete on every
         data-parallel rank (all-reduced even under the DistributedOptimizer). Returns the
         global means of the loss and its statistics."""
-        return global_means(self._forward_backward(batch, micro_batch_size, loss_fn, force_all_reduce=True))
+        return global_means(self._forward_backward(batch, micro_batch_size, loss_fn, True, token_budget))
 
-    def train_step(self, batch: Batch, micro_batch_size: int, loss_fn: LossFn) -> dict[str, float]:
+    def train_step(self, batch: Batch, micro_batch_size: int, loss_fn: LossFn, token_budget: int = 0) -> dict[str, float]:
         """One optimizer step on `batch` (this rank's share of the global batch): gradient
         accumulation over its microbatches of the global-batch mean loss (see LossFn).
 
@@ -246,7 +276,7 @@ class Role:
         norm and the learning rate. A step with a non-finite loss or gradient on any rank is
         skipped (`skipped`: True): no optimizer or LR-schedule update.
         """
-        store = self._forward_backward(batch, micro_batch_size, loss_fn)
+        store = self._forward_backward(batch, micro_batch_size, loss_fn, token_budget=token_budget)
         FAULTS.at("train")  # between backward and the optimizer step: the middle of a step
         grads = [b.grad_data for b in self.grad_buffers]
         skipped = self.guard.should_skip([d["loss"] for d in store], grads)
@@ -280,8 +310,8 @@ class Actor(Role):
         valid[-1] = 0
         if "lengths" in context:  # no next token from the last real one on: 0 there too, so a
             valid = valid * real_positions(context["lengths"], tokens.size(0), offset=1).t()  # trimmed batch agrees
-        logprobs = vocab_parallel_logprobs(logits, targets) * valid
-        entropy = vocab_parallel_entropy(logits) * valid
+        logprobs, entropy = vocab_parallel_logprobs_and_entropy(logits, targets)
+        logprobs, entropy = logprobs * valid, entropy * valid
         return {"logprobs": logprobs.t(), "entropy": entropy.t()}
 
     def output_shapes(self, batch_size, seq_len):

@@ -54,7 +54,7 @@ class RewardSources:
         inputs, per_source = None, {}
         for label, _, source in self.sources:
             if hasattr(source, "forward"):  # the reward model role: a collective forward
-                per_source[label] = rm_scores(source, rollout, self.rl.micro_batch_size)
+                per_source[label] = rm_scores(source, rollout, self.rl.micro_batch_size, self.rl.micro_batch_tokens)
                 continue
             inputs = inputs if inputs is not None else inputs_fn()
             per_source[label] = on_replica_leader(source.score, inputs, rollout.tokens.device)
@@ -74,12 +74,12 @@ class RewardSources:
                 source.close()
 
 
-def rm_scores(reward_model, rollout, micro_batch_size: int) -> torch.Tensor:
+def rm_scores(reward_model, rollout, micro_batch_size: int, token_budget: int = 0) -> torch.Tensor:
     """[B] a reward model's (normalised, unclipped) scores of the rollout's sequences."""
     from megatron_rlhf.trainers.batching import padded_forward
 
     seqs = {"tokens": rollout.tokens, "lengths": rollout.lengths}
-    return padded_forward(reward_model, seqs, micro_batch_size)["rewards"]
+    return padded_forward(reward_model, seqs, micro_batch_size, token_budget)["rewards"]
 
 
 def weighted_sum(scores: dict[str, torch.Tensor], weights: dict[str, float]) -> torch.Tensor:

@@ -31,7 +31,7 @@ from megatron_rlhf.config import Config, ConfigError, RLConfig, policy_start, wa
 from megatron_rlhf.data.encode import EncodedPrompt, encode_prompt_records
 from megatron_rlhf.data.sampler import EpochSampler
 from megatron_rlhf.logging.reward_hacking import RewardHackingAlarm
-from megatron_rlhf.models.roles import Actor, Critic, Reference, RewardModel, trims_padding
+from megatron_rlhf.models.roles import Actor, Critic, Reference, RewardModel
 from megatron_rlhf.parallel.collectives import all_reduce, any_rank, dp_group, dp_sum, dp_sums, masked_moments
 from megatron_rlhf.rewards import RewardInputs, RewardSourceError, RewardSources, rm_scores
 from megatron_rlhf.rollout import Rollout, SamplingParams, make_engine
@@ -125,16 +125,17 @@ def score(rollout: Rollout, rewards: tuple[torch.Tensor, dict], roles: dict, rl:
     rewards (sequence_rewards' result); also each reward source's [B] scores. recompute_old=False:
     the rollout's own log-probs are the old log-probs (the in-place engine sampled with the
     actor's current weights; rl.reuse_rollout_logprobs), saving the actor's forward."""
-    seqs, micro = {"tokens": rollout.tokens, "lengths": rollout.lengths}, rl.micro_batch_size
+    seqs = {"tokens": rollout.tokens, "lengths": rollout.lengths}
+    forward = partial(padded_forward, batch=seqs, micro_batch_size=rl.micro_batch_size, token_budget=rl.micro_batch_tokens)
     mask = rollout.response_mask()
-    values = padded_forward(roles["critic"], seqs, micro)["values"] * mask if "critic" in roles else None
+    values = forward(roles["critic"])["values"] * mask if "critic" in roles else None
     scores, per_source = rewards
-    old = padded_forward(roles["actor"], seqs, micro)["logprobs"] if recompute_old else rollout.logprobs
+    old = forward(roles["actor"])["logprobs"] if recompute_old else rollout.logprobs
     return RolloutBatch(
         tokens=rollout.tokens, lengths=rollout.lengths, prompt_lengths=rollout.prompt_lengths, mask=mask,
         group_ids=torch.arange(len(rollout), device=mask.device) // rl.n_samples_per_prompt,
         old_logprobs=old * mask,
-        ref_logprobs=padded_forward(roles["reference"], seqs, micro)["logprobs"] * mask,
+        ref_logprobs=forward(roles["reference"])["logprobs"] * mask,
         scores=scores, values=values,
         rollout_logprobs=rollout.logprobs * mask if rl.corrects_mismatch else None), per_source
 
@@ -207,7 +208,7 @@ def train_on_rollout(trained: dict, batch: RolloutBatch, rl: RLConfig, kl_coef: 
             minibatch = order[start : start + mini]
             mb = batch.select(minibatch[by_length(batch.lengths[minibatch])]).tensors()  # less padding per microbatch
             for role, model in trained.items():
-                for k, v in model.train_step(mb, rl.micro_batch_size, losses[role]).items():
+                for k, v in model.train_step(mb, rl.micro_batch_size, losses[role], rl.micro_batch_tokens).items():
                     if k not in ("update_ok", "skipped"):
                         means.setdefault(f"{role}_{k}" if k in ("loss", "grad_norm", "lr") else k, []).append(float(v))
     return {k: sum(v) / len(v) for k, v in means.items()}
@@ -216,14 +217,14 @@ def train_on_rollout(trained: dict, batch: RolloutBatch, rl: RLConfig, kl_coef: 
 # ----------------------------------------------------------------------------- metrics and eval
 def iteration_sums(rollout: Rollout, batch: RolloutBatch, kl_stats: dict, gold: float, repetition: float,
                    sampling: dict, holdout: torch.Tensor | None = None, per_source: dict | None = None,
-                   micro_batch_size: int = 1, mismatch_measured: bool = True, trimmed: bool = True) -> dict:
+                   micro_batch_size: int = 1, mismatch_measured: bool = True, token_budget: int = 0) -> dict:
     """This rank's sums of the per-iteration metrics (device tensors, host numbers for the
     text-based ones); `dp_sums` adds them over data-parallel ranks."""
     n = len(rollout)
     return {
         "responses": n, "rm_score": batch.scores.sum(), "gold_score": gold,
         "response_length": rollout.response_lengths().sum(), "kl": kl_stats["kl"], "kl_tokens": kl_stats["kl_tokens"],
-        **padding_sums(rollout.lengths, rollout.tokens.size(1), micro_batch_size, trimmed),
+        **padding_sums(rollout.lengths, rollout.tokens.size(1), micro_batch_size, token_budget),
         **({"logprob_mismatch": ((rollout.logprobs - batch.old_logprobs).abs() * batch.mask).sum()}
            if mismatch_measured else {}),
         "scored_tokens": batch.mask.sum(), "repetition_rate": repetition * n, **sampling,
@@ -234,7 +235,7 @@ def iteration_sums(rollout: Rollout, batch: RolloutBatch, kl_stats: dict, gold: 
 
 def iteration_metrics(rollout, batch, kl_stats, texts, task, sampling: dict, kl_coef: float,
                       holdout: torch.Tensor | None = None, per_source: dict | None = None,
-                      micro_batch_size: int = 1, mismatch_measured: bool = True, trimmed: bool = True) -> dict[str, float]:
+                      micro_batch_size: int = 1, mismatch_measured: bool = True, token_budget: int = 0) -> dict[str, float]:
     """The per-iteration means over every data-parallel rank (one collective); the dynamic
     sampling shortfall summed over ranks. rm_score: the combined reward (rl.rewards, clipped);
     reward_<name>: each source's own mean score. The rollout-vs-trainer mismatch only when
@@ -242,7 +243,7 @@ def iteration_metrics(rollout, batch, kl_stats, texts, task, sampling: dict, kl_
     gold = sum(task.gold_score(p, r) for p, r in texts) if task else 0.0
     repetition = response_repetition_rate(rollout.response_ids())
     sums = dp_sums(iteration_sums(rollout, batch, kl_stats, gold, repetition, sampling, holdout, per_source,
-                                  micro_batch_size, mismatch_measured, trimmed), parallel.device())
+                                  micro_batch_size, mismatch_measured, token_budget), parallel.device())
     n = sums["responses"]
     return {
         "responses": n, "rm_score": sums["rm_score"] / n, **({"gold_score": sums["gold_score"] / n} if task else {}),
@@ -439,7 +440,7 @@ def run_iterations(cfg: Config, runner, data, roles, engine, sched, rewards: Rew
     score_fn = partial(sequence_rewards, rewards, tokenizer=tok, rl=rl)  # (rollout, rows) -> (rewards, per source)
     judges = {"rm": lambda rollout, rows: rewards.score(rollout, lambda: reward_inputs(rollout, rows, tok))[0]}
     if "holdout_reward" in roles:
-        judges["holdout_rm"] = lambda rollout, rows: rm_scores(roles["holdout_reward"], rollout, rl.micro_batch_size)
+        judges["holdout_rm"] = lambda rollout, rows: rm_scores(roles["holdout_reward"], rollout, rl.micro_batch_size, rl.micro_batch_tokens)
     run_eval = partial(evaluate, engine, judges, tok, data.task, eval_prompts, sampling, cfg.seed + EVAL_SEED_OFFSET)
     synced = sync_weights(engine, sched)  # False whenever the actor changed since
     with sched.phase("eval") as phase:
@@ -468,7 +469,7 @@ def run_iterations(cfg: Config, runner, data, roles, engine, sched, rewards: Rew
             with sched.phase("score") as phase:
                 recompute_old = recomputes_old_logprobs(rl, cfg.rollout.engine, step)
                 batch, per_source = score(rollout, scored or score_fn(rollout, rows), roles, rl, recompute_old)
-                holdout = (clip_scores(rm_scores(roles["holdout_reward"], rollout, rl.micro_batch_size), rollout, rl)
+                holdout = (clip_scores(rm_scores(roles["holdout_reward"], rollout, rl.micro_batch_size, rl.micro_batch_tokens), rollout, rl)
                            if "holdout_reward" in roles else None)
                 phase.tokens = int(rollout.lengths.sum())
         runner.heartbeat.beat()
@@ -481,7 +482,7 @@ def run_iterations(cfg: Config, runner, data, roles, engine, sched, rewards: Rew
             phase.tokens = int(rollout.lengths.sum()) * rl.epochs
         metrics = iteration_metrics(rollout, batch, kl_stats, decode_responses(rollout, tok), data.task,
                                     sampling_stats, kl_coef, holdout, per_source, rl.micro_batch_size, recompute_old,
-                                    trimmed=trims_padding())
+                                    rl.micro_batch_tokens)
         samples_seen += int(metrics.pop("responses"))
         last_mismatch.update({k: metrics[k] for k in ("logprob_mismatch", "mismatch_max_ratio") if k in metrics})
         if train_actor:  # the actor does not move during critic warm-up: nothing to steer yet

@@ -39,6 +39,7 @@ BATCH, SEQ, MBS, VOCAB, PROMPT = 8, 16, 2, 100, 3
 # The first half (data-parallel rank 0 at DP2) is long, the second short: microbatches and
 # ranks hold very different token counts, which a per-microbatch mean would weigh equally.
 LENGTHS = [16, 15, 16, 14, 4, 5, 6, 4]
+TOKEN_BUDGET = 24  # one long row per microbatch, the four short ones together
 PPO = partial(RLConfig, entropy_coef=0.01, kl_in_reward=False, kl_estimator="k2", clip_eps=0.2, value_clip=0.2)
 # name -> (role, loss function). Rows alternate chosen/rejected for the reward model.
 LOSSES = {
@@ -122,18 +123,21 @@ def max_over_ranks(value: float) -> float:
 
 
 def gradient_checks(args, roles, batch) -> dict:
-    """Per loss: reported global mean loss and gradients for micro batch sizes 1, 2 and the
-    rank's whole share; the in-layout relative gradient difference against the whole share."""
+    """Per loss: reported global mean loss and gradients for micro batch sizes 1, 2, the
+    rank's whole share and a token budget; the in-layout relative gradient difference against the whole share."""
     shard = dp_shard(batch)
     rows = shard["tokens"].size(0)
     out = {}
     for name, (role_name, loss_fn) in LOSSES.items():
         role = roles[role_name]
-        sizes = [2, rows] if name in PAIR_LOSSES else [1, 2, rows]
+        # Pairs stay whole at fixed sizes; the others also split by a token budget: microbatches
+        # of 1 and 4 rows and of different widths (PP: megatron's variable_seq_lengths).
+        splits = [(2, 0), (rows, 0)] if name in PAIR_LOSSES else [(1, 0), (2, 0), (1, TOKEN_BUDGET), (rows, 0)]
         reported, grads = {}, {}
-        for mbs in sizes:
-            reported[mbs] = role.gradients(shard, mbs, loss_fn)
-            grads[mbs] = flat_gradient(role)
+        for mbs, budget in splits:
+            key = f"{budget} tokens" if budget else mbs
+            reported[key] = role.gradients(shard, mbs, loss_fn, token_budget=budget)
+            grads[key] = flat_gradient(role)
         # Last computed: the whole share. At DP2 the two ranks' shares hold very different token
         # counts, which a mean of per-rank means would weigh equally.
         save_gradients(role, args.root / "grads" / args.layout / name)

@@ -78,6 +78,7 @@ def main() -> None:
 
     res["memory_account"] = memory_account({"actor": actor, "critic": critic}, 0, 0)
     res["param_count"] = sum(p.numel() for p in actor.module.parameters())
+    res["padded_vocab"] = cfg.model.padded_vocab_size
     res["fresh_save_step_diff"] = max(
         (p - q).abs().max().item() for p, q in zip(actor.module.parameters(), twin.module.parameters())
     )
@@ -102,6 +103,34 @@ def main() -> None:
         res["optimizer_sections"][stage_says] = (role.model.ddp_config.use_distributed_optimizer,
                                                  all(isinstance(o, DistributedOptimizer) for o in
                                                      getattr(role.optimizer, "chained_optimizers", [role.optimizer])))
+    # The fused log-prob + entropy function against autograd through the textbook formulas.
+    from megatron_rlhf.models.vocab_parallel import vocab_parallel_logprobs_and_entropy
+
+    logits = torch.randn(5, 3, 11, dtype=torch.float64, generator=g).requires_grad_()
+    targets = torch.randint(0, 11, (5, 3), generator=g)
+    up_lp, up_h = torch.randn(5, 3, dtype=torch.float64, generator=g), torch.randn(5, 3, dtype=torch.float64, generator=g)
+    fused = vocab_parallel_logprobs_and_entropy(logits, targets)
+    fused_grad, = torch.autograd.grad(fused[0] * up_lp + fused[1] * up_h, logits, torch.ones_like(up_lp))
+    log_p = torch.log_softmax(logits, -1)
+    plain = (log_p.gather(-1, targets.unsqueeze(-1)).squeeze(-1), -(log_p.exp() * log_p).sum(-1))
+    plain_grad, = torch.autograd.grad(plain[0] * up_lp + plain[1] * up_h, logits, torch.ones_like(up_lp))
+    res["fused_logprob_entropy_diff"] = max((fused[0] - plain[0]).abs().max().item(), (fused[1] - plain[1]).abs().max().item())
+    res["fused_grad_diff"] = (fused_grad - plain_grad).abs().max().item()
+    res["fused_grad_scale"] = plain_grad.abs().max().item()
+    # megatron's activation recomputation changes memory, never the gradient.
+    res["recompute_grad_diff"] = {}
+    full_loss = lambda o, mb: (*summed(-o["logprobs"] - 0.1 * o["entropy"]), {})  # noqa: E731
+    grads = {}
+    for granularity, extra in ((None, {}), ("selective", {}), ("full", {"recompute_method": "uniform", "recompute_num_layers": 1})):
+        model_cfg = dataclasses.replace(cfg.model, recompute_granularity=granularity, **extra)
+        role = Actor(dataclasses.replace(cfg, model=model_cfg), temperature=TEMPERATURE)
+        role.module.load_state_dict(actor.module.state_dict())
+        role.optimizer.reload_model_params()
+        role.gradients({"tokens": tokens, "lengths": lengths}, 2, full_loss)
+        grads[granularity] = torch.cat([p.main_grad.flatten() for p in role.module.parameters()])
+        res["recompute_grad_diff"][granularity] = (grads[granularity] - grads[None]).abs().max().item()
+        res.setdefault("recompute_activation_bytes", {})[granularity] = role.activation_bytes
+    res["recompute_grad_scale"] = grads[None].abs().max().item()
     torch.save(res, args.out)
     parallel.destroy()
 

@@ -1,0 +1,110 @@
+"""Peak memory of an actor train step against its memory account, with and without megatron's
+activation recomputation.
+
+    python benchmarks/memory.py [--quick] [--size 135m] [--out benchmarks/results/memory.json]
+
+Each row is its own process (one thread, TP1 PP1): an Actor (fp32, DistributedOptimizer) takes
+2 steps of a loss over log-probs and entropy (what SFT and PPO's actor compute) on random
+tokens. Reported: the account as every stage summary has it (logging/memory.py: weights +
+gradient buffers + Adam state, plus the activations the microbatch kept for backward), peak RSS
+above the RSS after imports, the ratios, and what one [micro x seq x vocab] fp32 copy of the
+logits weighs. Prints a table and writes JSON.
+--quick: a tiny model, 1 step (tests/test_benchmarks.py runs it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+# "135m": SmolLM-135M's shape (the size the issue measured); "tiny": the quick check.
+SIZES = {
+    "tiny": dict(layers=2, hidden=64, heads=4, groups=4, ffn=128, vocab=1024, seq=64, micro=4),
+    "135m": dict(layers=30, hidden=576, heads=9, groups=3, ffn=1536, vocab=49152, seq=512, micro=4),
+}
+RECOMPUTE = {
+    "none": [],
+    "selective": ["model.recompute_granularity=selective"],
+    "full": ["model.recompute_granularity=full", "model.recompute_method=uniform", "model.recompute_num_layers=1"],
+}
+
+
+def worker(size: str, recompute: str, steps: int, out: Path) -> None:
+    import torch
+
+    torch.set_num_threads(1)
+    from megatron_rlhf import parallel
+    from megatron_rlhf.colocation import current_memory_bytes, peak_memory_bytes
+    from megatron_rlhf.config import load_config
+    from megatron_rlhf.logging.memory import memory_account
+    from megatron_rlhf.models.roles import Actor, summed
+
+    s = SIZES[size]
+    cfg = load_config(None, [
+        f"model.num_layers={s['layers']}", f"model.hidden_size={s['hidden']}", f"model.num_attention_heads={s['heads']}",
+        f"model.num_query_groups={s['groups']}", f"model.ffn_hidden_size={s['ffn']}", f"model.vocab_size={s['vocab']}",
+        f"model.max_seq_length={s['seq']}", *RECOMPUTE[recompute],
+    ])
+    parallel.initialize(cfg)
+    baseline = current_memory_bytes()
+    actor = Actor(cfg)
+    batch = {"tokens": torch.randint(0, s["vocab"], (s["micro"], s["seq"]))}
+    loss_fn = lambda o, mb: (*summed(-o["logprobs"] - 0.01 * o["entropy"]), {})  # noqa: E731
+    start = time.perf_counter()
+    for _ in range(steps):
+        actor.train_step(batch, s["micro"], loss_fn)
+    seconds = (time.perf_counter() - start) / steps
+    account = memory_account({"actor": actor}, peak_memory_bytes(), baseline)
+    out.write_text(json.dumps({"step_s": seconds, **{k: v for k, v in account.items() if k != "roles"},
+                               "logits_copy_bytes": s["micro"] * s["seq"] * s["vocab"] * 4,
+                               "params": sum(p.numel() for p in actor.module.parameters())}))
+    parallel.destroy()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--quick", action="store_true", help="tiny size, 1 step: does it run")
+    ap.add_argument("--size", choices=sorted(SIZES), default="135m")
+    ap.add_argument("--steps", type=int, default=None, help="train steps per row (default 2; --quick: 1)")
+    ap.add_argument("--out", type=Path, default=REPO / "benchmarks/results/memory.json")
+    ap.add_argument("--worker", nargs=2, metavar=("SIZE", "RECOMPUTE"))
+    ap.add_argument("--worker-out", type=Path)
+    args = ap.parse_args()
+    steps = args.steps or (1 if args.quick else 2)
+    if args.worker:
+        return worker(*args.worker, steps, args.worker_out)
+
+    size = "tiny" if args.quick else args.size
+    rows = []
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    for recompute in RECOMPUTE:
+        tmp = args.out.with_suffix(f".{recompute}.tmp")
+        env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
+        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1",
+                               __file__, "--worker", size, recompute, f"--steps={steps}", f"--worker-out={tmp}"],
+                              env=env, capture_output=True, text=True)
+        if proc.returncode:
+            raise SystemExit(f"{size} {recompute}: exit {proc.returncode}\n{proc.stderr[-4000:]}")
+        rows.append({"size": size, "recompute": recompute, **json.loads(tmp.read_text())})
+        tmp.unlink()
+    mib = 2**20
+    print(f"{'size':<5} {'recompute':<10} {'params':>10} {'step s':>7} {'state MiB':>9} {'activations MiB':>15} "
+          f"{'peak above MiB':>14} {'peak/state':>10} {'peak/account':>12} {'other MiB':>9} {'logits copy MiB':>15}")
+    for r in rows:
+        print(f"{r['size']:<5} {r['recompute']:<10} {r['params']:>10} {r['step_s']:>7.2f} {r['model_state_bytes'] / mib:>9.0f} "
+              f"{r['activation_bytes'] / mib:>15.0f} {r['peak_above_baseline_bytes'] / mib:>14.0f} "
+              f"{r['peak_above_baseline_bytes'] / r['model_state_bytes']:>10.2f} {r['peak_over_account']:>12.2f} "
+              f"{r['other_bytes'] / mib:>9.0f} {r['logits_copy_bytes'] / mib:>15.0f}")
+    args.out.write_text(json.dumps({"benchmark": "actor train step peak RSS vs memory account, fp32, CPU, TP1 PP1",
+                                    "quick": args.quick, "steps": steps, "shape": SIZES[size], "rows": rows}, indent=2))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
