@@ -115,6 +115,7 @@ bench: setup
 	$(PY) benchmarks/split_invariance.py
 	$(PY) benchmarks/rl_algorithms.py
 	$(PY) benchmarks/memory.py
+	$(PY) benchmarks/lora_memory.py
 
 # Every CPU benchmark's --quick: the same code at tiny sizes, a few steps, one layout (~20-60 s each
 # on 2 cores): does it still run? JSON under $(QUICK_OUT), apart from the full results.
@@ -129,6 +130,7 @@ bench-quick: setup
 	$(PY) benchmarks/rl_algorithms.py --quick --out $(QUICK_OUT)/rl_algorithms.json
 	$(PY) benchmarks/reward_server.py --quick --out $(QUICK_OUT)/reward_server.json
 	$(PY) benchmarks/memory.py --quick --out $(QUICK_OUT)/memory.json
+	$(PY) benchmarks/lora_memory.py --quick --out $(QUICK_OUT)/lora_memory.json
 
 bench-vllm: $(VLLM_STAMP)
 	$(VENV_VLLM)/bin/python benchmarks/rollout_engines.py
@@ -191,8 +193,11 @@ clean-venv:
 # with torch usually lacks (megatron-core, nvidia-resiliency-ext and small dependencies; with
 # WHEELS_ALL=1 every dependency except torch's, ~72 MiB) at this venv's versions, plus ours,
 # into $(WHEELS_DIR). `make gpu-check` (on a machine with one GPU; no network, no `make setup`):
-# SFT -> RM -> PPO, then GRPO on the same SFT and RM, in bf16 on the machine's own CUDA torch, dependencies from $(WHEELS_DIR);
-# a table and $(GPU_CHECK_OUT)/gpu_check.json. benchmarks/gpu_check.py says more.
+# SFT -> RM -> PPO, then GRPO and PPO with LoRA (pipelines/tiny_cpu_lora.yaml) on the same SFT and RM, in bf16 on
+# the machine's own CUDA torch, dependencies from $(WHEELS_DIR); one --timeout for the three runs (GRPO keeps 30 %,
+# LoRA 25 %; GPU_CHECK_ARGS=--no-grpo / --no-lora skip one); a table (per-phase peak memory of PPO vs GRPO and
+# vs PPO+LoRA, trainable parameters and optimizer state full vs LoRA) and $(GPU_CHECK_OUT)/gpu_check.json
+# (7 files in $(GPU_CHECK_OUT), 8 with the vLLM log). benchmarks/gpu_check.py says more.
 # benchmarks/gpu_ppo.py beside it: make bench-gpu (1B-parameter PPO: MFU, tokens/s, memory with offload
 # on/off; BENCH_GPU_ARGS=--dry-run for CPU; PY=python3 for the machine's CUDA torch).
 WHEELS_DIR       ?= .whl

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""GPU check: the tiny pipeline SFT -> RM -> PPO, then GRPO on the same SFT/RM, on one GPU in bf16.
+"""GPU check: the tiny pipeline SFT -> RM -> PPO, then GRPO and PPO with LoRA on its SFT/RM; one GPU, bf16.
 
     python3 benchmarks/gpu_check.py [--out DIR] [--wheels DIR] [-- key=value ...]  # make gpu-check
     python3 benchmarks/gpu_check.py --report-only RUN_DIR [--out DIR]                # table of a finished run
@@ -21,12 +21,19 @@ CUDA-enabled torch (it never installs torch):
    colocation.py does whenever CUDA is available); writes <run>/sft, <run>/rm, <run>/ppo;
 4. a second torchrun on pipelines/tiny_cpu_grpo.yaml (critic-free GRPO: no critic, three roles)
    with the same overrides and run directory: the pipeline skips the finished SFT and RM stages
-   and writes <run>/grpo. Extra overrides after `--` reach both runs, except critic settings
-   (rl.critic_optimizer, rl.vf_coef, ...) and rl.algorithm, which the GRPO run does not get (a
-   critic-free recipe refuses critic settings); `ppo.X` overrides are passed as `rl.X`. Both runs
-   share --timeout: PPO may use all but --grpo-share of it, GRPO gets what PPO left (at least
-   that share). GRPO is skipped when SFT or RM did not finish; when it fails or is skipped, the
-   PPO results are still reported and GRPO is marked missing (exit code 1). --no-grpo: PPO only;
+   and writes <run>/grpo. Extra overrides after `--` reach the PPO and GRPO runs, except critic
+   settings (rl.critic_optimizer, rl.vf_coef, ...) and rl.algorithm, which the GRPO run does not
+   get (a critic-free recipe refuses critic settings), and `lora.X`, which only the LoRA run
+   gets; `ppo.X` overrides are passed as `rl.X`;
+4a. a third torchrun on pipelines/tiny_cpu_lora.yaml (PPO with rank-8 LoRA adapters on the actor
+   and the critic, the reference = the actor with its adapters off) on the same run directory:
+   writes <run>/ppo_lora. It gets the PPO run's overrides, critic settings included, plus the
+   `lora.X` ones, without rl.algorithm.
+   The three runs share --timeout: PPO may use all but --grpo-share and --lora-share of it, GRPO
+   gets what PPO left less LoRA's share, LoRA what PPO and GRPO left (each at least its share;
+   --no-grpo or --no-lora leaves that run's share to the others). GRPO and LoRA are skipped
+   when SFT or RM did not finish; when one fails or is skipped, the other results are still
+   reported and it is marked missing (exit code 1). --no-grpo, --no-lora: without that run;
 4b. when the GPU `vllm` package imports (pip install -e '.[vllm]'), SFT -> RM -> PPO on
    pipelines/tiny_cpu_vllm.yaml (rollout.engine=vllm) in <root>/gpu_check_vllm, within
    --vllm-timeout (240 s): refit GB/s, decode tokens/s and the device memory the engine's sleep
@@ -35,17 +42,23 @@ CUDA-enabled torch (it never installs torch):
 5. a table and <out>/gpu_check.json from what the stages wrote: per-stage seconds and peak
    memory; per RL phase (generate, score, train, eval) seconds and peak memory of PPO and GRPO
    side by side with the memory a critic-free algorithm saves (PPO minus GRPO) per phase and for
-   the RL stage's peak; gold and RM score before/after, final KL and logprob_mismatch at the
-   first and last step of both. <out> also gets the table, the logs (gpu_check.log: SFT -> RM ->
-   PPO; gpu_check_grpo.log), summaries.json (every stage's summary.json by stage) and
-   ppo_metrics.jsonl / grpo_metrics.jsonl (7 files: the device tool brings back at most 8).
+   the RL stage's peak; the same for PPO and PPO with LoRA (the saving: PPO minus PPO+LoRA),
+   with the trained roles' trainable parameters and optimizer-state bytes, full vs LoRA; gold
+   and RM score before/after, final KL and logprob_mismatch at the first and last step of each
+   RL run. <out> also gets the table, the logs (gpu_check.log: SFT -> RM -> PPO;
+   gpu_check_grpo.log; gpu_check_lora.log), summaries.json (every stage's summary.json by stage)
+   and rl_metrics.jsonl (every RL run's metrics.jsonl rows, each with "rl_run": ppo, grpo or
+   ppo_lora): 7 files, 8 with the vLLM log; the device tool brings back at most 8.
 
 gpu_check.json: the PPO numbers under the keys of the PPO-only check (stages.{sft,rm,ppo},
 ppo_phases, ppo_steps, gold_score, rm_score, kl_mean_final, logprob_mismatch; complete/missing
-about the SFT -> RM -> PPO files), and per algorithm under "ppo" and "grpo" (complete, missing,
-roles, steps, phases, stage, gold_score, rm_score, kl_mean_final, logprob_mismatch; "run": exit
-code, seconds, time limit, or why it was skipped), stages.grpo, and memory_saving_bytes
-(phase -> PPO minus GRPO peak bytes, "stage": the RL stage peaks; null where either is missing).
+about the SFT -> RM -> PPO files), and per RL run under "ppo", "grpo" and "ppo_lora" (complete,
+missing, roles, steps, phases, stage, gold_score, rm_score, kl_mean_final, logprob_mismatch;
+trained: the trained roles' trainable_parameters and optimizer_state bytes from the summary's
+memory_account, and their sums; lora: the summary's; "run": recipe, overrides, exit code,
+seconds, time limit, or why it was skipped), stages.grpo, stages.ppo_lora, memory_saving_bytes
+(phase -> PPO minus GRPO peak bytes, "stage": the RL stage peaks; null where either is missing)
+and lora_memory_saving_bytes (the same, PPO minus PPO with LoRA).
 
 Up to step 2 this file runs under any Python >= 3.8 with the standard library only.
 """
@@ -71,7 +84,9 @@ DEFAULT_OUT = os.environ.get("GPU_CHECK_OUT") or str(REPO / "benchmarks" / "resu
 DEFAULT_WHEELS = os.environ.get("GPU_CHECK_WHEELS") or str(REPO / ".whl")
 RECIPE = "pipelines/tiny_cpu.yaml"  # rl.algorithm=ppo
 GRPO_RECIPE = "pipelines/tiny_cpu_grpo.yaml"  # base: tiny_cpu.yaml, rl.algorithm=grpo (no critic)
-RL_RUNS = ("ppo", "grpo")  # <run>/<algorithm>: the RL stage directories the check compares
+LORA_RECIPE = "pipelines/tiny_cpu_lora.yaml"  # base: tiny_cpu.yaml, lora.rank=8: PPO training adapters only
+# <run>/<algorithm>[_lora]: the RL stage directories the check compares (stage_data.stage_dir)
+RL_RUNS = ("ppo", "grpo", "ppo_lora")
 # The vLLM rollout path (when the GPU `vllm` package imports): its own SFT -> RM -> PPO on the
 # vLLM recipe (head size 32), in <root>/gpu_check_vllm, after PPO and GRPO.
 VLLM_RECIPE, VLLM_RUN = "pipelines/tiny_cpu_vllm.yaml", "gpu_check_vllm"
@@ -84,7 +99,7 @@ MIN_PYTHON = (3, 12)  # megatron-core >= 0.17 requires Python >= 3.12 (0.19.2: c
 RL_PHASES = ("generate", "score", "train", "eval")  # colocation.PHASES: the same phases for every algorithm
 PPO_PHASES = RL_PHASES  # the old name
 EXIT_PREFLIGHT, EXIT_RUN = 2, 1
-MIN_GRPO_SECONDS = 30  # less left of --timeout: GRPO is skipped (start-up alone takes that long)
+MIN_RUN_SECONDS = 30  # less left of --timeout: the GRPO or LoRA run is skipped (start-up alone takes that long)
 
 # Wheels a CUDA image with torch is likely to lack (~5 MiB): megatron-core and
 # nvidia-resiliency-ext with their small dependencies. `--all-deps` adds the whole closure of
@@ -364,17 +379,32 @@ def modern_overrides(overrides: list[str]) -> list[str]:
     return out
 
 
-def grpo_overrides(overrides: list[str]) -> tuple[list[str], list[str]]:
-    """(the overrides the GRPO run gets, the ones it does not): the PPO run's without critic
-    settings (a critic-free recipe refuses them) and without rl.algorithm (the recipe sets it)."""
+def _split(overrides: list[str], drop) -> tuple[list[str], list[str]]:
     keep, dropped = [], []
     for o in modern_overrides(overrides):
-        parts = o.split("=", 1)[0].strip().split(".")
-        if parts[0] == "rl" and len(parts) > 1 and (parts[1] in CRITIC_FIELDS or parts[1] == "algorithm"):
-            dropped.append(o)
-        else:
-            keep.append(o)
+        (dropped if drop(o.split("=", 1)[0].strip().split(".")) else keep).append(o)
     return keep, dropped
+
+
+def full_overrides(overrides: list[str]) -> tuple[list[str], list[str]]:
+    """(the overrides the PPO run gets, the ones it does not): all but `lora.X`, which only the
+    LoRA run gets (a lora.rank on the PPO run would make it a LoRA run writing <run>/ppo_lora)."""
+    return _split(overrides, lambda parts: parts[0] == "lora")
+
+
+def grpo_overrides(overrides: list[str]) -> tuple[list[str], list[str]]:
+    """(the overrides the GRPO run gets, the ones it does not): the PPO run's without critic
+    settings (a critic-free recipe refuses them), without rl.algorithm (the recipe sets it) and
+    without `lora.X` (the LoRA run's)."""
+    return _split(overrides, lambda parts: parts[0] == "lora" or (
+        parts[0] == "rl" and len(parts) > 1 and (parts[1] in CRITIC_FIELDS or parts[1] == "algorithm")))
+
+
+def lora_overrides(overrides: list[str]) -> tuple[list[str], list[str]]:
+    """(the overrides the LoRA run gets, the ones it does not): the PPO run's, critic settings
+    included (the LoRA recipe is PPO with a critic), plus `lora.X`, without rl.algorithm (it is
+    PPO with LoRA that the table compares with PPO; another algorithm would write <alg>_lora)."""
+    return _split(overrides, lambda parts: parts[:2] == ["rl", "algorithm"])
 
 
 def run_pipeline(py: Path, overrides: list[str], log_path: Path, timeout: float,
@@ -451,9 +481,29 @@ def _mismatch(metrics_path: Path, missing: list) -> dict:
             "last": {"step": last, "value": _finite(by_step[last])}}
 
 
+def trained_roles(account: dict | None) -> dict:
+    """From a summary's memory_account: the roles that train (trainable parameters > 0; in an
+    account without that field, optimizer state > 0) with their trainable parameters and
+    optimizer-state bytes, and both summed over them (None where a role lacks the number)."""
+    roles = {}
+    for name, r in ((account or {}).get("roles") or {}).items():
+        if not isinstance(r, dict):
+            continue
+        n, opt = _finite(r.get("trainable_parameters")), _finite(r.get("optimizer_state"))
+        if (n if "trainable_parameters" in r else opt):
+            roles[name] = {"trainable_parameters": n, "optimizer_state": opt}
+
+    def total(key):
+        values = [r[key] for r in roles.values()]
+        return None if not values or None in values else sum(values)
+    return {"roles": roles, "trainable_parameters": total("trainable_parameters"),
+            "optimizer_state": total("optimizer_state")}
+
+
 def collect_rl(run_dir: str | Path, algorithm: str) -> dict:
-    """One RL stage's numbers from <run>/<algorithm>/{summary.json,metrics.jsonl}; None where a
-    number is absent or not finite, the absent files in "missing"."""
+    """One RL stage's numbers from <run>/<algorithm>/{summary.json,metrics.jsonl} (algorithm: the
+    stage directory's name, e.g. ppo_lora); None where a number is absent or not finite, the
+    absent files in "missing"."""
     stage_dir, missing = Path(run_dir) / algorithm, []
     summ = _read_json(stage_dir / "summary.json", missing)
     phase_s, phase_mem = summ.get("phase_seconds") or {}, summ.get("phase_peak_memory_bytes") or {}
@@ -473,6 +523,8 @@ def collect_rl(run_dir: str | Path, algorithm: str) -> dict:
                      "after": _finite(summ.get("rm_score_eval_after"))},
         "kl_mean_final": _finite(summ.get("kl_mean_final")),
         "logprob_mismatch": mismatch,
+        "trained": trained_roles(summ.get("memory_account")),
+        "lora": summ.get("lora"),  # the roles that train adapters: rank, alpha, targets, base
     }
 
 
@@ -481,8 +533,8 @@ def _minus(a, b):
 
 
 def memory_saving(ppo: dict, other: dict) -> dict:
-    """Peak memory PPO minus the critic-free run, per phase and for the RL stage ("stage");
-    None where either number is missing."""
+    """Peak memory PPO minus the other run (critic-free, or PPO with LoRA), per phase and for the
+    RL stage ("stage"); None where either number is missing."""
     saving = {p: _minus(ppo["phases"].get(p, {}).get("peak_memory_bytes"),
                         other["phases"].get(p, {}).get("peak_memory_bytes"))
               for p in (*ppo["phases"], *(p for p in other["phases"] if p not in ppo["phases"]))}
@@ -491,7 +543,7 @@ def memory_saving(ppo: dict, other: dict) -> dict:
 
 
 def collect(run_dir: str | Path) -> dict:
-    """The numbers of one run, read from <run>/{sft,rm}/summary.json and <run>/{ppo,grpo}/
+    """The numbers of one run, read from <run>/{sft,rm}/summary.json and <run>/{ppo,grpo,ppo_lora}/
     {summary.json,metrics.jsonl}; None where a number is absent or not finite. The top-level
     PPO keys (and complete/missing: the SFT -> RM -> PPO files) are those of the PPO-only check."""
     run_dir, missing = Path(run_dir), []
@@ -509,6 +561,7 @@ def collect(run_dir: str | Path) -> dict:
         "gold_score": ppo["gold_score"], "rm_score": ppo["rm_score"], "kl_mean_final": ppo["kl_mean_final"],
         "logprob_mismatch": ppo["logprob_mismatch"],
         **rl, "memory_saving_bytes": memory_saving(ppo, rl["grpo"]),
+        "lora_memory_saving_bytes": memory_saving(ppo, rl["ppo_lora"]),
         "vllm": collect_vllm(run_dir.parent / VLLM_RUN),
     }
 
@@ -567,9 +620,39 @@ def run_state(x: dict) -> str | None:
     return f"{'the pipeline ' + why + '; ' if why else ''}missing {', '.join(x.get('missing') or ['?'])}"
 
 
+def _count(n) -> str:
+    return "n/a" if n is None else f"{n:,}"
+
+
+def _share(x, base) -> str:
+    return f" ({100 * x / base:.1f}%)" if x is not None and base else ""
+
+
+def side_by_side(title: str, left: tuple[str, dict], right: tuple[str, dict], saving: dict, peak: str) -> list[str]:
+    """Two RL runs' phases (and the stage) side by side: seconds, peak memory, and the memory the
+    right-hand run saves against the left-hand one."""
+    (a_name, a_run), (b_name, b_run) = left, right
+    wa, wb = max(8, len(a_name) + 4), max(8, len(b_name) + 4)
+    pa, pb = max(14, len(a_name) + len(peak) + 3), max(15, len(b_name) + len(peak) + 3)
+    title_saving = f"saving ({a_name} - {b_name})"
+    ws = max(24, len(title_saving) + 3)
+    head = (f"{title:<18}{a_name + ' s':>{wa}}{b_name + ' s':>{wb}}{a_name + ' ' + peak:>{pa}}"
+            f"{b_name + ' ' + peak:>{pb}}{title_saving:>{ws}}")
+    lines = ["", head, "-" * len(head)]
+    names = list(a_run["phases"]) + [p for p in b_run["phases"] if p not in a_run["phases"]]
+    rows = [(p, a_run["phases"].get(p, {}), b_run["phases"].get(p, {}), saving.get(p)) for p in names]
+    rows.append(("RL stage (wall)", a_run["stage"], b_run["stage"], saving.get("stage")))
+    for name, a, b, sv in rows:
+        lines.append(f"{name:<18}{_s(a.get('seconds')):>{wa}}{_s(b.get('seconds')):>{wb}}"
+                     f"{_mib(a.get('peak_memory_bytes')):>{pa}}{_mib(b.get('peak_memory_bytes')):>{pb}}"
+                     f"{_saving(sv, a.get('peak_memory_bytes')):>{ws}}")
+    return lines
+
+
 def format_table(res: dict) -> str:
     env = res.get("environment") or {}
     ppo, grpo, saving = res["ppo"], res["grpo"], res["memory_saving_bytes"]
+    lora, lora_saving = res["ppo_lora"], res["lora_memory_saving_bytes"]
     lines = []
     if env:
         dev = env.get("device", "?")
@@ -579,11 +662,12 @@ def format_table(res: dict) -> str:
                      f"{env.get('megatron_core')}, Python {env.get('python')}, {env.get('params_dtype', '?')}, "
                      f"TE layer spec: {'yes' if env.get('transformer_engine') else 'no (local spec)'}, "
                      f"offload between RL phases: {'on' if env.get('offload_between_phases') else 'off'}")
-    grpo_s = (grpo.get("run") or {}).get("seconds")
+    grpo_s, lora_s = ((x.get("run") or {}).get("seconds") for x in (grpo, lora))
     lines.append(f"run: {res['run_dir']}"
                  + (f"   SFT -> RM -> PPO incl. start-up: {_s(res['total_seconds'])} s"
                     if res.get("total_seconds") is not None else "")
-                 + (f"   GRPO incl. start-up: {_s(grpo_s)} s" if grpo_s is not None else ""))
+                 + (f"   GRPO incl. start-up: {_s(grpo_s)} s" if grpo_s is not None else "")
+                 + (f"   PPO+LoRA incl. start-up: {_s(lora_s)} s" if lora_s is not None else ""))
     gpu = bool(env) and env.get("device", "cpu") != "cpu"
     mem_head = "peak GPU memory" if gpu else "peak memory"
     lines += ["", f"{'stage':<20}{'seconds':>10}  {mem_head:>16}", "-" * 48]
@@ -592,20 +676,20 @@ def format_table(res: dict) -> str:
 
     # RL phases: PPO and GRPO side by side, and what GRPO's missing critic saves
     peak = "GPU peak" if gpu else "peak"
-    head = (f"{'RL phase':<18}{'PPO s':>8}{'GRPO s':>8}{'PPO ' + peak:>14}{'GRPO ' + peak:>15}"
-            f"{'saving (PPO - GRPO)':>24}")
-    lines += ["", head, "-" * len(head)]
-    names = list(ppo["phases"]) + [p for p in grpo["phases"] if p not in ppo["phases"]]
-    rows = [(p, ppo["phases"].get(p, {}), grpo["phases"].get(p, {}), saving.get(p)) for p in names]
-    rows.append(("RL stage (wall)", ppo["stage"], grpo["stage"], saving.get("stage")))
-    for name, a, b, sv in rows:
-        lines.append(f"{name:<18}{_s(a.get('seconds')):>8}{_s(b.get('seconds')):>8}"
-                     f"{_mib(a.get('peak_memory_bytes')):>14}{_mib(b.get('peak_memory_bytes')):>15}"
-                     f"{_saving(sv, a.get('peak_memory_bytes')):>24}")
+    lines += side_by_side("RL phase", ("PPO", ppo), ("GRPO", grpo), saving, peak)
 
     def roles(x):
         return f"{', '.join(x['roles'])} ({len(x['roles'])})" if x.get("roles") else "n/a"
     lines.append(f"{'roles':<18}PPO: {roles(ppo)}   GRPO: {roles(grpo)}")
+
+    # PPO with LoRA: the same phases beside PPO's, what training adapters only saves, and why
+    lines += side_by_side("PPO vs PPO+LoRA", ("PPO", ppo), ("PPO+LoRA", lora), lora_saving, peak)
+    full, low = ppo["trained"], lora["trained"]
+    n_full, n_low, opt_full, opt_low = (x[k] for k in ("trainable_parameters", "optimizer_state") for x in (full, low))
+    trained = list(full["roles"]) + [r for r in low["roles"] if r not in full["roles"]]
+    lines.append(f"{'trained':<18}parameters PPO {_count(n_full)}, PPO+LoRA {_count(n_low)}{_share(n_low, n_full)}; "
+                 f"optimizer state PPO {_mib(opt_full)}, PPO+LoRA {_mib(opt_low)}{_share(opt_low, opt_full)}; "
+                 f"roles: {', '.join(trained) or 'n/a'}")
 
     # quality: gold / RM score before and after, final KL, logprob_mismatch
     def mm(x):
@@ -616,18 +700,18 @@ def format_table(res: dict) -> str:
     head = (f"{'RL result':<10}{'gold before':>12}{'gold after':>12}{'change':>9}{'RM before':>11}"
             f"{'RM after':>10}{'KL final':>10}   logprob_mismatch first -> last")
     lines += ["", head, "-" * len(head)]
-    for name, x in (("PPO", ppo), ("GRPO", grpo)):
+    for name, x in (("PPO", ppo), ("GRPO", grpo), ("PPO+LoRA", lora)):
         g, r, m = x["gold_score"], x["rm_score"], x["logprob_mismatch"]
-        if name == "GRPO" and str(Path(x["stage_dir"]) / "summary.json") in x["missing"]:
-            lines.append(f"{name:<10}missing")  # no summary, no numbers (why: the GRPO line below)
+        if name != "PPO" and str(Path(x["stage_dir"]) / "summary.json") in x["missing"]:
+            lines.append(f"{name:<10}missing")  # no summary, no numbers (why: its line below)
             continue
         change = _minus(g["after"], g["before"])
         lines.append(f"{name:<10}{f3(g['before']):>12}{f3(g['after']):>12}{f3(change, '{:+.3f}'):>9}"
                      f"{f3(r['before']):>11}{f3(r['after']):>10}{f3(x['kl_mean_final']):>10}   "
                      f"{mm(m['first'])} -> {mm(m['last'])}")
-    grpo_state = run_state(grpo)  # PPO's missing files: the `missing:` line
-    if grpo_state:
-        lines.append(f"GRPO: {grpo_state}")
+    for name, x in (("GRPO", grpo), ("PPO+LoRA", lora)):  # PPO's missing files: the `missing:` line
+        if state := run_state(x):
+            lines.append(f"{name}: {state}")
     lines += vllm_lines(res.get("vllm") or {})
     if res.get("missing"):
         lines.append("missing: " + ", ".join(res["missing"]))
@@ -677,8 +761,9 @@ def run_vllm(py: Path, overrides: list[str], root: Path, out: Path, timeout: flo
 
 def write_outputs(res: dict, out_dir: str | Path, run_dir: Path | None = None) -> Path:
     """<out>/gpu_check.json and gpu_check.txt; with run_dir, summaries.json (each stage's
-    summary.json by stage) and the RL metrics as <algorithm>_metrics.jsonl (flat files: the
-    device tool brings back at most 8, and the logs are two more)."""
+    summary.json by stage) and rl_metrics.jsonl: every RL run's metrics.jsonl rows, each with
+    "rl_run" (ppo, grpo, ppo_lora) first. Flat files, one for all RL metrics: the device tool
+    brings back at most 8, and the logs are up to four more."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     table = format_table(res)
@@ -692,9 +777,19 @@ def write_outputs(res: dict, out_dir: str | Path, run_dir: Path | None = None) -
             except (OSError, ValueError):
                 pass
         (out / "summaries.json").write_text(json.dumps(summaries, indent=2) + "\n")
+        rows = []
         for a in RL_RUNS:
-            if (run_dir / a / "metrics.jsonl").exists():
-                shutil.copyfile(run_dir / a / "metrics.jsonl", out / f"{a}_metrics.jsonl")
+            path = run_dir / a / "metrics.jsonl"
+            for line in path.read_text().splitlines() if path.exists() else []:
+                if not line.strip():
+                    continue
+                try:
+                    rec = json.loads(line)
+                except ValueError:
+                    rec = {"unparsed": line}
+                rows.append(json.dumps({"rl_run": a, **(rec if isinstance(rec, dict) else {"value": rec})}))
+        if rows:
+            (out / "rl_metrics.jsonl").write_text("".join(r + "\n" for r in rows))
     return out / "gpu_check.json"
 
 
@@ -778,13 +873,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-install", action="store_true",
                     help="run under the interpreter as it is (its packages already installed): no venv, no wheels")
     ap.add_argument("--timeout", type=float, default=float(os.environ.get("GPU_CHECK_TIMEOUT", 420)),
-                    help="seconds for both runs together, SFT -> RM -> PPO then GRPO, before they are stopped "
-                         "(env GPU_CHECK_TIMEOUT; default 420)")
+                    help="seconds for the runs together, SFT -> RM -> PPO, then GRPO, then PPO with LoRA, before "
+                         "they are stopped (env GPU_CHECK_TIMEOUT; default 420; the vLLM path has its own)")
     ap.add_argument("--grpo-share", type=float, default=0.3,
-                    help="part of --timeout kept for the GRPO run: PPO is stopped after (1 - share) x timeout, "
-                         "GRPO gets what is left (default 0.3)")
+                    help="part of --timeout kept for the GRPO run (default 0.3): PPO is stopped after (1 - GRPO's "
+                         "share - LoRA's share) x timeout, GRPO gets what is left less LoRA's share")
+    ap.add_argument("--lora-share", type=float, default=0.25,
+                    help="part of --timeout kept for the PPO-with-LoRA run (default 0.25): it gets what PPO and "
+                         "GRPO left")
     ap.add_argument("--no-grpo", action="store_true",
-                    help="only SFT -> RM -> PPO (no GRPO run; --report-only: GRPO not required)")
+                    help="no GRPO run (--report-only: GRPO not required); its share goes to PPO")
+    ap.add_argument("--no-lora", action="store_true",
+                    help="no PPO-with-LoRA run (--report-only: LoRA not required); its share goes to PPO")
     ap.add_argument("--no-vllm", action="store_true", help="skip the vLLM rollout path even when vllm imports")
     ap.add_argument("--vllm-timeout", type=float, default=float(os.environ.get("GPU_CHECK_VLLM_TIMEOUT", 240)),
                     help="seconds for the vLLM recipe's SFT -> RM -> PPO (env GPU_CHECK_VLLM_TIMEOUT; default 240)")
@@ -797,8 +897,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--wheel-python", default="3.12", help="CPython versions for --build-wheels (space-separated)")
     ap.add_argument("--all-deps", action="store_true", help="--build-wheels: every dependency except torch's (~72 MiB)")
     args = ap.parse_args(argv)
-    if not 0 < args.grpo_share < 1:
-        ap.error(f"--grpo-share {args.grpo_share}: must be between 0 and 1")
+    for flag, share in (("--grpo-share", args.grpo_share), ("--lora-share", args.lora_share)):
+        if not 0 < share < 1:
+            ap.error(f"{flag} {share}: must be between 0 and 1")
+    # the parts of --timeout kept for the runs after PPO's (none for a run that is skipped)
+    grpo_share, lora_share = (0 if args.no_grpo else args.grpo_share), (0 if args.no_lora else args.lora_share)
+    grpo_keep, lora_keep = grpo_share * args.timeout, lora_share * args.timeout
+    if grpo_share + lora_share >= 1:
+        ap.error(f"--grpo-share {args.grpo_share} + --lora-share {args.lora_share}: must be below 1 "
+                 "(PPO gets the rest)")
 
     try:
         if args.plan_install:  # internal: run by install() under the venv's python
@@ -812,11 +919,14 @@ def main(argv: list[str] | None = None) -> int:
             if not run_dir.is_dir():
                 raise CheckError(f"no run directory {run_dir}")
             res = collect(run_dir)
-            if args.no_grpo and not res["grpo"]["complete"]:
-                res["grpo"]["run"] = {"skipped": "--no-grpo"}
+            for name, skip in (("grpo", args.no_grpo), ("ppo_lora", args.no_lora)):
+                if skip and not res[name]["complete"]:
+                    res[name]["run"] = {"skipped": "--no-" + name.split("_")[-1]}
             print(format_table(res))
             say(f"wrote {write_outputs(res, args.out)}")
-            return 0 if res["complete"] and (args.no_grpo or run_state(res["grpo"]) is None) else EXIT_RUN
+            ok = res["complete"] and all(skip or run_state(res[name]) is None
+                                         for name, skip in (("grpo", args.no_grpo), ("ppo_lora", args.no_lora)))
+            return 0 if ok else EXIT_RUN
 
         parent = find_python(args.python, args.cpu)
         say(f"python: {parent['executable']} (Python {_ver(parent)}), torch {parent['torch']} "
@@ -837,25 +947,29 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_PREFLIGHT
 
     root = Path(args.run_root) if args.run_root else Path(tempfile.mkdtemp(prefix="gpu_check_"))
-    overrides = [f"checkpoint.root={root}", "checkpoint.run_name=gpu_check", "model.params_dtype=bfloat16",
-                 *modern_overrides(args.overrides)]
+    given = [f"checkpoint.root={root}", "checkpoint.run_name=gpu_check", "model.params_dtype=bfloat16",
+             *modern_overrides(args.overrides)]
+    overrides, lora_only = full_overrides(given)
     env["params_dtype"] = next(o.split("=", 1)[1] for o in reversed(overrides) if o.startswith("model.params_dtype="))
     env["offload_between_phases"] = env.get("device") != "cpu"  # colocation.py moves memory only on CUDA
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     run_dir = root / "gpu_check"
-    ppo_limit = args.timeout * (1 if args.no_grpo else 1 - args.grpo_share)
+    ppo_limit = args.timeout - grpo_keep - lora_keep
+    if lora_only:
+        say(f"PPO and GRPO runs without the LoRA run's overrides: {' '.join(lora_only)}")
     rc, seconds = run_pipeline(py, overrides, out / "gpu_check.log", ppo_limit)
-    grpo_run = run_grpo(py, overrides, run_dir, out, args.timeout - seconds, args.no_grpo)
+    grpo_run = run_grpo(py, given, run_dir, out, args.timeout - seconds - lora_keep, args.no_grpo)
+    lora_run = run_lora(py, given, run_dir, out, args.timeout - seconds - grpo_run.get("seconds", 0), args.no_lora)
     vllm_run = run_vllm(py, overrides, root, out, args.vllm_timeout, args.no_vllm)
     res = collect(run_dir)
     res["vllm"] = {**res["vllm"], "run": vllm_run}
-    res["ppo"]["run"] = {"recipe": RECIPE, "overrides": overrides, "exit_code": rc, "seconds": seconds,
-                         "timeout_seconds": ppo_limit, "log": "gpu_check.log"}
-    res["grpo"]["run"] = grpo_run
+    res["ppo"]["run"] = {"recipe": RECIPE, "overrides": overrides, "overrides_not_passed": lora_only, "exit_code": rc,
+                         "seconds": seconds, "timeout_seconds": ppo_limit, "log": "gpu_check.log"}
+    res["grpo"]["run"], res["ppo_lora"]["run"] = grpo_run, lora_run
     launch = "torchrun --standalone --nproc-per-node 1 -m megatron_rlhf pipeline --config "
     res.update(environment=env, overrides=overrides, total_seconds=seconds, exit_code=rc,
-               command=launch + RECIPE, grpo_command=launch + GRPO_RECIPE)
+               command=launch + RECIPE, grpo_command=launch + GRPO_RECIPE, lora_command=launch + LORA_RECIPE)
     path = write_outputs(res, out, run_dir)
     print("\n" + format_table(res), flush=True)
     say(f"wrote {path} (and gpu_check.txt, the logs, summaries.json, the RL metrics) in {out}")
@@ -866,9 +980,10 @@ def main(argv: list[str] | None = None) -> int:
         failed.append(f"the pipeline {'timed out' if rc == 124 else f'exited {rc}'}"
                       f"{'' if res['complete'] else '; missing ' + ', '.join(res['missing'])} "
                       f"(log: {out / 'gpu_check.log'})")
-    if not args.no_grpo and run_state(res["grpo"]):
-        ran = "exit_code" in res["grpo"]["run"]
-        failed.append(f"GRPO {run_state(res['grpo'])}" + (f" (log: {out / 'gpu_check_grpo.log'})" if ran else ""))
+    for name, label, skip in (("grpo", "GRPO", args.no_grpo), ("ppo_lora", "PPO with LoRA", args.no_lora)):
+        if not skip and run_state(res[name]):
+            log = res[name]["run"]["log"] if "exit_code" in res[name]["run"] else None
+            failed.append(f"{label} {run_state(res[name])}" + (f" (log: {out / log})" if log else ""))
     if vllm_run.get("exit_code") not in (None, 0):
         failed.append(f"the vLLM rollout path {run_state(res['vllm'])} (log: {out / 'gpu_check_vllm.log'})")
     for line in failed:
@@ -876,26 +991,40 @@ def main(argv: list[str] | None = None) -> int:
     return EXIT_RUN if failed else 0
 
 
-def run_grpo(py: Path, overrides: list[str], run_dir: Path, out: Path, left: float, skip: bool) -> dict:
-    """The GRPO recipe on the PPO run's directory (its finished SFT and RM are skipped), in the
-    `left` seconds of --timeout; what happened, for gpu_check.json's grpo.run."""
-    if skip:
-        return {"skipped": "--no-grpo"}
-    grpo, dropped = grpo_overrides(overrides)
-    run = {"recipe": GRPO_RECIPE, "overrides": grpo, "overrides_not_passed": dropped, "log": "gpu_check_grpo.log"}
+def run_after_ppo(py: Path, label: str, recipe: str, log: str, overrides: list[str], dropped: list[str],
+                  run_dir: Path, out: Path, left: float) -> dict:
+    """`recipe` on the PPO run's directory (its finished SFT and RM are skipped), in the `left`
+    seconds of --timeout; what happened, for gpu_check.json's <run>.run."""
+    run = {"recipe": recipe, "overrides": overrides, "overrides_not_passed": dropped, "log": log}
     unfinished = [s for s in ("sft", "rm") if not (run_dir / s / "summary.json").exists()]
     if unfinished:
         run["skipped"] = f"{' and '.join(s.upper() for s in unfinished)} did not finish in the PPO pipeline"
-    elif left < MIN_GRPO_SECONDS:
-        run["skipped"] = f"only {max(left, 0):.0f} s of --timeout left (needs {MIN_GRPO_SECONDS})"
+    elif left < MIN_RUN_SECONDS:
+        run["skipped"] = f"only {max(left, 0):.0f} s of --timeout left (needs {MIN_RUN_SECONDS})"
     if run.get("skipped"):
-        say(f"GRPO run skipped: {run['skipped']}")
+        say(f"{label} run skipped: {run['skipped']}")
         return run
     if dropped:
-        say(f"GRPO run without the overrides a critic-free recipe refuses or sets itself: {' '.join(dropped)}")
-    rc, seconds = run_pipeline(py, grpo, out / "gpu_check_grpo.log", left, GRPO_RECIPE)
+        say(f"{label} run without the overrides it refuses or sets itself: {' '.join(dropped)}")
+    rc, seconds = run_pipeline(py, overrides, out / log, left, recipe)
     run.update(exit_code=rc, seconds=seconds, timeout_seconds=left)
     return run
+
+
+def run_grpo(py: Path, overrides: list[str], run_dir: Path, out: Path, left: float, skip: bool) -> dict:
+    """The GRPO recipe after PPO (<run>/grpo), without critic settings; for gpu_check.json's grpo.run."""
+    if skip:
+        return {"skipped": "--no-grpo"}
+    return run_after_ppo(py, "GRPO", GRPO_RECIPE, "gpu_check_grpo.log", *grpo_overrides(overrides), run_dir, out, left)
+
+
+def run_lora(py: Path, overrides: list[str], run_dir: Path, out: Path, left: float, skip: bool) -> dict:
+    """The LoRA recipe (PPO training adapters only) after GRPO (<run>/ppo_lora), with PPO's
+    overrides and the lora.X ones; for gpu_check.json's ppo_lora.run."""
+    if skip:
+        return {"skipped": "--no-lora"}
+    return run_after_ppo(py, "PPO-with-LoRA", LORA_RECIPE, "gpu_check_lora.log", *lora_overrides(overrides),
+                         run_dir, out, left)
 
 
 if __name__ == "__main__":

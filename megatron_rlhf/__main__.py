@@ -36,7 +36,12 @@ COMMANDS = {
     "import-hf": "--hf DIR --out DIR: a local Hugging Face checkpoint (Llama 2/3.x, Mistral, Qwen2/2.5, "
                  "Qwen3) -> our checkpoint (model fields from its config.json; launch at any TP x PP)",
     "export-hf": "--ckpt DIR --role actor|reward|critic --out DIR [--tokenizer DIR]: our checkpoint "
-                 "-> a Hugging Face directory (one process; the model config is the one the checkpoint recorded)",
+                 "-> a Hugging Face directory (one process; the model config is the one the checkpoint recorded); "
+                 "a LoRA checkpoint is exported merged (W + alpha/r B A on the base checkpoint it records, or "
+                 "--lora-base DIR)",
+    "export-peft": "--ckpt DIR --role actor --out DIR [--hf BASE_HF_DIR]: the adapters of a LoRA policy "
+                   "checkpoint -> a PEFT LoRA adapter directory, for the base model export-hf writes from the "
+                   "checkpoint they were trained on (--hf: that directory, recorded as base_model_name_or_path)",
     "serve-reward": "--ckpt DIR [--host H] [--port P] [--max-batch N] [--max-wait-ms MS]: serve the reward model "
                     "of an RM checkpoint over HTTP (POST /score, docs/reward_service.md) at TP x PP = world size, "
                     "until SIGTERM/Ctrl-C",
@@ -47,11 +52,11 @@ def convert_command(args, cfg) -> None:
     from megatron_rlhf.convert import export_hf, import_hf
     from megatron_rlhf.convert.hf_io import checkpoint_model_config
 
-    needed = {"import-hf": ("hf", "out"), "export-hf": ("ckpt", "role", "out")}[args.command]
+    needed = {"import-hf": ("hf", "out"), "export-hf": ("ckpt", "role", "out"),
+              "export-peft": ("ckpt", "role", "out")}[args.command]
     if missing := [f"--{name}" for name in needed if getattr(args, name) is None]:
         raise ConfigError(f"{args.command}: missing {', '.join(missing)}")
-    if args.command == "export-hf":
-        tokenizer = args.tokenizer or (cfg.data.tokenizer if cfg.data.tokenizer != "builtin" else None)
+    if args.command in ("export-hf", "export-peft"):
         # The checkpoint's own model config (every stage records it); model.* overrides must agree.
         typed = {o.split("=", 1)[0].strip() for o in args.overrides}
         model_cfg = checkpoint_model_config(args.ckpt, args.role, cfg.model, typed)
@@ -61,9 +66,15 @@ def convert_command(args, cfg) -> None:
             if cfg.model.vocab_size is None:  # the recipe's tokenizer's size, as in training
                 resolve_vocab_size(cfg, tokenizer_for(cfg))
             model_cfg = cfg.model
-        path = export_hf(args.ckpt, args.role, args.out, model_cfg=model_cfg,
-                         tokenizer_dir=tokenizer, drop_score_bias=args.drop_score_bias)
-        print(f"[export-hf] {args.role} of {args.ckpt} -> {path}", flush=True)
+        if args.command == "export-peft":
+            from megatron_rlhf.convert.lora_export import export_peft_adapter
+
+            path = export_peft_adapter(args.ckpt, args.role, args.out, model_cfg=model_cfg, base_model=args.hf)
+        else:
+            tokenizer = args.tokenizer or (cfg.data.tokenizer if cfg.data.tokenizer != "builtin" else None)
+            path = export_hf(args.ckpt, args.role, args.out, model_cfg=model_cfg, tokenizer_dir=tokenizer,
+                             drop_score_bias=args.drop_score_bias, lora_base=args.lora_base)
+        print(f"[{args.command}] {args.role} of {args.ckpt} -> {path}", flush=True)
         return
     from megatron_rlhf import parallel
 
@@ -122,10 +133,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--verbose", action="store_true",
                         help="show every third-party warning (default: the known harmless ones are hidden, "
                              "megatron_rlhf/logging/quiet.py) and every metric on the console; = logging.verbose=true")
-    parser.add_argument("--hf", help="import-hf: local Hugging Face model directory")
-    parser.add_argument("--ckpt", help="export-hf, serve-reward: a stage or iter_* checkpoint directory")
-    parser.add_argument("--role", choices=("actor", "reward", "critic", "reference"), help="export-hf: the role to export")
-    parser.add_argument("--out", help="import-hf / export-hf: output directory")
+    parser.add_argument("--hf", help="import-hf: local Hugging Face model directory; export-peft: the base model's "
+                                     "export (recorded in adapter_config.json)")
+    parser.add_argument("--ckpt", help="export-hf, export-peft, serve-reward: a stage or iter_* checkpoint directory")
+    parser.add_argument("--role", choices=("actor", "reward", "critic", "reference"),
+                        help="export-hf / export-peft: the role to export")
+    parser.add_argument("--out", help="import-hf / export-hf / export-peft: output directory")
+    parser.add_argument("--lora-base", help="export-hf of a LoRA checkpoint: where its base checkpoint is now "
+                                            "(default: the path the checkpoint recorded)")
     parser.add_argument("--tokenizer", help="export-hf: tokenizer directory to copy (default: data.tokenizer)")
     parser.add_argument("--drop-score-bias", action="store_true",
                         help="export-hf of reward/critic: drop the value head's constant offset (HF's score has no bias)")
@@ -177,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
         quiet.install_cpu(verbose)
 
     try:
-        if args.command in ("import-hf", "export-hf"):
+        if args.command in ("import-hf", "export-hf", "export-peft"):
             convert_command(args, cfg)
         elif args.command == "serve-reward":
             serve_reward_command(args, cfg)

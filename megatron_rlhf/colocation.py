@@ -117,7 +117,7 @@ class ColocationScheduler:
 
     def _place(self, name: str, role, want: str) -> None:
         have = self.on_device[name]
-        if have == want:
+        if have == want or getattr(role, "shares_weights_of", None):  # its weights move with their owner
             return
         if torch.cuda.is_available():  # on CPU everything already lives in host memory
             _move(role, have, want)

@@ -177,6 +177,25 @@ class OptimizerConfig:
     lr_decay_style: str = "constant"
 
 
+@dataclass
+class LoRAConfig:
+    """Low-rank adapters (models/lora.py) on the trained policy and critic of the stages listed;
+    their base weights stay frozen. rank 0: off (full fine-tuning)."""
+
+    rank: int = 0
+    alpha: float = 16.0  # the adapter's output is scaled by alpha / rank
+    dropout: float = 0.0  # on the adapter's input, in training only
+    # which linear layers of every decoder layer: qkv, proj (attention output), fc1, fc2; and
+    # output: the policy's LM head (untied embeddings only; a critic's value head trains in full)
+    targets: list[str] = field(default_factory=lambda: ["qkv", "proj", "fc1", "fc2"])
+    stages: list[str] = field(default_factory=lambda: ["rl"])
+    critic: bool = True  # the critic gets adapters of its own (value head trained in full); false: full critic
+
+
+LORA_TARGETS = ("qkv", "proj", "fc1", "fc2", "output")
+LORA_STAGES = ("rl",)  # SFT and DPO with LoRA: not yet (issue 19)
+
+
 LR_DECAY_STYLES = ("constant", "linear", "cosine")
 OVERFLOW_POLICIES = ("truncate", "drop")
 
@@ -493,6 +512,7 @@ class Config:
     dpo: DPOConfig = field(default_factory=DPOConfig)
     rl: RLConfig = field(default_factory=RLConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     resilience: ResilienceConfig = field(default_factory=ResilienceConfig)
@@ -763,6 +783,10 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
         _validate_optimizer(name, _get_dotted(cfg, name))
     _validate_rl(cfg.rl, m, dp, cfg.given)
     _validate_rollout(cfg.rollout, m, p)
+    _validate_lora(cfg.lora)
+    if cfg.lora.rank > 0 and "output" in cfg.lora.targets and m.share_embeddings_and_output_weights:
+        raise ConfigError("lora.targets has output with model.share_embeddings_and_output_weights=true: an adapter on "
+                          "a tied LM head would change the input embedding's twin only; remove output from lora.targets")
     if cfg.rl.reuse_rollout_logprobs and cfg.rollout.engine != "megatron":
         raise ConfigError(f"rl.reuse_rollout_logprobs=true with rollout.engine={cfg.rollout.engine}: only the in-place "
                           "megatron engine samples with the actor's own weights and softmax; a separate engine's "
@@ -815,6 +839,24 @@ def _validate_model(m: ModelConfig) -> None:
         raise ConfigError(f"model.rope_scaling: low_freq_factor={r.low_freq_factor}, high_freq_factor="
                           f"{r.high_freq_factor}, original_max_position_embeddings={r.original_max_position_embeddings}"
                           ": need 0 < low_freq_factor < high_freq_factor and a positive original window (Llama 3.1: 1, 4, 8192)")
+
+
+def _validate_lora(lo: LoRAConfig) -> None:
+    if lo.rank < 0:
+        raise ConfigError(f"lora.rank={lo.rank}: must be >= 0 (0: no adapters, full fine-tuning; typical 8-64)")
+    if lo.rank == 0:
+        return
+    if not lo.alpha > 0:
+        raise ConfigError(f"lora.alpha={lo.alpha}: must be > 0 (the adapter output is scaled by alpha / rank; e.g. 2 x rank)")
+    if not 0 <= lo.dropout < 1:
+        raise ConfigError(f"lora.dropout={lo.dropout}: must be in [0, 1)")
+    bad = [t for t in lo.targets if t not in LORA_TARGETS]
+    if bad or not lo.targets or len(set(lo.targets)) != len(lo.targets):
+        raise ConfigError(f"lora.targets={lo.targets}: choose distinct layers from {LORA_TARGETS} (at least one)")
+    bad = [s for s in lo.stages if s not in LORA_STAGES]
+    if bad:
+        raise ConfigError(f"lora.stages={lo.stages}: LoRA is implemented for {LORA_STAGES} only so far; "
+                          f"remove {bad} (those stages then fine-tune every weight)")
 
 
 def _get_dotted(obj: Any, dotted: str) -> Any:

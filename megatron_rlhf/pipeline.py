@@ -6,7 +6,8 @@ dpo -> rl) in one launch: each stage reads an earlier stage's checkpoint (config
 A stage whose summary.json exists is skipped; a stage with checkpoints but no summary
 resumes from its latest complete checkpoint. At the end, the policy of the last stage that
 trains one (rl, else dpo: the only model that is deployed) as a Hugging Face directory in
-<run>/export/actor_hf/ (<run>/export/<algorithm>_actor_hf for an RL algorithm other than ppo,
+<run>/export/actor_hf/ (<run>/export/<algorithm>_actor_hf for an RL algorithm other than ppo
+or with LoRA, e.g. ppo_lora_actor_hf with the adapters merged,
 <run>/export/dpo_actor_hf for dpo), and <run>/report.md with PNG plots.
 """
 
@@ -57,7 +58,7 @@ def export_actor(cfg: Config, stage: str = "rl") -> Path:
     tokenizer = tokenizer_for(cfg)
     if cfg.model.vocab_size is None:  # every stage finished earlier: none has read the tokenizer
         resolve_vocab_size(cfg, tokenizer)
-    name = cfg.rl.algorithm if stage == "rl" else stage
+    name = stage_dir(cfg, stage).name  # ppo, grpo, ..., ppo_lora (merged: a full model), dpo
     out = run_dir(cfg) / "export" / ("actor_hf" if name == "ppo" else f"{name}_actor_hf")
     if (not dist.is_initialized() or dist.get_rank() == 0) and not out.is_dir():
         tmp = out.with_name(out.name + ".tmp")

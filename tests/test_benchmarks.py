@@ -105,9 +105,26 @@ def check_memory(res: dict) -> None:
         assert row["model_state_bytes"] >= 16 * row["params"], row
 
 
+def check_lora_memory(res: dict) -> None:
+    assert res["quick"]
+    full, *lora = res["rows"]
+    assert full["lora_rank"] == 0 and [r["lora_rank"] for r in lora] == [8, 64], res["rows"]
+    for row in res["rows"]:
+        positive(row, "trainable_parameters", "weights", "optimizer_state", "peak_above_baseline_bytes")
+    for row in lora:  # adapters only: fewer trainable parameters, less optimizer state, no reference copy
+        assert row["trainable_parameters"] < full["trainable_parameters"], row
+        assert row["optimizer_state"] < full["optimizer_state"], row
+        assert row["roles"]["reference"]["weights"] == 0, row
+    r8 = lora[0]  # (r 64 is nearly full rank at the quick run's hidden size 64: its adapters outweigh a reference)
+    assert r8["trainable_parameters"] < full["trainable_parameters"] / 4, r8
+    assert r8["optimizer_state"] < full["optimizer_state"] / 4, r8
+    assert r8["weights"] < full["weights"], r8
+
+
 BENCHMARKS = {
     "bench_roles": check_bench_roles,
     "memory": check_memory,
+    "lora_memory": check_lora_memory,
     "rl_step": check_rl_step,
     "hf_import": check_hf_import,
     "split_invariance": check_split_invariance,

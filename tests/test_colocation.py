@@ -26,6 +26,16 @@ def test_residency_follows_the_phase_table(engine):
     assert sched.on_device["reference"] == "host" and sched.on_device["actor"] == "params"
 
 
+def test_a_lora_reference_is_never_moved_apart_from_the_actor():
+    # It runs the actor's module: offloading it in train would take the actor's weights along.
+    shared = {**roles(), "reference": SimpleNamespace(trainable=False, shares_weights_of="actor")}
+    sched = ColocationScheduler(shared)
+    for phase in sched.phases:
+        sched.enter(phase)
+        assert sched.on_device["reference"] == "params", phase
+    sched.exit()
+
+
 def test_time_memory_and_tokens_are_recorded_per_phase():
     sched = ColocationScheduler(roles())
     sched.enter("generate")

@@ -104,7 +104,8 @@ def test_task_sizes_are_checked_with_the_field():
 
 RECIPES = {"tiny_cpu.yaml": (1, 2), "tiny_cpu_grpo.yaml": (1, 2), "tiny_cpu_rloo.yaml": (1, 2),
            "tiny_cpu_reinforce_pp.yaml": (1, 2), "tiny_cpu_vllm.yaml": (1, 2), "tiny_cpu_arithmetic.yaml": (1, 2), "tiny_cpu_dpo.yaml": (1, 2), "tiny_cpu_dpo_ppo.yaml": (1, 2), "llama3_8b.yaml": (8,), "qwen3_8b.yaml": (8,), "llama3_70b.yaml": (64,),
-           "llama3_70b_grpo.yaml": (64,), "llama3_70b_dpo.yaml": (64,)}
+           "llama3_70b_grpo.yaml": (64,), "llama3_70b_dpo.yaml": (64,), "tiny_cpu_lora.yaml": (1, 2),
+           "llama3_70b_lora.yaml": (64,)}
 PIPELINES = Path(__file__).resolve().parent.parent / "pipelines"
 
 
@@ -214,3 +215,17 @@ def test_activation_recomputation_settings_are_checked(overrides, field):
     assert_error_names(field, *overrides)
     validate(load_config(None, ["model.recompute_granularity=full", "model.recompute_method=block",
                                 "model.recompute_num_layers=1"]), world_size=1)
+
+
+@pytest.mark.parametrize("overrides, field", [
+    (["lora.rank=-1"], "lora.rank"),
+    (["lora.rank=8", "lora.alpha=0"], "lora.alpha"),
+    (["lora.rank=8", "lora.dropout=1.0"], "lora.dropout"),
+    (["lora.rank=8", "lora.targets=[qkv,q_proj]"], "lora.targets"),
+    (["lora.rank=8", "lora.targets=[]"], "lora.targets"),
+    (["lora.rank=8", "lora.targets=[fc1,fc1]"], "lora.targets"),
+    (["lora.rank=8", "lora.stages=[sft,rl]"], "lora.stages"),
+])
+def test_lora_settings_are_checked(overrides, field):
+    assert_error_names(field, *overrides)
+    validate(load_config(None, ["lora.rank=8", "lora.targets=[qkv,fc2]", "lora.dropout=0.1"]), world_size=1)

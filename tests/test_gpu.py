@@ -6,6 +6,7 @@ directories written here in the stages' output format, in CI."""
 import importlib.util
 import json
 import math
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -56,7 +57,7 @@ def test_smoke_roles_bf16_on_one_gpu(family):
 @pytest.mark.slow
 def test_gpu_check_pipeline_bf16_on_one_gpu(tmp_path):
     """make gpu-check's run (this interpreter as it is, no venv): SFT -> RM -> PPO in bf16 with
-    offload, then sane numbers in the table's JSON."""
+    offload, then GRPO and PPO with LoRA, then sane numbers in the table's JSON."""
     proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu_check.py"), "--no-install",
                            "--python", sys.executable, "--out", str(tmp_path), "--timeout", "600"],
                           cwd=REPO, capture_output=True, text=True, timeout=900)
@@ -85,6 +86,17 @@ def test_gpu_check_pipeline_bf16_on_one_gpu(tmp_path):
     saving = res["memory_saving_bytes"]
     assert saving["train"] > 0 and saving["score"] > 0 and saving["stage"] > 0, saving
     assert all(math.isfinite(grpo["gold_score"][k]) for k in ("before", "after")), grpo["gold_score"]
+    # then PPO with LoRA on the same SFT/RM: the same four roles, adapters trained on the actor and the critic
+    lora, full = res["ppo_lora"], res["ppo"]
+    assert lora["complete"] and lora["run"]["exit_code"] == 0, lora
+    assert lora["roles"] == full["roles"] and sorted(lora["lora"] or {}) == ["actor", "critic"], lora
+    for name, phase in lora["phases"].items():
+        assert phase["seconds"] > 0 and phase["peak_memory_bytes"] > 0, name
+    assert sorted(lora["trained"]["roles"]) == sorted(full["trained"]["roles"]) == ["actor", "critic"], lora
+    for key in ("trainable_parameters", "optimizer_state"):
+        assert 0 < lora["trained"][key] < full["trained"][key] / 2, (key, lora["trained"], full["trained"])
+    assert res["lora_memory_saving_bytes"]["stage"] is not None, res["lora_memory_saving_bytes"]
+    assert all(math.isfinite(lora["gold_score"][k]) for k in ("before", "after")), lora["gold_score"]
 
 
 # --- on every machine (CPU included): the report and pre-flight code of make gpu-check ---
@@ -92,9 +104,30 @@ def test_gpu_check_pipeline_bf16_on_one_gpu(tmp_path):
 PPO_ROLES, GRPO_ROLES = ["actor", "critic", "reference", "reward"], ["actor", "reference", "reward"]
 
 
-def write_run(run, with_stage_memory=True, grpo=True):
+def account(trained, frozen_weights):
+    """A summary's memory_account (logging/memory.py's format): trained = {role: (trainable
+    parameters, optimizer-state bytes)}, frozen_weights = {role: weight bytes} of the others."""
+    roles = {name: {"weights": 4 * n, "gradient_buffers": 4 * n, "optimizer_state": opt, "activations": 2**20,
+                    "trainable_parameters": n} for name, (n, opt) in trained.items()}
+    roles.update({name: {"weights": w, "gradient_buffers": 0, "optimizer_state": 0, "activations": 0,
+                         "trainable_parameters": 0} for name, w in frozen_weights.items()})
+    state = sum(r["weights"] + r["gradient_buffers"] + r["optimizer_state"] for r in roles.values())
+    return {"roles": roles, "model_state_bytes": state, "activation_bytes": 2**20, "account_bytes": state + 2**20,
+            "baseline_bytes": 2**20, "peak_above_baseline_bytes": 3 * state, "other_bytes": 2 * state - 2**20,
+            "peak_over_account": 3 * state / (state + 2**20)}
+
+
+# PPO trains every weight of the actor and the critic (fp32 main params + 2 Adam moments: 12 B per
+# parameter); with LoRA only the adapters (the critic's value head too) and the reference holds no weights
+FULL_TRAINED, LORA_TRAINED = {"actor": (2**18, 3 * 2**20), "critic": (2**18, 3 * 2**20)}, \
+    {"actor": (8192, 12 * 8192), "critic": (8257, 12 * 8257)}
+LORA_SUMMARY = {"actor": {"rank": 8, "alpha": 16.0, "targets": ["qkv", "proj", "fc1", "fc2"], "base": "<run>/sft"},
+                "critic": {"rank": 8, "alpha": 16.0, "targets": ["qkv", "proj", "fc1", "fc2"], "base": "<run>/rm"}}
+
+
+def write_run(run, with_stage_memory=True, grpo=True, lora=True):
     """A run directory in the format the stages write (summary.json, <algorithm>/metrics.jsonl):
-    SFT, RM, PPO and (grpo=True) GRPO on the same SFT/RM."""
+    SFT, RM, PPO, (grpo=True) GRPO and (lora=True) PPO with LoRA (<run>/ppo_lora) on the same SFT/RM."""
     for stage, wall, mem in (("sft", 11.5, 3 * 2**20), ("rm", 9.25, 5 * 2**20)):
         (run / stage).mkdir(parents=True)
         summary = {"stage": stage, "steps": 120, "wall_seconds": wall}
@@ -109,12 +142,26 @@ def write_run(run, with_stage_memory=True, grpo=True):
         "rm_score_eval_before": 0.08, "rm_score_eval_after": 1.5, "kl_mean_final": 3.25,
         "phase_seconds": dict(zip(phases, (2.0, 10.0, 4.0, 20.0))),
         "phase_peak_memory_bytes": dict(zip(phases, (100 * 2**20, 200 * 2**20, 300 * 2**20, 400 * 2**20))),
-        "wall_seconds": 40.5,
+        "wall_seconds": 40.5, "lora": {},
+        "memory_account": account(FULL_TRAINED, {"reference": 2**20, "reward": 2**20}),
     }))
     rows = [{"step": 0, "eval_gold_score": 0.01}]
     rows += [{"step": s, "gold_score": 0.1 * s, "logprob_mismatch": 1e-3 * s} for s in range(1, 41)]
     rows.append({"step": 40, "logprob_mismatch": 0.0625, "eval_gold_score": 0.655})  # a resumed run re-logs
     (run / "ppo" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    if lora:
+        (run / "ppo_lora").mkdir()
+        (run / "ppo_lora" / "summary.json").write_text(json.dumps({
+            "stage": "rl", "algorithm": "ppo", "roles": PPO_ROLES, "steps": 40, "lora": LORA_SUMMARY,
+            "gold_score_eval_before": 0.01, "gold_score_eval_after": 0.6,
+            "rm_score_eval_before": 0.08, "rm_score_eval_after": 1.375, "kl_mean_final": 0.5,
+            "phase_seconds": dict(zip(phases, (1.0, 9.0, 3.5, 15.0))),
+            "phase_peak_memory_bytes": dict(zip(phases, (90 * 2**20, 120 * 2**20, 180 * 2**20, 220 * 2**20))),
+            "peak_memory_bytes": 232 * 2**20, "wall_seconds": 33.0,
+            "memory_account": account(LORA_TRAINED, {"reference": 0, "reward": 2**20}),
+        }))
+        rows = [{"step": s, "logprob_mismatch": 2e-4 * s} for s in range(1, 41)]
+        (run / "ppo_lora" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     if not grpo:
         return
     (run / "grpo").mkdir()
@@ -130,9 +177,19 @@ def write_run(run, with_stage_memory=True, grpo=True):
     (run / "grpo" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
-def table_rows(table):
-    """The table's rows by their first cell (the text before two spaces)."""
-    return {line.split("  ")[0].strip(): line for line in table.splitlines()}
+def table_rows(table, block=None):
+    """The table's rows by their first cell (the text before two spaces; the first row of that
+    name); with block, only the rows of the block whose header starts with it (up to the next
+    empty line)."""
+    lines = table.splitlines()
+    if block is not None:
+        start = next(i for i, line in enumerate(lines) if line.startswith(block))
+        end = next((i for i in range(start, len(lines)) if not lines[i].strip()), len(lines))
+        lines = lines[start:end]
+    rows = {}
+    for line in lines:
+        rows.setdefault(line.split("  ")[0].strip(), line)
+    return rows
 
 
 def test_gpu_check_report_table_and_json_cpu(tmp_path):
@@ -166,6 +223,29 @@ def test_gpu_check_report_table_and_json_cpu(tmp_path):
     # the memory GRPO saves: PPO minus GRPO per phase and for the stage peak
     assert res["memory_saving_bytes"] == {"generate": 50 * 2**20, "score": 100 * 2**20, "train": 150 * 2**20,
                                           "eval": 0, "stage": 140 * 2**20}
+    # PPO with LoRA on the same SFT/RM (<run>/ppo_lora): its numbers and what training adapters saves
+    lora = res["ppo_lora"]
+    assert lora["complete"] and lora["missing"] == [] and lora["algorithm"] == "ppo" and lora["steps"] == 40
+    assert lora["stage_dir"] == str(run / "ppo_lora") and lora["roles"] == PPO_ROLES and lora["lora"] == LORA_SUMMARY
+    assert res["stages"]["ppo_lora"] == lora["stage"] == {"seconds": 33.0, "peak_memory_bytes": 232 * 2**20}
+    assert lora["phases"]["train"] == {"seconds": 15.0, "peak_memory_bytes": 220 * 2**20}
+    assert lora["gold_score"] == {"before": 0.01, "after": 0.6} and lora["kl_mean_final"] == 0.5
+    assert lora["rm_score"] == {"before": 0.08, "after": 1.375}
+    assert lora["logprob_mismatch"] == {"first": {"step": 1, "value": 2e-4}, "last": {"step": 40, "value": 8e-3}}
+    assert res["lora_memory_saving_bytes"] == {"generate": 80 * 2**20, "score": 120 * 2**20, "train": 180 * 2**20,
+                                               "eval": 10 * 2**20, "stage": 168 * 2**20}
+    # the trained roles of each memory account (not the frozen reference and reward model)
+    assert ppo["trained"] == {"roles": {r: {"trainable_parameters": 2**18, "optimizer_state": 3 * 2**20}
+                                        for r in ("actor", "critic")},
+                              "trainable_parameters": 2**19, "optimizer_state": 6 * 2**20}
+    assert lora["trained"] == {"roles": {"actor": {"trainable_parameters": 8192, "optimizer_state": 98304},
+                                         "critic": {"trainable_parameters": 8257, "optimizer_state": 99084}},
+                               "trainable_parameters": 16449, "optimizer_state": 197388}
+    assert grpo["trained"] == {"roles": {}, "trainable_parameters": None, "optimizer_state": None}  # no account
+    # an account written before trainable_parameters existed: the roles with optimizer state
+    assert gc.trained_roles({"roles": {"actor": {"optimizer_state": 96}, "reward": {"optimizer_state": 0}}}) == \
+        {"roles": {"actor": {"trainable_parameters": None, "optimizer_state": 96}}, "trainable_parameters": None,
+         "optimizer_state": 96}
 
     table = (out / "gpu_check.txt").read_text()
     rows = table_rows(table)
@@ -188,7 +268,23 @@ def test_gpu_check_report_table_and_json_cpu(tmp_path):
                                    "1.000e-03", "(step", "1)", "->", "6.250e-02", "(step", "40)"]
     assert rows["GRPO"].split() == ["GRPO", "0.010", "0.500", "+0.490", "0.080", "1.250", "0.125",
                                     "5.000e-04", "(step", "1)", "->", "2.000e-02", "(step", "40)"]
-    assert not [line for line in table.splitlines() if line.startswith(("missing", "GRPO:", "GRPO      missing"))]
+    assert rows["PPO+LoRA"].split() == ["PPO+LoRA", "0.010", "0.600", "+0.590", "0.080", "1.375", "0.500",
+                                        "2.000e-04", "(step", "1)", "->", "8.000e-03", "(step", "40)"]
+    # PPO and PPO with LoRA side by side: phase, PPO s, PPO+LoRA s, PPO peak, PPO+LoRA peak, saving
+    lrows = table_rows(table, block="PPO vs PPO+LoRA")
+    assert lrows["PPO vs PPO+LoRA"].split() == ["PPO", "vs", "PPO+LoRA", "PPO", "s", "PPO+LoRA", "s", "PPO", "peak",
+                                                "PPO+LoRA", "peak", "saving", "(PPO", "-", "PPO+LoRA)"]
+    assert lrows["generate"].split() == ["generate", "10.0", "9.0", "200.0", "MiB", "120.0", "MiB",
+                                         "80.0", "MiB", "(40%)"]
+    assert lrows["score"].split()[1:] == ["4.0", "3.5", "300.0", "MiB", "180.0", "MiB", "120.0", "MiB", "(40%)"]
+    assert lrows["train"].split()[1:] == ["20.0", "15.0", "400.0", "MiB", "220.0", "MiB", "180.0", "MiB", "(45%)"]
+    assert lrows["eval"].split()[1:] == ["2.0", "1.0", "100.0", "MiB", "90.0", "MiB", "10.0", "MiB", "(10%)"]
+    assert lrows["RL stage (wall)"].split()[3:] == ["40.5", "33.0", "400.0", "MiB", "232.0", "MiB",
+                                                    "168.0", "MiB", "(42%)"]
+    assert lrows["trained"].split(None, 1)[1] == ("parameters PPO 524,288, PPO+LoRA 16,449 (3.1%); optimizer state "
+                                                  "PPO 6.0 MiB, PPO+LoRA 0.2 MiB (3.1%); roles: actor, critic")
+    assert not [line for line in table.splitlines()
+                if line.startswith(("missing", "GRPO:", "GRPO      missing", "PPO+LoRA:", "PPO+LoRA  missing"))]
     assert "peak memory" in table and "peak GPU memory" not in table  # no environment: CPU wording
 
 
@@ -210,10 +306,17 @@ def test_gpu_check_report_missing_numbers_cpu(tmp_path):
     assert res["logprob_mismatch"]["first"] == {"step": 1, "value": None}
     assert res["grpo"]["complete"]  # GRPO's numbers stand; the savings it cannot be compared with are null
     assert res["memory_saving_bytes"] == dict.fromkeys(("generate", "score", "train", "eval", "stage"))
+    assert res["ppo_lora"]["complete"] and res["ppo_lora"]["stage"]["peak_memory_bytes"] == 232 * 2**20
+    assert res["lora_memory_saving_bytes"] == dict.fromkeys(("generate", "score", "train", "eval", "stage"))
+    assert res["ppo"]["trained"]["trainable_parameters"] is None
     rows = table_rows((tmp_path / "out" / "gpu_check.txt").read_text())
     assert rows["train"].split()[1:] == ["n/a", "12.0", "n/a", "250.0", "MiB", "n/a"]
     assert rows["PPO"].split()[1:4] == ["n/a", "n/a", "n/a"]
     assert rows["missing: " + str(run / "ppo" / "summary.json")]
+    lrows = table_rows((tmp_path / "out" / "gpu_check.txt").read_text(), block="PPO vs PPO+LoRA")
+    assert lrows["train"].split()[1:] == ["n/a", "15.0", "n/a", "220.0", "MiB", "n/a"]
+    assert lrows["trained"].split(None, 1)[1].startswith("parameters PPO n/a, PPO+LoRA 16,449; optimizer state "
+                                                         "PPO n/a, PPO+LoRA 0.2 MiB; roles: actor, critic")
 
 
 def test_gpu_check_report_grpo_missing_cpu(tmp_path):
@@ -249,16 +352,55 @@ def test_gpu_check_report_grpo_missing_cpu(tmp_path):
     assert "GRPO: not run: --no-grpo" in (out / "gpu_check.txt").read_text()
 
 
+def test_gpu_check_report_lora_missing_cpu(tmp_path):
+    """A run without PPO with LoRA (it failed or was not run): PPO's and GRPO's numbers are all
+    reported, the LoRA columns n/a, PPO+LoRA marked missing, exit code 1; with --no-lora, 0."""
+    gc = load_gpu_check()
+    run = tmp_path / "gpu_check"
+    write_run(run, lora=False)
+    out = tmp_path / "out"
+    assert gc.main(["--report-only", str(run), "--out", str(out)]) == 1
+    res = json.loads((out / "gpu_check.json").read_text())
+    assert res["complete"] and res["missing"] == [] and res["grpo"]["complete"]
+    assert res["memory_saving_bytes"]["stage"] == 140 * 2**20  # PPO vs GRPO stands
+    lora = res["ppo_lora"]
+    assert not lora["complete"] and lora["stage_dir"] == str(run / "ppo_lora")
+    assert lora["missing"] == [str(run / "ppo_lora" / "summary.json"), str(run / "ppo_lora" / "metrics.jsonl")]
+    assert lora["stage"] == res["stages"]["ppo_lora"] == {"seconds": None, "peak_memory_bytes": None}
+    assert lora["gold_score"] == {"before": None, "after": None} and lora["kl_mean_final"] is None
+    assert lora["trained"] == {"roles": {}, "trainable_parameters": None, "optimizer_state": None}
+    assert res["lora_memory_saving_bytes"] == dict.fromkeys(("generate", "score", "train", "eval", "stage"))
+    table = (out / "gpu_check.txt").read_text()
+    rows, lrows = table_rows(table), table_rows(table, block="PPO vs PPO+LoRA")
+    assert rows["train"].split()[1:] == ["20.0", "12.0", "400.0", "MiB", "250.0", "MiB", "150.0", "MiB", "(38%)"]
+    assert lrows["train"].split()[1:] == ["20.0", "n/a", "400.0", "MiB", "n/a", "n/a"]
+    assert lrows["RL stage (wall)"].split()[3:] == ["40.5", "n/a", "400.0", "MiB", "n/a", "n/a"]
+    assert lrows["trained"].split(None, 1)[1] == ("parameters PPO 524,288, PPO+LoRA n/a; optimizer state PPO 6.0 MiB, "
+                                                  "PPO+LoRA n/a; roles: actor, critic")
+    assert rows["PPO+LoRA"].split() == ["PPO+LoRA", "missing"]
+    assert rows["GRPO"].split()[1:4] == ["0.010", "0.500", "+0.490"]
+    assert f"PPO+LoRA: missing {run / 'ppo_lora' / 'summary.json'}, {run / 'ppo_lora' / 'metrics.jsonl'}" in table
+    assert not [line for line in table.splitlines() if line.startswith(("missing", "GRPO:"))]
+    # without LoRA on purpose; without both
+    assert gc.main(["--report-only", str(run), "--out", str(out), "--no-lora"]) == 0
+    assert "PPO+LoRA: not run: --no-lora" in (out / "gpu_check.txt").read_text()
+    assert json.loads((out / "gpu_check.json").read_text())["ppo_lora"]["run"] == {"skipped": "--no-lora"}
+    shutil.rmtree(run / "grpo")
+    assert gc.main(["--report-only", str(run), "--out", str(out), "--no-lora"]) == 1
+    assert gc.main(["--report-only", str(run), "--out", str(out), "--no-lora", "--no-grpo"]) == 0
+
+
 GPU_ENV = {"python": "3.12.3", "torch": "2.11.0", "cuda": "13.0", "megatron_core": "0.19.2",
            "megatron_rlhf": str(REPO / "megatron_rlhf" / "__init__.py"), "transformer_engine": False,
            "device": "NVIDIA H200", "device_memory_bytes": 140 * 2**30}
 
 
-@pytest.mark.parametrize("grpo_outcome", ["ok", "fails", "rm_unfinished"])
-def test_gpu_check_runs_ppo_then_grpo_cpu(tmp_path, monkeypatch, grpo_outcome):
-    """main()'s two runs, with our own launcher replaced by one that writes what the stages
-    write: GRPO gets the PPO run's overrides minus the critic's and rl.algorithm, in the same run
-    directory, with what PPO left of --timeout; PPO is reported whatever GRPO does."""
+@pytest.mark.parametrize("outcome", ["ok", "grpo_fails", "rm_unfinished", "lora_fails", "no_lora"])
+def test_gpu_check_runs_ppo_then_grpo_then_lora_cpu(tmp_path, monkeypatch, capsys, outcome):
+    """main()'s three runs, with our own launcher replaced by one that writes what the stages
+    write: GRPO gets the PPO run's overrides minus the critic's, rl.algorithm and lora.X; the
+    LoRA run gets the PPO run's plus lora.X, minus rl.algorithm; all in the same run directory,
+    each with its part of --timeout; PPO is reported whatever the others do."""
     gc = load_gpu_check()
     calls = []
 
@@ -268,79 +410,129 @@ def test_gpu_check_runs_ppo_then_grpo_cpu(tmp_path, monkeypatch, grpo_outcome):
         root = Path(next(o.split("=", 1)[1] for o in overrides if o.startswith("checkpoint.root=")))
         run = root / next(o.split("=", 1)[1] for o in overrides if o.startswith("checkpoint.run_name="))
         if recipe == gc.RECIPE:
-            write_run(run, grpo=False)
-            if grpo_outcome == "rm_unfinished":
+            write_run(run, grpo=False, lora=False)
+            if outcome == "rm_unfinished":
                 (run / "rm" / "summary.json").unlink()
                 return 1, 100.0
             return 0, 100.0
-        assert recipe == gc.GRPO_RECIPE and (run / "ppo").is_dir()  # the same run directory
-        if grpo_outcome == "fails":
+        assert (run / "ppo").is_dir()  # the same run directory
+        name, failed, seconds = {gc.GRPO_RECIPE: ("grpo", outcome == "grpo_fails", 45.0),
+                                 gc.LORA_RECIPE: ("ppo_lora", outcome == "lora_fails", 50.0)}[recipe]
+        if failed:
             return 1, 20.0
-        write_run(tmp_path / "grpo_only", grpo=True)
-        (tmp_path / "grpo_only" / "grpo").rename(run / "grpo")
-        return 0, 45.0
+        write_run(tmp_path / name, grpo=True, lora=True)
+        (tmp_path / name / name).rename(run / name)
+        return 0, seconds
 
     monkeypatch.setattr(gc, "run_pipeline", fake_run_pipeline)
     monkeypatch.setattr(gc, "find_python", lambda explicit, allow_cpu: {
         "executable": sys.executable, "version": [3, 12, 3], "torch": "2.11.0", "device_name": "NVIDIA H200"})
     monkeypatch.setattr(gc, "verify", lambda py: dict(GPU_ENV))
     out, root = tmp_path / "out", tmp_path / "root"
-    rc = gc.main(["--no-install", "--out", str(out), "--run-root", str(root), "--timeout", "400", "--",
-                  "rl.critic_optimizer.lr=1e-3", "ppo.steps=5", "ppo.vf_coef=0.5", "rl.max_new_tokens=8"])
+    rc = gc.main(["--no-install", "--out", str(out), "--run-root", str(root), "--timeout", "400",
+                  *(["--no-lora"] if outcome == "no_lora" else []), "--",
+                  "rl.critic_optimizer.lr=1e-3", "ppo.steps=5", "ppo.vf_coef=0.5", "rl.max_new_tokens=8",
+                  "lora.rank=4", "rl.algorithm=ppo"])
     res = json.loads((out / "gpu_check.json").read_text())
     table = (out / "gpu_check.txt").read_text()
+    stderr = capsys.readouterr().err
+    rows, lrows = table_rows(table), table_rows(table, block="PPO vs PPO+LoRA")
 
     base = [f"checkpoint.root={root}", "checkpoint.run_name=gpu_check", "model.params_dtype=bfloat16"]
-    ppo_overrides = base + ["rl.critic_optimizer.lr=1e-3", "rl.steps=5", "rl.vf_coef=0.5", "rl.max_new_tokens=8"]
+    ppo_overrides = base + ["rl.critic_optimizer.lr=1e-3", "rl.steps=5", "rl.vf_coef=0.5", "rl.max_new_tokens=8",
+                            "rl.algorithm=ppo"]
+    # PPO: all but GRPO's 30% and LoRA's 25% of --timeout 400 (with --no-lora: all but GRPO's)
     assert calls[0] == {"recipe": "pipelines/tiny_cpu.yaml", "overrides": ppo_overrides,
-                        "timeout": pytest.approx(280.0), "log": "gpu_check.log"}  # 400 s less GRPO's 30%
+                        "timeout": pytest.approx(280.0 if outcome == "no_lora" else 180.0), "log": "gpu_check.log"}
     assert res["overrides"] == ppo_overrides and res["ppo"]["run"]["overrides"] == ppo_overrides
-    assert res["exit_code"] == res["ppo"]["run"]["exit_code"] == (1 if grpo_outcome == "rm_unfinished" else 0)
+    assert res["ppo"]["run"]["overrides_not_passed"] == ["lora.rank=4"]  # the LoRA run's only
+    assert res["exit_code"] == res["ppo"]["run"]["exit_code"] == (1 if outcome == "rm_unfinished" else 0)
     assert res["total_seconds"] == 100.0 and res["environment"]["params_dtype"] == "bfloat16"
     assert res["command"].endswith("--config pipelines/tiny_cpu.yaml")
     assert res["grpo_command"].endswith("--config pipelines/tiny_cpu_grpo.yaml")
-    # PPO's numbers whatever GRPO did
+    assert res["lora_command"].endswith("--config pipelines/tiny_cpu_lora.yaml")
+    # PPO's numbers whatever GRPO and LoRA did
     assert res["ppo_phases"]["train"] == {"seconds": 20.0, "peak_memory_bytes": 400 * 2**20}
     assert res["gold_score"] == {"before": 0.01, "after": 0.655}
-    assert table_rows(table)["PPO"].split()[1:4] == ["0.010", "0.655", "+0.645"]
-    assert "peak GPU memory" in table and "PPO GPU peak" in table and "offload between RL phases: on" in table
-    grpo_run = res["grpo"]["run"]
-    if grpo_outcome == "rm_unfinished":
+    assert rows["PPO"].split()[1:4] == ["0.010", "0.655", "+0.645"]
+    assert "peak GPU memory" in table and "PPO GPU peak" in table and "PPO+LoRA GPU peak" in table
+    assert "offload between RL phases: on" in table
+    grpo_run, lora_run = res["grpo"]["run"], res["ppo_lora"]["run"]
+    grpo_ov, grpo_not = base + ["rl.steps=5", "rl.max_new_tokens=8"], \
+        ["rl.critic_optimizer.lr=1e-3", "rl.vf_coef=0.5", "lora.rank=4", "rl.algorithm=ppo"]
+    lora_ov = base + ["rl.critic_optimizer.lr=1e-3", "rl.steps=5", "rl.vf_coef=0.5", "rl.max_new_tokens=8",
+                      "lora.rank=4"]  # critic settings too: the LoRA recipe is PPO with a critic
+    if outcome == "rm_unfinished":
         assert len(calls) == 1 and rc == 1
-        assert grpo_run == {"recipe": "pipelines/tiny_cpu_grpo.yaml", "overrides": base + ["rl.steps=5",
-                            "rl.max_new_tokens=8"], "overrides_not_passed": ["rl.critic_optimizer.lr=1e-3",
-                            "rl.vf_coef=0.5"], "log": "gpu_check_grpo.log",
-                            "skipped": "RM did not finish in the PPO pipeline"}
-        assert table_rows(table)["GRPO"].split() == ["GRPO", "missing"]
-        assert "GRPO: not run: RM did not finish in the PPO pipeline" in table
+        skipped = "RM did not finish in the PPO pipeline"
+        assert grpo_run == {"recipe": "pipelines/tiny_cpu_grpo.yaml", "overrides": grpo_ov,
+                            "overrides_not_passed": grpo_not, "log": "gpu_check_grpo.log", "skipped": skipped}
+        assert lora_run == {"recipe": "pipelines/tiny_cpu_lora.yaml", "overrides": lora_ov,
+                            "overrides_not_passed": ["rl.algorithm=ppo"], "log": "gpu_check_lora.log",
+                            "skipped": skipped}
+        assert rows["GRPO"].split() == ["GRPO", "missing"] and rows["PPO+LoRA"].split() == ["PPO+LoRA", "missing"]
+        assert f"GRPO: not run: {skipped}" in table and f"PPO+LoRA: not run: {skipped}" in table
+        assert f"GRPO not run: {skipped}" in stderr and f"PPO with LoRA not run: {skipped}" in stderr
         return
-    assert calls[1] == {"recipe": "pipelines/tiny_cpu_grpo.yaml", "log": "gpu_check_grpo.log",
-                        "overrides": base + ["rl.steps=5", "rl.max_new_tokens=8"],  # no critic settings
-                        "timeout": pytest.approx(300.0)}  # what PPO left of --timeout 400
-    assert grpo_run["overrides_not_passed"] == ["rl.critic_optimizer.lr=1e-3", "rl.vf_coef=0.5"]
-    assert grpo_run["timeout_seconds"] == pytest.approx(300.0)
+    grpo_s = 20.0 if outcome == "grpo_fails" else 45.0
+    assert calls[1] == {"recipe": "pipelines/tiny_cpu_grpo.yaml", "log": "gpu_check_grpo.log", "overrides": grpo_ov,
+                        # what PPO left of --timeout 400, less LoRA's share
+                        "timeout": pytest.approx(300.0 if outcome == "no_lora" else 200.0)}
+    assert grpo_run["overrides_not_passed"] == grpo_not
+    assert grpo_run["timeout_seconds"] == calls[1]["timeout"] and grpo_run["seconds"] == grpo_s
+    if outcome == "no_lora":
+        assert len(calls) == 2 and lora_run == {"skipped": "--no-lora"}
+    else:
+        assert calls[2] == {"recipe": "pipelines/tiny_cpu_lora.yaml", "log": "gpu_check_lora.log",
+                            "overrides": lora_ov, "timeout": pytest.approx(400 - 100 - grpo_s)}  # what is left
+        assert lora_run["overrides_not_passed"] == ["rl.algorithm=ppo"]
+        assert lora_run["timeout_seconds"] == pytest.approx(400 - 100 - grpo_s)
     files = sorted(p.name for p in out.iterdir())
-    assert len(files) <= 8  # the device tool brings back at most 8 files
+    assert len(files) <= 7  # the device tool brings back at most 8 files; the vLLM log would be the 8th
     summaries = json.loads((out / "summaries.json").read_text())
-    if grpo_outcome == "fails":
-        assert rc == 1 and grpo_run["exit_code"] == 1 and grpo_run["seconds"] == 20.0
-        assert not res["grpo"]["complete"] and res["complete"]
-        assert files == ["gpu_check.json", "gpu_check.log", "gpu_check.txt", "gpu_check_grpo.log",
-                         "ppo_metrics.jsonl", "summaries.json"]
-        assert sorted(summaries) == ["ppo", "rm", "sft"]
-        rows = table_rows(table)
+    metrics = [json.loads(line) for line in (out / "rl_metrics.jsonl").read_text().splitlines()]
+    ran = {"ok": ["grpo", "ppo_lora"], "grpo_fails": ["ppo_lora"], "lora_fails": ["grpo"], "no_lora": ["grpo"]}[outcome]
+    assert sorted(summaries) == sorted(["ppo", "rm", "sft", *ran])
+    assert metrics[0] == {"rl_run": "ppo", "step": 0, "eval_gold_score": 0.01}
+    assert [sum(m["rl_run"] == a for m in metrics) for a in ("ppo", "grpo", "ppo_lora")] == \
+        [42, 40 * ("grpo" in ran), 40 * ("ppo_lora" in ran)]
+    assert files == sorted(["gpu_check.json", "gpu_check.log", "gpu_check.txt", "gpu_check_grpo.log",
+                            *([] if outcome == "no_lora" else ["gpu_check_lora.log"]),
+                            "rl_metrics.jsonl", "summaries.json"])
+    assert f"GRPO incl. start-up: {grpo_s}" in table
+    if outcome == "grpo_fails":
+        assert rc == 1 and grpo_run["exit_code"] == 1 and not res["grpo"]["complete"] and res["complete"]
         assert rows["GRPO"].split() == ["GRPO", "missing"]
         assert rows["train"].split()[1:] == ["20.0", "n/a", "400.0", "MiB", "n/a", "n/a"]
         assert f"GRPO: the pipeline exited 1; missing {root / 'gpu_check' / 'grpo' / 'summary.json'}" in table
-        assert "GRPO incl. start-up: 20.0 s" in table
+        assert f"(log: {out / 'gpu_check_grpo.log'})" in stderr and "PPO with LoRA" not in stderr
+        assert res["ppo_lora"]["complete"] and lrows["train"].split()[2] == "15.0"  # LoRA ran after it
         return
-    assert rc == 0 and grpo_run["exit_code"] == 0 and res["grpo"]["complete"]
-    assert files == ["gpu_check.json", "gpu_check.log", "gpu_check.txt", "gpu_check_grpo.log",
-                     "grpo_metrics.jsonl", "ppo_metrics.jsonl", "summaries.json"]
-    assert sorted(summaries) == ["grpo", "ppo", "rm", "sft"] and summaries["grpo"]["algorithm"] == "grpo"
+    assert res["grpo"]["complete"] and grpo_run["exit_code"] == 0
     assert res["memory_saving_bytes"]["stage"] == 140 * 2**20
-    assert "SFT -> RM -> PPO incl. start-up: 100.0 s   GRPO incl. start-up: 45.0 s" in table
-    assert not [line for line in table.splitlines() if line.startswith(("missing", "GRPO:", "GRPO      missing"))]
+    if outcome == "lora_fails":
+        assert rc == 1 and lora_run["exit_code"] == 1 and not res["ppo_lora"]["complete"] and res["complete"]
+        assert rows["PPO+LoRA"].split() == ["PPO+LoRA", "missing"]
+        assert lrows["train"].split()[1:] == ["20.0", "n/a", "400.0", "MiB", "n/a", "n/a"]
+        assert set(res["lora_memory_saving_bytes"].values()) == {None}
+        path = root / "gpu_check" / "ppo_lora" / "summary.json"
+        assert f"PPO+LoRA: the pipeline exited 1; missing {path}" in table
+        assert f"PPO with LoRA the pipeline exited 1; missing {path}" in stderr
+        assert f"(log: {out / 'gpu_check_lora.log'})" in stderr and "GRPO" not in stderr
+        return
+    assert rc == 0 and stderr == ""
+    if outcome == "no_lora":
+        assert "PPO+LoRA: not run: --no-lora" in table and "PPO+LoRA incl." not in table
+        return
+    assert lora_run["exit_code"] == 0 and res["ppo_lora"]["complete"]
+    assert res["lora_memory_saving_bytes"]["stage"] == 168 * 2**20
+    assert res["ppo_lora"]["trained"]["trainable_parameters"] == 16449
+    assert summaries["ppo_lora"]["lora"] == LORA_SUMMARY
+    assert lrows["train"].split()[1:] == ["20.0", "15.0", "400.0", "MiB", "220.0", "MiB", "180.0", "MiB", "(45%)"]
+    assert ("SFT -> RM -> PPO incl. start-up: 100.0 s   GRPO incl. start-up: 45.0 s   "
+            "PPO+LoRA incl. start-up: 50.0 s") in table
+    assert not [line for line in table.splitlines()
+                if line.startswith(("missing", "GRPO:", "GRPO      missing", "PPO+LoRA:", "PPO+LoRA  missing"))]
 
 
 def test_gpu_check_grpo_overrides_cpu():
@@ -364,6 +556,33 @@ def test_gpu_check_grpo_overrides_cpu():
         validate(load_config(REPO / gc.GRPO_RECIPE, overrides[:4]), world_size=1)  # what it would refuse
     cfg = validate(load_config(REPO / gc.RECIPE, gc.modern_overrides(overrides[:3])), world_size=1)
     assert cfg.rl.algorithm == "ppo" and cfg.rl.has_critic
+
+
+def test_gpu_check_lora_overrides_cpu():
+    """The LoRA run's overrides load with the LoRA recipe (critic settings included) into PPO with
+    adapters whose RL stage directory is the one the report reads (<run>/ppo_lora); lora.X
+    overrides reach only the LoRA run: the PPO and GRPO runs stay full fine-tuning."""
+    from megatron_rlhf.config import load_config, validate
+    from megatron_rlhf.trainers.stage_data import stage_dir
+
+    gc = load_gpu_check()
+    overrides = ["checkpoint.root=/tmp/r", "checkpoint.run_name=gpu_check", "model.params_dtype=bfloat16",
+                 "rl.critic_optimizer.lr=1e-3", "ppo.lam=0.9", "lora.rank=4", "rl.algorithm=ppo", "rl.steps=3"]
+    keep, dropped = gc.lora_overrides(overrides)
+    assert dropped == ["rl.algorithm=ppo"]
+    assert keep == overrides[:4] + ["rl.lam=0.9", "lora.rank=4", "rl.steps=3"]
+    cfg = validate(load_config(REPO / gc.LORA_RECIPE, keep), world_size=1)
+    assert cfg.rl.algorithm == "ppo" and cfg.rl.has_critic and cfg.lora.rank == 4 and cfg.lora.critic
+    assert cfg.rl.critic_optimizer.lr == 1e-3 and cfg.rl.lam == 0.9 and cfg.model.params_dtype == "bfloat16"
+    assert stage_dir(cfg, "rl") == Path("/tmp/r/gpu_check") / gc.RL_RUNS[2] == Path("/tmp/r/gpu_check/ppo_lora")
+    assert stage_dir(validate(load_config(REPO / gc.LORA_RECIPE, overrides[:3]), world_size=1), "rl").name == \
+        "ppo_lora"  # the recipe's own rank
+    full, lora_only = gc.full_overrides(overrides)
+    assert lora_only == ["lora.rank=4"] and "lora.rank=4" in gc.grpo_overrides(overrides)[1]
+    for recipe, algorithm in ((gc.RECIPE, "ppo"), (gc.GRPO_RECIPE, "grpo")):
+        ov = full if recipe == gc.RECIPE else gc.grpo_overrides(overrides)[0]
+        cfg = validate(load_config(REPO / recipe, ov), world_size=1)
+        assert cfg.lora.rank == 0 and stage_dir(cfg, "rl").name == algorithm
 
 
 def test_gpu_check_preflight_messages_cpu():

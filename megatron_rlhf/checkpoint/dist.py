@@ -53,8 +53,29 @@ def _start_writer_queue() -> None:
     filesystem_async._results_queue = _writer_queue_manager.Queue()
 
 
+def model_sharded_state_dict(role) -> dict:
+    """The role's weights to save: all of them, or with LoRA only the trained ones (adapters,
+    a critic's value head); the frozen base stays in the checkpoint it was loaded from
+    (Role.extra_state records which)."""
+    sharded = role.module.sharded_state_dict()
+    if getattr(role, "lora", None) is None:
+        return sharded
+    trained = trained_keys(role)
+    return {k: v for k, v in sharded.items() if k in trained}
+
+
+def trained_keys(role) -> set[str]:
+    """Checkpoint keys of a LoRA role's trainable parameters: its adapters and the weights
+    under its `trained_prefixes` (a value head)."""
+    from megatron_rlhf.models.lora import is_adapter
+
+    sharded = role.module.sharded_state_dict()
+    prefixes = role.trained_prefixes
+    return {k for k in sharded if is_adapter(k) or k.startswith(prefixes)}
+
+
 def role_sharded_state_dict(role, with_optimizer: bool, is_loading: bool) -> dict:
-    state = {"model": role.module.sharded_state_dict(), "extra": role.extra_state()}
+    state = {"model": model_sharded_state_dict(role), "extra": role.extra_state()}
     if with_optimizer and role.optimizer is not None:
         state["optimizer"] = optimizer_sharded_state_dict(role.optimizer, state["model"], is_loading)
         state["scheduler"] = role.scheduler.state_dict()  # common (rank 0) state
@@ -112,7 +133,12 @@ def load_role(role, path: str | Path, with_optimizer: bool = True) -> None:
     check_architecture(role, path)
     with restricted_dcp_unpickling(path):
         state = dist_checkpointing.load(role_sharded_state_dict(role, with_optimizer, is_loading=True), str(path))
-    role.module.load_state_dict(state["model"])
+    if getattr(role, "lora", None) is None:
+        role.module.load_state_dict(state["model"])
+    else:  # the adapters (and a value head): the base comes from its own checkpoint (load_model_weights)
+        _, unexpected = role.module.load_state_dict(state["model"], strict=False)
+        if unexpected:
+            raise RuntimeError(f"{path}: unexpected weights {unexpected}")
     role.load_extra_state(state["extra"])
     if role.optimizer is None:
         return
@@ -130,25 +156,37 @@ def load_extra_state(path: str | Path) -> dict:
         return dist_checkpointing.load_common_state_dict(str(path)).get("extra", {})
 
 
-def load_model_weights(role, path: str | Path, skip_prefixes: tuple[str, ...] = ()) -> list[str]:
+def load_model_weights(role, path: str | Path, skip_prefixes: tuple[str, ...] = (), base_only: bool = False) -> list[str]:
     """Collective. Only the model weights of the checkpoint at `path`, at this process's
     layout; parameters whose names start with `skip_prefixes` keep their current values
     (e.g. a reward model initialised from an SFT checkpoint keeps its fresh value head).
+    A LoRA role's adapters are never read (a base checkpoint has none); with `base_only` its
+    other trained weights (a value head) are not either: a resumed run has them already.
     Returns the skipped parameter names."""
+    from megatron_rlhf.models.lora import is_adapter
+
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"checkpoint directory not found: {path}")
     check_architecture(role, path)
     sharded = role.module.sharded_state_dict()
-    skipped = [k for k in sharded if k.startswith(skip_prefixes)]
+    lora = getattr(role, "lora", None) is not None
+    trained = trained_keys(role) if lora else set(sharded)
+    own = trained if base_only else {k for k in sharded if is_adapter(k)}
+    skipped = [k for k in sharded if k.startswith(skip_prefixes) or k in own]
     wanted = {k: v for k, v in sharded.items() if k not in skipped}
     with restricted_dcp_unpickling(path):
         loaded = dist_checkpointing.load(wanted, str(path))
     loaded = {k: v for k, v in loaded.items() if k in wanted}  # drop the checkpoint's common state
     missing, unexpected = role.module.load_state_dict(loaded, strict=False)
-    missing = [k for k in missing if not k.startswith(skip_prefixes) and not k.endswith("_extra_state")]
+    missing = [k for k in missing if not k.startswith(skip_prefixes) and not k.endswith("_extra_state")
+               and not is_adapter(k) and not (base_only and k.startswith(role.trained_prefixes))]
     if missing or unexpected:
         raise RuntimeError(f"{path}: weights do not match the model: missing {missing}, unexpected {unexpected}")
-    if role.optimizer is not None:
+    # The optimizer's main (fp32) copies follow the loaded trained weights; a LoRA base alone
+    # leaves them as they are (after a resume they are the checkpoint's, not bf16-rounded ones).
+    if role.optimizer is not None and trained & loaded.keys():
         role.optimizer.reload_model_params()
+    if lora:
+        role.lora_base = str(path.resolve())  # absolute: export may run from elsewhere
     return skipped

@@ -5,11 +5,12 @@
     check_model_matches_hf(cfg, hf_dir)     ConvertError naming each model.<field> that differs
     load_hf_weights(role, hf_dir)           collective: this rank's TP x PP shard from safetensors
     import_hf(cfg, hf_dir, out_dir)         collective: HF -> our stage-style checkpoint
-    export_hf(checkpoint, role, out_dir)    one process: our checkpoint -> HF directory
+    export_hf(checkpoint, role, out_dir)    one process: our checkpoint -> HF directory (LoRA: merged)
+    lora_export.export_peft_adapter(...)    one process: a LoRA policy's adapters -> PEFT adapter directory
 
 Modules: hf_config (config.json and refusals; no torch), hf_weights (the tensor mapping),
 safetensors_io (HF files), torch_dist_reader (our checkpoints without torch.distributed),
-hf_io (the operations above). Offline only: nothing here contacts the Hugging Face Hub.
+hf_io (the operations above), lora_export (LoRA checkpoints merged, or as PEFT adapters). Offline only: nothing here contacts the Hugging Face Hub.
 The hf_io names are imported on first use, so reading a config does not import torch.
 """
 

@@ -38,7 +38,8 @@ from megatron_rlhf.convert.hf_config import (
 from megatron_rlhf.convert.hf_weights import (
     CKPT_LAYER_KEYS, Dims, hf_expected_shapes, hf_layer_tensors, layer_kinds, shard_for_param,
 )
-from megatron_rlhf.convert.safetensors_io import HFWeights, group_bytes, write_shards
+from megatron_rlhf.convert.lora_export import MergedLoRACheckpoint, merged_view
+from megatron_rlhf.convert.safetensors_io import HFWeights, group_bytes, write_shards, written_atomically
 from megatron_rlhf.convert.torch_dist_reader import TorchDistCheckpoint
 
 log = logging.getLogger(__name__)
@@ -368,7 +369,7 @@ def _value_head(ck: TorchDistCheckpoint, role: str, drop_bias: bool) -> tuple[to
 def export_hf(checkpoint: str | os.PathLike, role: str, out_dir: str | os.PathLike, model_cfg=None,
               tokenizer_dir: str | os.PathLike | None = None, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
               dtype: str | None = None, drop_score_bias: bool = False,
-              special_token_ids: dict[str, int] | None = None) -> Path:
+              special_token_ids: dict[str, int] | None = None, lora_base: str | os.PathLike | None = None) -> Path:
     """Write role `role` of our checkpoint as a Hugging Face model directory `out_dir`.
 
     `checkpoint`: a stage directory (its latest complete checkpoint), an iter_* directory or
@@ -384,7 +385,10 @@ def export_hf(checkpoint: str | os.PathLike, role: str, out_dir: str | os.PathLi
     `special_token_ids` ({"eos_token_id": 1, "pad_token_id": 0, ...}) overrides them.
     Weights go to safetensors shards of at most max_shard_bytes (model.safetensors when one
     suffices, else model-0000X-of-0000N.safetensors + model.safetensors.index.json).
-    `out_dir` must not exist or be empty; it appears complete or not at all."""
+    `out_dir` must not exist or be empty; it appears complete or not at all.
+    A LoRA adapter checkpoint (models/lora.py) is exported merged: its base weights from the
+    full checkpoint it records (`lora_base` overrides that path), each adapted weight
+    W + (alpha/rank) B A (convert/lora_export.py); a critic's value head is its own."""
     checkpoint, out_dir = Path(checkpoint), Path(out_dir)
     if role not in POLICY_ROLES + VALUE_ROLES:
         raise ConvertError(f"role={role!r}: choose one of {POLICY_ROLES + VALUE_ROLES}")
@@ -393,7 +397,7 @@ def export_hf(checkpoint: str | os.PathLike, role: str, out_dir: str | os.PathLi
     role_dir, iter_dir = _resolve_role_dir(checkpoint, role)
     m = _model_cfg(model_cfg, iter_dir)
     with restricted_dcp_unpickling(role_dir):
-        ck = TorchDistCheckpoint(role_dir)
+        ck = merged_view(TorchDistCheckpoint(role_dir), lora_base)
     value_model = role in VALUE_ROLES
     tied = not value_model and "output_layer.weight" not in ck  # megatron stores a tied head once
     d = dataclasses.replace(Dims.of(m), tied=tied)
@@ -405,6 +409,8 @@ def export_hf(checkpoint: str | os.PathLike, role: str, out_dir: str | os.PathLi
     dtype_name = str(out_dtype).removeprefix("torch.")
 
     export_info: dict[str, Any] = {"source": str(role_dir), "role": role}
+    if isinstance(ck, MergedLoRACheckpoint):
+        export_info["lora_merged_onto"] = str(ck.base.path)
     score = None
     if value_model:
         score, info = _value_head(ck, role, drop_score_bias)
@@ -438,10 +444,7 @@ def export_hf(checkpoint: str | os.PathLike, role: str, out_dir: str | os.PathLi
                 raise ConvertError(f"{ck.path}: {name} came out {list(t.shape)}, expected {list(shapes[name])}")
         return {name: t.to(out_dtype) for name, t in out.items()}
 
-    tmp = out_dir.with_name(out_dir.name + ".tmp-export")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
+    with written_atomically(out_dir) as tmp:
         write_shards(tmp, groups, make_group, max_shard_bytes)
         config = hf_config_dict(m, value_model, dtype_name, token_ids, extra={"megatron_rlhf_export": export_info})
         config["tie_word_embeddings"] = tied
@@ -463,10 +466,4 @@ def export_hf(checkpoint: str | os.PathLike, role: str, out_dir: str | os.PathLi
         if value_model and config.get("pad_token_id") is None:
             log.warning(f"{out_dir}: no pad_token_id (pass tokenizer_dir or special_token_ids): transformers' "
                         "sequence classification then reads the last position, so only unpadded batches score right")
-        if out_dir.exists():
-            out_dir.rmdir()
-        os.replace(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out_dir

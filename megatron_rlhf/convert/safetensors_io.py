@@ -11,7 +11,10 @@ files of at most `max_shard_bytes` each (a group of tensors is never split) plus
 from __future__ import annotations
 
 import json
+import os
+import shutil
 from collections.abc import Callable, Iterable
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -123,3 +126,20 @@ def group_bytes(shapes: Iterable[tuple[int, ...]], element_size: int) -> int:
             n *= s
         total += n * element_size
     return total
+
+
+@contextmanager
+def written_atomically(out_dir: Path):
+    """A new temporary directory beside `out_dir` (which must be absent or empty) for the block to
+    fill; it becomes `out_dir` when the block completes and is removed if it raises."""
+    tmp = out_dir.with_name(out_dir.name + ".tmp-export")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        yield tmp
+        if out_dir.exists():
+            out_dir.rmdir()
+        os.replace(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

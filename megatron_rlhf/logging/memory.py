@@ -49,7 +49,9 @@ class SavedActivations:
 def role_memory(role) -> dict[str, int]:
     """Bytes of one role's weights, gradient buffers and optimizer state on this rank, and the
     activations its largest measured microbatch kept for backward (Role.activation_bytes)."""
-    weights = sum(_nbytes(p) for p in role.module.parameters())
+    # a role running another's module (the LoRA reference) holds no weights of its own
+    weights = 0 if getattr(role, "shares_weights_of", None) else sum(_nbytes(p) for p in role.module.parameters())
+    trainable = sum(p.numel() for p in role.module.parameters() if p.requires_grad) if role.trainable else 0
     grads = optimizer = 0
     if role.trainable:
         buffers = role.grad_buffers
@@ -66,7 +68,7 @@ def role_memory(role) -> dict[str, int]:
             for state in torch_opt.state.values():
                 optimizer += sum(_nbytes(v) for v in state.values() if torch.is_tensor(v))
     return {"weights": weights, "gradient_buffers": grads, "optimizer_state": optimizer,
-            "activations": role.activation_bytes or 0}
+            "activations": role.activation_bytes or 0, "trainable_parameters": trainable}
 
 
 def memory_account(roles: dict, peak_bytes: int, baseline_bytes: int) -> dict:

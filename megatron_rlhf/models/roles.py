@@ -28,9 +28,10 @@ from megatron.core import parallel_state
 from megatron.core.distributed import finalize_model_grads
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
-from megatron_rlhf.config import Config, OptimizerConfig
+from megatron_rlhf.config import Config, LoRAConfig, OptimizerConfig
 from megatron_rlhf.logging.memory import SavedActivations
 from megatron_rlhf.models.gpt import build_model
+from megatron_rlhf.models.lora import adapters_disabled, apply_lora
 from megatron_rlhf.models.optimizer import build_optimizer, build_scheduler, wrap_ddp
 from megatron_rlhf.models.vocab_parallel import (
     mask_padded_vocab, vocab_parallel_logprobs_and_entropy,
@@ -142,9 +143,12 @@ class Role:
     frozen. `optimizer` defaults to `cfg.optimizer`; `total_steps` sets the LR decay length."""
 
     value_head = False
+    # The role whose module this one runs (a LoRA reference: the actor without adapters); its
+    # weights are that role's, placed and counted with it.
+    shares_weights_of: str | None = None
 
     def __init__(self, cfg: Config, trainable: bool, optimizer: OptimizerConfig | None = None,
-                 total_steps: int = 1):
+                 total_steps: int = 1, lora: LoRAConfig | None = None):
         self.cfg = cfg
         self.trainable = trainable
         self.optimizer = self.scheduler = None
@@ -153,6 +157,17 @@ class Role:
         self.activation_bytes: int | None = None
         self._meter = None
         module = build_model(cfg, value_head=self.value_head)
+        self.lora = lora if lora is not None and lora.rank > 0 else None
+        # With LoRA: the weights trained besides the adapters (a value head), by name prefix
+        self.trained_prefixes = ("output_layer.",) if self.lora is not None and self.value_head else ()
+        # With LoRA: the checkpoint the frozen base weights were loaded from (saved with the adapters)
+        self.lora_base: str | None = None
+        if self.lora is not None:  # before DDP and the optimizer: they see only the trainable parameters
+            assert trainable, "LoRA adapters belong to a trained role"
+            # a value model's output layer is its value head, trained in full
+            self.lora_targets = [t for t in self.lora.targets if not (self.value_head and t == "output")]
+            apply_lora(module, self.lora.rank, self.lora.alpha, self.lora.dropout, self.lora_targets,
+                       seed=cfg.seed + (1 if self.value_head else 0), keep_trainable=self.trained_prefixes)
         if trainable:
             optimizer = optimizer or cfg.optimizer
             # Before DDP is built: DDP then sums gradients over data-parallel ranks instead of
@@ -183,7 +198,11 @@ class Role:
 
     # --- non-tensor state saved with the role's checkpoint (rank 0's copy is kept)
     def extra_state(self) -> dict:
-        return {}
+        if self.lora is None:
+            return {}
+        # what export needs to rebuild the full model: the base checkpoint and the adapters' shape
+        return {"lora_base": self.lora_base, "lora": {"rank": self.lora.rank, "alpha": self.lora.alpha,
+                                                       "targets": self.lora_targets}}
 
     def load_extra_state(self, state: dict) -> None:
         pass
@@ -325,6 +344,22 @@ class Reference(Actor):
         super().__init__(cfg, trainable=False, temperature=temperature)
 
 
+class AdapterFreeReference(Actor):
+    """The reference of a LoRA actor: the actor's own module with its adapters switched off,
+    i.e. the frozen base. No second copy of the weights."""
+
+    shares_weights_of = "actor"
+
+    def __init__(self, actor: Actor):  # no Role.__init__: nothing to build
+        self.cfg, self.trainable, self.temperature = actor.cfg, False, actor.temperature
+        self.optimizer = self.scheduler = self.lora = self._meter = self.activation_bytes = None
+        self.trained_prefixes, self.model = (), actor.module
+
+    def forward(self, batch, micro_batch_size, token_budget=0):
+        with adapters_disabled(self.model):
+            return super().forward(batch, micro_batch_size, token_budget)
+
+
 class Critic(Role):
     """Per-token values V(prefix up to and including token t); 0 from `lengths` on when the
     batch has `lengths`."""
@@ -355,7 +390,7 @@ class RewardModel(Role):
         self.reward_mean, self.reward_std = 0.0, 1.0
 
     def extra_state(self) -> dict:
-        return {"reward_mean": self.reward_mean, "reward_std": self.reward_std}
+        return {**super().extra_state(), "reward_mean": self.reward_mean, "reward_std": self.reward_std}
 
     def load_extra_state(self, state: dict) -> None:
         self.reward_mean, self.reward_std = state.get("reward_mean", 0.0), state.get("reward_std", 1.0)

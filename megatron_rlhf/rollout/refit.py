@@ -21,6 +21,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
 from megatron_rlhf.convert.hf_weights import LAYER_PARAMS, Dims, hf_expected_shapes, hf_layer_tensors
+from megatron_rlhf.models.lora import merged_parameters
 from megatron_rlhf.parallel import device
 
 EMBEDDING, FINAL = -1, 1 << 30  # group keys around the layer indices
@@ -52,7 +53,7 @@ def _full(param: torch.Tensor, swiglu: bool) -> torch.Tensor:
 
 def _local_groups(module, d: Dims) -> dict[int, Callable[[], dict[str, torch.Tensor]]]:
     """The groups this pipeline stage holds: key -> a function gathering them (collective over TP)."""
-    params = dict(module.named_parameters())
+    params = merged_parameters(module)  # a LoRA actor's weights with its adapters merged in
     groups: dict[int, Callable[[], dict[str, torch.Tensor]]] = {}
     if "embedding.word_embeddings.weight" in params:
         groups[EMBEDDING] = lambda: {"model.embed_tokens.weight": _full(params["embedding.word_embeddings.weight"],

@@ -31,7 +31,7 @@ from megatron_rlhf.config import Config, ConfigError, RLConfig, policy_start, wa
 from megatron_rlhf.data.encode import EncodedPrompt, encode_prompt_records
 from megatron_rlhf.data.sampler import EpochSampler
 from megatron_rlhf.logging.reward_hacking import RewardHackingAlarm
-from megatron_rlhf.models.roles import Actor, Critic, Reference, RewardModel
+from megatron_rlhf.models.roles import Actor, AdapterFreeReference, Critic, Reference, RewardModel
 from megatron_rlhf.parallel.collectives import all_reduce, any_rank, dp_group, dp_sum, dp_sums, masked_moments
 from megatron_rlhf.rewards import RewardInputs, RewardSourceError, RewardSources, rm_scores
 from megatron_rlhf.rollout import Rollout, SamplingParams, make_engine
@@ -308,15 +308,16 @@ def build_roles(cfg: Config) -> dict:
     rl = cfg.rl
     # LR schedules run over every optimizer step: epochs x minibatches per iteration
     total_steps = rl.steps * rl.epochs * (rl.samples_per_iteration // rl.mini_batch_size)
-    roles = {
-        "actor": Actor(cfg, trainable=True, temperature=rl.temperature, optimizer=rl.actor_optimizer,
-                       total_steps=total_steps),
-        "reference": Reference(cfg, temperature=rl.temperature),
-    }
+    lora = cfg.lora if cfg.lora.rank > 0 and "rl" in cfg.lora.stages else None
+    actor = Actor(cfg, trainable=True, temperature=rl.temperature, optimizer=rl.actor_optimizer,
+                  total_steps=total_steps, lora=lora)
+    # with LoRA the reference is the actor's frozen base: no second copy of the weights
+    roles = {"actor": actor, "reference": AdapterFreeReference(actor) if lora else Reference(cfg, temperature=rl.temperature)}
     if rl.has_reward_model:
         roles["reward"] = RewardModel(cfg)
     if rl.has_critic:
-        roles["critic"] = Critic(cfg, trainable=True, optimizer=rl.critic_optimizer, total_steps=total_steps)
+        roles["critic"] = Critic(cfg, trainable=True, optimizer=rl.critic_optimizer, total_steps=total_steps,
+                                 lora=lora if lora and lora.critic else None)
     if cfg.rm.holdout_fraction > 0:  # the reward-hacking alarm's independent judge
         roles["holdout_reward"] = RewardModel(cfg)
     return roles
@@ -329,23 +330,34 @@ def load_inputs(cfg: Config, roles: dict, fresh_start: bool) -> str:
     policy_stage, given = policy_start(cfg)  # sft, or dpo when the pipeline runs it before rl
     sft = resolve_checkpoint(given or stage_dir(cfg, policy_stage))
     rm = resolve_checkpoint(rl.rm_from or stage_dir(cfg, "rm")) if rl.needs_rm_checkpoint else None
-    load_role(roles["reference"], sft / "actor", with_optimizer=False)
+    if roles["reference"].shares_weights_of:  # LoRA: the actor's base, also on resume (the checkpoint holds adapters)
+        load_model_weights(roles["actor"], sft / "actor")
+    else:
+        load_role(roles["reference"], sft / "actor", with_optimizer=False)
     if "reward" in roles:
         load_role(roles["reward"], rm / "reward", with_optimizer=False)
     if "holdout_reward" in roles:
         load_role(roles["holdout_reward"], resolve_checkpoint(stage_dir(cfg, "rm_holdout")) / "reward", with_optimizer=False)
     notes = [f"reference from {sft}", *([f"reward model from {rm}"] if "reward" in roles else [])]
     if fresh_start:
-        load_model_weights(roles["actor"], sft / "actor")
+        if not roles["reference"].shares_weights_of:
+            load_model_weights(roles["actor"], sft / "actor")
         notes[0] = f"actor/reference from {sft}"
         notes.append(load_critic(rl, roles, sft, rm) if "critic" in roles else f"no critic: rl.algorithm={rl.algorithm}")
+    elif "critic" in roles and roles["critic"].lora is not None:  # its frozen base; the resumed checkpoint has the rest
+        notes.append(load_critic(rl, roles, sft, rm, base_only=True))
     return ", ".join(notes)
 
 
-def load_critic(rl: RLConfig, roles: dict, sft, rm) -> str:
+def load_critic(rl: RLConfig, roles: dict, sft, rm, base_only: bool = False) -> str:
     """The critic's starting weights (rl.critic_from): the reward model with its normalisation
-    folded into the value head, the SFT actor with a fresh value head, or a checkpoint's critic."""
+    folded into the value head, the SFT actor with a fresh value head, or a checkpoint's critic.
+    base_only: a resumed LoRA critic's frozen weights only (its adapters and head are resumed)."""
     critic, start = roles["critic"], rl.critic_start
+    if base_only:
+        source = rm / "reward" if start == "rm" else sft / "actor" if start == "sft" else resolve_checkpoint(start) / "critic"
+        load_model_weights(critic, source, base_only=True)
+        return f"critic base from {source}"
     if start == "rm":  # with or without a reward model role (a served RM: rl.rm_from, no model source)
         load_model_weights(critic, rm / "reward")  # value head starts as the reward head
         normalization = load_extra_state(rm / "reward")
@@ -515,6 +527,9 @@ def rl_summary(rl, before, eval_metrics, metrics, kl_ctl, sched, samples_seen, s
     phases = sched.summary()
     return {
         "algorithm": rl.algorithm, "roles": sorted(roles), "data_sources": data_sources,
+        # LoRA: which roles train adapters (rank, alpha, targets) and on which base checkpoint
+        "lora": {name: {**role.extra_state()["lora"], "base": role.lora_base}
+                 for name, role in roles.items() if getattr(role, "lora", None) is not None},
         # what the reward is made of, and each source's mean score in the last iteration
         "reward_sources": [{"name": src.label, "type": src.type, "weight": src.weight,
                             "source": {"model": rl.rm_from or "<run>/rm", "function": src.function, "http": src.url}[src.type],

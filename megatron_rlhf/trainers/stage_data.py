@@ -28,8 +28,12 @@ def run_dir(cfg: Config) -> Path:
 
 def stage_dir(cfg: Config, stage: str) -> Path:
     """<run>/<stage>; the RL stage writes under its algorithm's name (<run>/ppo, <run>/grpo,
-    ...), so algorithms tried on the same SFT and RM checkpoints do not overwrite each other."""
-    return run_dir(cfg) / (cfg.rl.algorithm if stage == "rl" else stage)
+    ...; with LoRA <run>/ppo_lora, ...), so algorithms tried on the same SFT and RM checkpoints
+    do not overwrite each other."""
+    if stage != "rl":
+        return run_dir(cfg) / stage
+    lora = cfg.lora.rank > 0 and "rl" in cfg.lora.stages
+    return run_dir(cfg) / (cfg.rl.algorithm + ("_lora" if lora else ""))
 
 
 @dataclass
