@@ -191,6 +191,9 @@ class LoRAConfig:
     stages: list[str] = field(default_factory=lambda: ["rl"])
     critic: bool = True  # the critic gets adapters of its own (value head trained in full); false: full critic
 
+    def applies_to(self, stage: str) -> bool:
+        return self.rank > 0 and stage in self.stages
+
 
 LORA_TARGETS = ("qkv", "proj", "fc1", "fc2", "output")
 LORA_STAGES = ("rl",)  # SFT and DPO with LoRA: not yet (issue 19)

@@ -60,18 +60,15 @@ def model_sharded_state_dict(role) -> dict:
     sharded = role.module.sharded_state_dict()
     if getattr(role, "lora", None) is None:
         return sharded
-    trained = trained_keys(role)
-    return {k: v for k, v in sharded.items() if k in trained}
+    return {k: v for k, v in sharded.items() if trained_by_lora(role, k)}
 
 
-def trained_keys(role) -> set[str]:
-    """Checkpoint keys of a LoRA role's trainable parameters: its adapters and the weights
-    under its `trained_prefixes` (a value head)."""
+def trained_by_lora(role, key: str) -> bool:
+    """Whether `key` (a checkpoint key or parameter name) is a weight a LoRA role trains: an
+    adapter, or under its `trained_prefixes` (a value head)."""
     from megatron_rlhf.models.lora import is_adapter
 
-    sharded = role.module.sharded_state_dict()
-    prefixes = role.trained_prefixes
-    return {k for k in sharded if is_adapter(k) or k.startswith(prefixes)}
+    return is_adapter(key) or key.startswith(role.trained_prefixes)
 
 
 def role_sharded_state_dict(role, with_optimizer: bool, is_loading: bool) -> dict:
@@ -171,21 +168,22 @@ def load_model_weights(role, path: str | Path, skip_prefixes: tuple[str, ...] = 
     check_architecture(role, path)
     sharded = role.module.sharded_state_dict()
     lora = getattr(role, "lora", None) is not None
-    trained = trained_keys(role) if lora else set(sharded)
-    own = trained if base_only else {k for k in sharded if is_adapter(k)}
-    skipped = [k for k in sharded if k.startswith(skip_prefixes) or k in own]
+
+    def own(key: str) -> bool:  # a weight only the role's own checkpoint holds
+        return is_adapter(key) or (base_only and key.startswith(role.trained_prefixes))
+
+    skipped = [k for k in sharded if k.startswith(skip_prefixes) or own(k)]
     wanted = {k: v for k, v in sharded.items() if k not in skipped}
     with restricted_dcp_unpickling(path):
         loaded = dist_checkpointing.load(wanted, str(path))
     loaded = {k: v for k, v in loaded.items() if k in wanted}  # drop the checkpoint's common state
     missing, unexpected = role.module.load_state_dict(loaded, strict=False)
-    missing = [k for k in missing if not k.startswith(skip_prefixes) and not k.endswith("_extra_state")
-               and not is_adapter(k) and not (base_only and k.startswith(role.trained_prefixes))]
+    missing = [k for k in missing if not k.startswith(skip_prefixes) and not k.endswith("_extra_state") and not own(k)]
     if missing or unexpected:
         raise RuntimeError(f"{path}: weights do not match the model: missing {missing}, unexpected {unexpected}")
     # The optimizer's main (fp32) copies follow the loaded trained weights; a LoRA base alone
     # leaves them as they are (after a resume they are the checkpoint's, not bf16-rounded ones).
-    if role.optimizer is not None and trained & loaded.keys():
+    if role.optimizer is not None and any(not lora or trained_by_lora(role, k) for k in loaded):
         role.optimizer.reload_model_params()
     if lora:
         role.lora_base = str(path.resolve())  # absolute: export may run from elsewhere

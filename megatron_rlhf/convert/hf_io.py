@@ -39,7 +39,9 @@ from megatron_rlhf.convert.hf_weights import (
     CKPT_LAYER_KEYS, Dims, hf_expected_shapes, hf_layer_tensors, layer_kinds, shard_for_param,
 )
 from megatron_rlhf.convert.lora_export import MergedLoRACheckpoint, merged_view
-from megatron_rlhf.convert.safetensors_io import HFWeights, group_bytes, write_shards, written_atomically
+from megatron_rlhf.convert.safetensors_io import (
+    HFWeights, check_export_dir, group_bytes, write_shards, written_atomically,
+)
 from megatron_rlhf.convert.torch_dist_reader import TorchDistCheckpoint
 
 log = logging.getLogger(__name__)
@@ -392,8 +394,7 @@ def export_hf(checkpoint: str | os.PathLike, role: str, out_dir: str | os.PathLi
     checkpoint, out_dir = Path(checkpoint), Path(out_dir)
     if role not in POLICY_ROLES + VALUE_ROLES:
         raise ConvertError(f"role={role!r}: choose one of {POLICY_ROLES + VALUE_ROLES}")
-    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
-        raise ConvertError(f"{out_dir}: exists and is not empty; export into a new directory")
+    check_export_dir(out_dir)
     role_dir, iter_dir = _resolve_role_dir(checkpoint, role)
     m = _model_cfg(model_cfg, iter_dir)
     with restricted_dcp_unpickling(role_dir):

@@ -27,7 +27,7 @@ import torch
 from megatron_rlhf.checkpoint.safe_load import restricted_dcp_unpickling
 from megatron_rlhf.convert.hf_config import ConvertError
 from megatron_rlhf.convert.hf_weights import Dims, hf_layer
-from megatron_rlhf.convert.safetensors_io import written_atomically
+from megatron_rlhf.convert.safetensors_io import check_export_dir, written_atomically
 from megatron_rlhf.convert.torch_dist_reader import TorchDistCheckpoint
 
 _A, _B, _OPTIMIZER = ".lora_A", ".lora_B", "optimizer."
@@ -204,8 +204,7 @@ def export_peft_adapter(checkpoint: str | os.PathLike, role: str, out_dir: str |
                            "model's LoRA checkpoint merged with export-hf (export_hf)")
     if role not in POLICY_ROLES:
         raise ConvertError(f"role={role!r}: choose one of {POLICY_ROLES}")
-    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
-        raise ConvertError(f"{out_dir}: exists and is not empty; export into a new directory")
+    check_export_dir(out_dir)
     role_dir, iter_dir = _resolve_role_dir(checkpoint, role)
     m = _model_cfg(model_cfg, iter_dir)
     with restricted_dcp_unpickling(role_dir):

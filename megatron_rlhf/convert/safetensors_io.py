@@ -128,10 +128,16 @@ def group_bytes(shapes: Iterable[tuple[int, ...]], element_size: int) -> int:
     return total
 
 
+def check_export_dir(out_dir: Path) -> None:
+    """Refuse an `out_dir` that exists and is not an empty directory (before any work)."""
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+        raise ConvertError(f"{out_dir}: exists and is not empty; export into a new directory")
+
+
 @contextmanager
 def written_atomically(out_dir: Path):
-    """A new temporary directory beside `out_dir` (which must be absent or empty) for the block to
-    fill; it becomes `out_dir` when the block completes and is removed if it raises."""
+    """A new temporary directory beside `out_dir` (which must be absent or empty: check_export_dir)
+    for the block to fill; it becomes `out_dir` when the block completes and is removed if it raises."""
     tmp = out_dir.with_name(out_dir.name + ".tmp-export")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)

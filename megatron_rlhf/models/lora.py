@@ -149,12 +149,11 @@ def _adapt(linear, rank: int, alpha: float, dropout: float, column: bool, swiglu
 
 
 def apply_lora(model: torch.nn.Module, rank: int, alpha: float, dropout: float, targets: list[str],
-               seed: int, keep_trainable: tuple[str, ...] = ()) -> list[str]:
-    """Adapters on `targets` of every decoder layer of this stage; every other parameter frozen
-    except those whose names start with `keep_trainable` (e.g. a value head). Call before DDP
-    and the optimizer are built: they then hold only the trainable parameters. Returns the
-    adapted layers' names."""
-    adapted = []
+               seed: int, keep_trainable: tuple[str, ...] = ()) -> None:
+    """Adapters on `targets` of every decoder layer of this stage (and `output`: the LM head, on
+    the last stage); every other parameter frozen except those whose names start with
+    `keep_trainable` (e.g. a value head). Call before DDP and the optimizer are built: they then
+    hold only the trainable parameters."""
     for layer in model.decoder.layers:
         for target in targets:
             if target == OUTPUT:
@@ -164,13 +163,10 @@ def apply_lora(model: torch.nn.Module, rank: int, alpha: float, dropout: float, 
             name = f"{layer.layer_number}.{target}"  # global layer number: the same at every PP
             gated = model.config.gated_linear_unit and target == "fc1"
             _adapt(linear, rank, alpha, dropout, column, gated, seed + zlib.crc32(name.encode()))
-            adapted.append(name)
     if OUTPUT in targets and getattr(model, "post_process", False):
         _adapt(model.output_layer, rank, alpha, dropout, True, False, seed + zlib.crc32(OUTPUT.encode()))
-        adapted.append(OUTPUT)
     for name, param in model.named_parameters():
         param.requires_grad_(is_adapter(name) or name.startswith(keep_trainable))
-    return adapted
 
 
 def is_adapter(name: str) -> bool:
@@ -197,7 +193,8 @@ def adapters_disabled(model: torch.nn.Module):
 @torch.no_grad()
 def merged_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """named_parameters() without the adapters, each adapted weight replaced by W + (alpha/rank) B A
-    (this shard's; TP attributes kept), the base weights untouched. For refit and export."""
+    (this shard's; TP attributes kept), the base weights untouched: what a rollout engine's refit
+    sends. (Export merges from checkpoints: convert/lora_export.py.)"""
     params = {n: p for n, p in model.named_parameters() if not is_adapter(n)}
     for name, module in model.named_modules():
         if isinstance(module, LoRAMixin) and module.lora_enabled:
@@ -209,7 +206,3 @@ def merged_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
             params[f"{name}.weight"] = merged
     return params
 
-
-def trainable_parameter_count(model: torch.nn.Module) -> int:
-    """Trainable parameters of this rank's shard."""
-    return sum(p.numel() for p in model.parameters() if p.requires_grad)

@@ -308,7 +308,7 @@ def build_roles(cfg: Config) -> dict:
     rl = cfg.rl
     # LR schedules run over every optimizer step: epochs x minibatches per iteration
     total_steps = rl.steps * rl.epochs * (rl.samples_per_iteration // rl.mini_batch_size)
-    lora = cfg.lora if cfg.lora.rank > 0 and "rl" in cfg.lora.stages else None
+    lora = cfg.lora if cfg.lora.applies_to("rl") else None
     actor = Actor(cfg, trainable=True, temperature=rl.temperature, optimizer=rl.actor_optimizer,
                   total_steps=total_steps, lora=lora)
     # with LoRA the reference is the actor's frozen base: no second copy of the weights
@@ -354,24 +354,22 @@ def load_critic(rl: RLConfig, roles: dict, sft, rm, base_only: bool = False) -> 
     folded into the value head, the SFT actor with a fresh value head, or a checkpoint's critic.
     base_only: a resumed LoRA critic's frozen weights only (its adapters and head are resumed)."""
     critic, start = roles["critic"], rl.critic_start
-    if base_only:
-        source = rm / "reward" if start == "rm" else sft / "actor" if start == "sft" else resolve_checkpoint(start) / "critic"
-        load_model_weights(critic, source, base_only=True)
-        return f"critic base from {source}"
+    what = "critic base" if base_only else "critic"
     if start == "rm":  # with or without a reward model role (a served RM: rl.rm_from, no model source)
-        load_model_weights(critic, rm / "reward")  # value head starts as the reward head
-        normalization = load_extra_state(rm / "reward")
-        fold_reward_normalization(critic, normalization.get("reward_mean", 0.0), normalization.get("reward_std", 1.0))
-        return f"critic from {rm}"
+        load_model_weights(critic, rm / "reward", base_only=base_only)  # value head starts as the reward head
+        if not base_only:  # (a resumed head has the normalisation folded in already)
+            normalization = load_extra_state(rm / "reward")
+            fold_reward_normalization(critic, normalization.get("reward_mean", 0.0), normalization.get("reward_std", 1.0))
+        return f"{what} from {rm}"
     if start == "sft":
-        load_model_weights(critic, sft / "actor", skip_prefixes=("output_layer.",))
-        return f"critic from {sft} (fresh value head)"
+        load_model_weights(critic, sft / "actor", skip_prefixes=("output_layer.",), base_only=base_only)
+        return f"{what} from {sft}" + ("" if base_only else " (fresh value head)")
     source = resolve_checkpoint(start)
     if not (source / "critic").is_dir():
         raise ConfigError(f"rl.critic_from={start}: {source} has no critic role (a ppo stage checkpoint has one); "
                           "for a reward model use rl.critic_from=rm (with rl.rm_from), for the SFT actor rl.critic_from=sft")
-    load_model_weights(critic, source / "critic")
-    return f"critic from {source}"
+    load_model_weights(critic, source / "critic", base_only=base_only)
+    return f"{what} from {source}"
 
 
 @torch.no_grad()

@@ -32,8 +32,7 @@ def stage_dir(cfg: Config, stage: str) -> Path:
     do not overwrite each other."""
     if stage != "rl":
         return run_dir(cfg) / stage
-    lora = cfg.lora.rank > 0 and "rl" in cfg.lora.stages
-    return run_dir(cfg) / (cfg.rl.algorithm + ("_lora" if lora else ""))
+    return run_dir(cfg) / (cfg.rl.algorithm + ("_lora" if cfg.lora.applies_to("rl") else ""))
 
 
 @dataclass
