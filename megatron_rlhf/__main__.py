@@ -23,10 +23,11 @@ ERROR_DIR_ENV = "MEGATRON_RLHF_ERROR_DIR"
 
 COMMANDS = {
     "smoke": "the four roles at the configured TP x PP: forward + one optimizer step each",
-    "sft": "supervised fine-tuning stage -> <run>/sft",
+    "sft": "supervised fine-tuning stage (from sft.init_from, model.init_from_hf or fresh) -> <run>/sft "
+           "(with LoRA: <run>/sft_lora)",
     "rm": "reward-model stage (starts from the SFT checkpoint) -> <run>/rm",
     "dpo": "DPO stage: the policy from preference pairs against a frozen reference (both start from SFT) "
-           "-> <run>/dpo",
+           "-> <run>/dpo (with LoRA: <run>/dpo_lora)",
     "rl": "RL stage, rl.algorithm = ppo (default) | grpo | rloo | reinforce_pp | reinforce_pp_baseline | "
           "batch_mean (actor/reference from SFT, reward model and PPO's critic from RM) -> <run>/<algorithm>",
     "ppo": "the rl stage (the name older scripts use)",

@@ -188,6 +188,8 @@ class LoRAConfig:
     # which linear layers of every decoder layer: qkv, proj (attention output), fc1, fc2; and
     # output: the policy's LM head (untied embeddings only; a critic's value head trains in full)
     targets: list[str] = field(default_factory=lambda: ["qkv", "proj", "fc1", "fc2"])
+    # sft, dpo, rl: the stages that train adapters (a later stage starting from a LoRA
+    # checkpoint starts from its base with the adapters merged)
     stages: list[str] = field(default_factory=lambda: ["rl"])
     critic: bool = True  # the critic gets adapters of its own (value head trained in full); false: full critic
 
@@ -196,7 +198,7 @@ class LoRAConfig:
 
 
 LORA_TARGETS = ("qkv", "proj", "fc1", "fc2", "output")
-LORA_STAGES = ("rl",)  # SFT and DPO with LoRA: not yet (issue 19)
+LORA_STAGES = ("sft", "dpo", "rl")
 
 
 LR_DECAY_STYLES = ("constant", "linear", "cosine")
@@ -240,7 +242,9 @@ class StageConfig:
 
 @dataclass
 class SFTConfig(StageConfig):
-    pass
+    # Stage (or iter_*) directory of a checkpoint with an actor to start from (an earlier
+    # stage, import-hf's output); default: model.init_from_hf, else a fresh initialisation.
+    init_from: str | None = None
 
 
 @dataclass
@@ -787,6 +791,10 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
     _validate_rl(cfg.rl, m, dp, cfg.given)
     _validate_rollout(cfg.rollout, m, p)
     _validate_lora(cfg.lora)
+    if cfg.lora.applies_to("sft") and not (cfg.sft.init_from or m.init_from_hf):
+        raise ConfigError("lora.stages has sft: adapters train on a pretrained model, and sft would start from a "
+                          "fresh initialisation; set sft.init_from=<a checkpoint with an actor: an earlier stage, "
+                          "import-hf's output> or model.init_from_hf=<a Hugging Face directory>, or remove sft")
     if cfg.lora.rank > 0 and "output" in cfg.lora.targets and m.share_embeddings_and_output_weights:
         raise ConfigError("lora.targets has output with model.share_embeddings_and_output_weights=true: an adapter on "
                           "a tied LM head would change the input embedding's twin only; remove output from lora.targets")
@@ -858,8 +866,8 @@ def _validate_lora(lo: LoRAConfig) -> None:
         raise ConfigError(f"lora.targets={lo.targets}: choose distinct layers from {LORA_TARGETS} (at least one)")
     bad = [s for s in lo.stages if s not in LORA_STAGES]
     if bad:
-        raise ConfigError(f"lora.stages={lo.stages}: LoRA is implemented for {LORA_STAGES} only so far; "
-                          f"remove {bad} (those stages then fine-tune every weight)")
+        raise ConfigError(f"lora.stages={lo.stages}: LoRA trains the policy of {LORA_STAGES} (and the rl critic); "
+                          f"remove {bad}")
 
 
 def _get_dotted(obj: Any, dotted: str) -> Any:

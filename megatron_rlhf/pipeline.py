@@ -8,7 +8,9 @@ resumes from its latest complete checkpoint. At the end, the policy of the last 
 trains one (rl, else dpo: the only model that is deployed) as a Hugging Face directory in
 <run>/export/actor_hf/ (<run>/export/<algorithm>_actor_hf for an RL algorithm other than ppo
 or with LoRA, e.g. ppo_lora_actor_hf with the adapters merged,
-<run>/export/dpo_actor_hf for dpo), and <run>/report.md with PNG plots.
+<run>/export/dpo_actor_hf for dpo, dpo_lora_actor_hf with LoRA), and <run>/report.md with PNG
+plots. With lora.stages, a LoRA stage writes <run>/<stage>_lora and the next stage starts from
+it (its adapters merged into its base).
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ def export_actor(cfg: Config, stage: str = "rl") -> Path:
     tokenizer = tokenizer_for(cfg)
     if cfg.model.vocab_size is None:  # every stage finished earlier: none has read the tokenizer
         resolve_vocab_size(cfg, tokenizer)
-    name = stage_dir(cfg, stage).name  # ppo, grpo, ..., ppo_lora (merged: a full model), dpo
+    name = stage_dir(cfg, stage).name  # ppo, grpo, ..., ppo_lora (merged: a full model), dpo, dpo_lora
     out = run_dir(cfg) / "export" / ("actor_hf" if name == "ppo" else f"{name}_actor_hf")
     if (not dist.is_initialized() or dist.get_rank() == 0) and not out.is_dir():
         tmp = out.with_name(out.name + ".tmp")

@@ -105,7 +105,7 @@ def test_task_sizes_are_checked_with_the_field():
 RECIPES = {"tiny_cpu.yaml": (1, 2), "tiny_cpu_grpo.yaml": (1, 2), "tiny_cpu_rloo.yaml": (1, 2),
            "tiny_cpu_reinforce_pp.yaml": (1, 2), "tiny_cpu_vllm.yaml": (1, 2), "tiny_cpu_arithmetic.yaml": (1, 2), "tiny_cpu_dpo.yaml": (1, 2), "tiny_cpu_dpo_ppo.yaml": (1, 2), "llama3_8b.yaml": (8,), "qwen3_8b.yaml": (8,), "llama3_70b.yaml": (64,),
            "llama3_70b_grpo.yaml": (64,), "llama3_70b_dpo.yaml": (64,), "tiny_cpu_lora.yaml": (1, 2),
-           "llama3_70b_lora.yaml": (64,)}
+           "llama3_70b_lora.yaml": (64,), "tiny_cpu_dpo_lora.yaml": (1, 2)}
 PIPELINES = Path(__file__).resolve().parent.parent / "pipelines"
 
 
@@ -224,8 +224,19 @@ def test_activation_recomputation_settings_are_checked(overrides, field):
     (["lora.rank=8", "lora.targets=[qkv,q_proj]"], "lora.targets"),
     (["lora.rank=8", "lora.targets=[]"], "lora.targets"),
     (["lora.rank=8", "lora.targets=[fc1,fc1]"], "lora.targets"),
-    (["lora.rank=8", "lora.stages=[sft,rl]"], "lora.stages"),
+    (["lora.rank=8", "lora.stages=[rm,rl]"], "lora.stages"),
+    (["lora.rank=8", "lora.stages=[sft,rl]"], "sft.init_from"),  # adapters on a fresh initialisation
 ])
 def test_lora_settings_are_checked(overrides, field):
     assert_error_names(field, *overrides)
     validate(load_config(None, ["lora.rank=8", "lora.targets=[qkv,fc2]", "lora.dropout=0.1"]), world_size=1)
+    validate(load_config(None, ["lora.rank=8", "lora.stages=[sft,dpo,rl]", "sft.init_from=/ckpt/base"]), world_size=1)
+
+
+def test_lora_stages_write_beside_full_fine_tuning():
+    from megatron_rlhf.trainers.stage_data import run_dir, stage_dir
+
+    cfg = load_config(None, ["lora.rank=8", "lora.stages=[sft,dpo]", "sft.init_from=/ckpt/base"])
+    assert [stage_dir(cfg, s).name for s in ("sft", "rm", "dpo", "rl")] == ["sft_lora", "rm", "dpo_lora", "ppo"]
+    cfg = load_config(None, ["lora.rank=0", "lora.stages=[sft,dpo,rl]"])  # rank 0: LoRA off everywhere
+    assert [stage_dir(cfg, s) for s in ("sft", "dpo", "rl")] == [run_dir(cfg) / n for n in ("sft", "dpo", "ppo")]

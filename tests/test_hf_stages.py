@@ -120,3 +120,21 @@ def test_import_and_export_commands(tmp_path):
         [sys.executable, "-m", "megatron_rlhf", "export-hf", "--ckpt", str(tmp_path / "imported"), "--role", "actor",
          "--out", str(tmp_path / "other"), "model.hidden_size=64"], capture_output=True, text=True, timeout=300, cwd=REPO)
     assert proc.returncode == 2 and "model.hidden_size=64: the checkpoint recorded 48" in proc.stderr
+
+
+def test_lora_sft_on_a_hf_checkpoint_trains_on_its_one_time_import(tmp_path):
+    """LoRA SFT from `model.init_from_hf`: the HF weights imported once into <run>/hf_import (the
+    adapters' base, referenced by their checkpoints); fresh adapters start where transformers
+    is; a later run whose model.init_from_hf names another directory is refused, not mixed."""
+    hf = tiny_qwen2_unlike_the_recipe(tmp_path / "hf")
+    lora = ["lora.rank=4", "lora.stages=[sft]"]
+    stage(1, "sft", tmp_path, "lora_hf", *SFT, *lora, f"model.init_from_hf={tmp_path / 'hf'}")
+    result = summary(tmp_path, "lora_hf", "sft_lora")
+    assert result["eval_loss_start"] == pytest.approx(hf_response_nll(hf, tmp_path / "lora_hf", 32), rel=1e-5)
+    base = tmp_path / "lora_hf" / "hf_import" / "iter_0000000" / "actor"
+    assert result["lora"]["actor"]["base"] == str(base) and (base / ".metadata").is_file()
+    assert result["eval_loss"] != result["eval_loss_start"]  # the adapters trained
+    tiny_qwen2_unlike_the_recipe(tmp_path / "hf_other")
+    proc = stage(1, "sft", tmp_path, "lora_hf", *SFT, *lora, f"model.init_from_hf={tmp_path / 'hf_other'}",
+                 check=False)
+    assert proc.returncode != 0 and f"holds an import of {tmp_path / 'hf'}" in proc.stdout + proc.stderr

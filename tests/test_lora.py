@@ -2,7 +2,7 @@
 adapter-free reference is the base model bit for bit, merged weights give the adapted model's
 outputs, only the adapters (and a critic's value head) train, TP2 and PP2 equal TP1 (outputs
 and one optimizer step, from adapters saved at TP1), checkpoints hold the trained weights only
-and resume bit for bit."""
+and resume bit for bit; a LoRA checkpoint loads into a later stage's roles merged, at any layout."""
 
 import pytest
 import torch
@@ -38,6 +38,29 @@ def test_merged_weights_give_the_adapted_outputs(lora_runs, layout):
     out = lora_runs[1][layout]["outputs"]
     for key, want in out["actor"].items():
         torch.testing.assert_close(out["merged"][key], want, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("layout", [BASE, *LAYOUTS])
+def test_a_lora_checkpoint_starts_a_later_stage_merged(lora_runs, layout):
+    """The TP1 adapter checkpoints loaded at this layout into a frozen role (and a frozen critic,
+    with the value head the LoRA run trained), and as the base of new adapters: each gives the
+    adapted model's outputs; the new role's own adapters start fresh and are what trains."""
+    result = lora_runs[1][layout]
+    out = result["outputs"]
+    for got in ("loaded_merged", "stacked", "stacked_reference"):
+        for key, want in out["actor"].items():
+            torch.testing.assert_close(out[got][key], want, atol=ATOL, rtol=0, msg=lambda m: f"{got} {key}: {m}")
+    torch.testing.assert_close(out["critic_loaded_merged"]["values"], out["critic"]["values"], atol=ATOL, rtol=0)
+    assert not torch.allclose(out["loaded_merged"]["logprobs"], out["base"]["logprobs"], atol=1e-3)
+    assert result["stacked_own_adapters_fresh"] and result["stacked_own_adapters_trained"]
+
+
+def test_resuming_across_a_lora_change_is_refused(lora_runs):
+    refusals = lora_runs[1][BASE]["refusals"]
+    assert sorted(refusals) == ["adapters_into_full", "full_into_lora", "rank"], refusals
+    assert "rank 4" in refusals["rank"] and "lora.rank=2" in refusals["rank"]
+    assert "with LoRA adapters" in refusals["adapters_into_full"]
+    assert "without LoRA adapters" in refusals["full_into_lora"]
 
 
 @pytest.mark.parametrize("layout", [BASE, *LAYOUTS])

@@ -123,11 +123,17 @@ def check_architecture(role, path: Path) -> None:
 
 
 def load_role(role, path: str | Path, with_optimizer: bool = True) -> None:
-    """Collective. Loads at this process's layout whatever layout the checkpoint was saved at."""
+    """Collective. Loads at this process's layout whatever layout the checkpoint was saved at.
+    A frozen role given a LoRA checkpoint gets the model it trained: its base with the adapters
+    merged (load_model_weights)."""
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"checkpoint directory not found: {path}")
     check_architecture(role, path)
+    if check_lora_matches(role, path, with_optimizer):
+        load_model_weights(role, path)
+        role.load_extra_state(load_extra_state(path))
+        return
     with restricted_dcp_unpickling(path):
         state = dist_checkpointing.load(role_sharded_state_dict(role, with_optimizer, is_loading=True), str(path))
     if getattr(role, "lora", None) is None:
@@ -146,6 +152,26 @@ def load_role(role, path: str | Path, with_optimizer: bool = True) -> None:
         role.optimizer.reload_model_params()
 
 
+def check_lora_matches(role, path: Path, with_optimizer: bool) -> bool:
+    """Whether a role without adapters is loading a LoRA checkpoint as a frozen model (True);
+    a CheckpointError when the checkpoint cannot be resumed by this role: adapters of another
+    shape, or adapters on one side only."""
+    from megatron_rlhf.checkpoint.validate import CheckpointError
+
+    saved = load_extra_state(path).get("lora")
+    lora = getattr(role, "lora", None)
+    fix = "set the lora.* settings of the run that wrote it, or start the stage afresh (checkpoint.resume=false)"
+    if saved and lora is None and not with_optimizer:
+        return True
+    if bool(saved) != (lora is not None):
+        raise CheckpointError(f"{path}: written {'with' if saved else 'without'} LoRA adapters, loaded by a role "
+                              f"{'without' if saved else 'with'} them: {fix}")
+    if saved and (saved["rank"], list(saved["targets"])) != (lora.rank, list(role.lora_targets)):
+        raise CheckpointError(f"{path}: LoRA adapters of rank {saved['rank']} on {saved['targets']}, this run has "
+                              f"lora.rank={lora.rank} on {role.lora_targets}: {fix}")
+    return False
+
+
 def load_extra_state(path: str | Path) -> dict:
     """A role checkpoint's non-tensor state (Role.extra_state, e.g. a reward model's
     normalisation), without building the role."""
@@ -157,34 +183,86 @@ def load_model_weights(role, path: str | Path, skip_prefixes: tuple[str, ...] = 
     """Collective. Only the model weights of the checkpoint at `path`, at this process's
     layout; parameters whose names start with `skip_prefixes` keep their current values
     (e.g. a reward model initialised from an SFT checkpoint keeps its fresh value head).
-    A LoRA role's adapters are never read (a base checkpoint has none); with `base_only` its
-    other trained weights (a value head) are not either: a resumed run has them already.
-    Returns the skipped parameter names."""
+    A LoRA checkpoint gives the model it trained: the weights of its base checkpoint (itself
+    possibly a LoRA checkpoint) with its adapters merged in, W + (alpha/rank) B A, and the other
+    weights it trained (a value head). A LoRA role's own adapters are never read (they start
+    fresh, or come from its own checkpoint); with `base_only` its other trained weights (a value
+    head) are not either: a resumed run has them already. Returns the skipped parameter names."""
+    path = Path(path)
+    skipped, trained_changed = _load_weights(role, path, skip_prefixes, base_only)
+    # The optimizer's main (fp32) copies follow the loaded trained weights; a LoRA base alone
+    # leaves them as they are (after a resume they are the checkpoint's, not bf16-rounded ones).
+    if role.optimizer is not None and trained_changed:
+        role.optimizer.reload_model_params()
+    if getattr(role, "lora", None) is not None:
+        role.lora_base = str(path.resolve())  # absolute: export may run from elsewhere
+    return skipped
+
+
+def _load_weights(role, path: Path, skip_prefixes: tuple[str, ...], base_only: bool) -> tuple[list[str], bool]:
+    """load_model_weights' work: (skipped names, whether a weight the role trains changed)."""
+    from megatron_rlhf.checkpoint.validate import CheckpointError
     from megatron_rlhf.models.lora import is_adapter
 
-    path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"checkpoint directory not found: {path}")
     check_architecture(role, path)
     sharded = role.module.sharded_state_dict()
-    lora = getattr(role, "lora", None) is not None
+    lora_role = getattr(role, "lora", None) is not None
 
     def own(key: str) -> bool:  # a weight only the role's own checkpoint holds
         return is_adapter(key) or (base_only and key.startswith(role.trained_prefixes))
 
     skipped = [k for k in sharded if k.startswith(skip_prefixes) or own(k)]
     wanted = {k: v for k, v in sharded.items() if k not in skipped}
+    trained = lambda loaded: any(not lora_role or trained_by_lora(role, k) for k in loaded)  # noqa: E731
+    extra = load_extra_state(path)
+    if not extra.get("lora"):
+        loaded = _read(path, wanted)
+        missing, unexpected = role.module.load_state_dict(loaded, strict=False)
+        missing = [k for k in missing if not k.startswith(skip_prefixes) and not k.endswith("_extra_state") and not own(k)]
+        if missing or unexpected:
+            raise RuntimeError(f"{path}: weights do not match the model: missing {missing}, unexpected {unexpected}")
+        return skipped, trained(loaded)
+    base = extra.get("lora_base")
+    if not base or not Path(base).is_dir():
+        raise CheckpointError(f"{path}: a LoRA adapter checkpoint whose base checkpoint ({base}) is missing; restore "
+                              "it there: the adapters only apply to the weights they were trained on")
+    _, changed = _load_weights(role, Path(base), skip_prefixes, base_only)
     with restricted_dcp_unpickling(path):
-        loaded = dist_checkpointing.load(wanted, str(path))
-    loaded = {k: v for k, v in loaded.items() if k in wanted}  # drop the checkpoint's common state
-    missing, unexpected = role.module.load_state_dict(loaded, strict=False)
-    missing = [k for k in missing if not k.startswith(skip_prefixes) and not k.endswith("_extra_state") and not own(k)]
-    if missing or unexpected:
-        raise RuntimeError(f"{path}: weights do not match the model: missing {missing}, unexpected {unexpected}")
-    # The optimizer's main (fp32) copies follow the loaded trained weights; a LoRA base alone
-    # leaves them as they are (after a resume they are the checkpoint's, not bf16-rounded ones).
-    if role.optimizer is not None and any(not lora or trained_by_lora(role, k) for k in loaded):
-        role.optimizer.reload_model_params()
-    if lora:
-        role.lora_base = str(path.resolve())  # absolute: export may run from elsewhere
-    return skipped
+        held = set(dist_checkpointing.load_tensors_metadata(str(path)))
+    heads = {k: v for k, v in wanted.items() if not is_adapter(k) and getattr(v, "key", None) in held}
+    loaded = _read(path, heads)  # what the LoRA run trained in full (a value head); collective, maybe empty here
+    role.module.load_state_dict(loaded, strict=False)
+    changed = changed or trained(loaded)
+    merged = merge_adapters(role, path, extra["lora"], skip_prefixes)
+    return skipped, changed or (merged and not lora_role)  # a LoRA role's base is not trained
+
+
+def _read(path: Path, sharded: dict) -> dict:
+    with restricted_dcp_unpickling(path):
+        loaded = dist_checkpointing.load(sharded, str(path))
+    return {k: v for k, v in loaded.items() if k in sharded}  # without the checkpoint's common state
+
+
+@torch.no_grad()
+def merge_adapters(role, path: Path, lora: dict, skip_prefixes: tuple[str, ...] = ()) -> bool:
+    """Collective. Add the LoRA checkpoint's (alpha/rank) B A to the weights they adapt, read at
+    this layout through adapters of its shape borrowed for the purpose (models.lora). Layers
+    under `skip_prefixes` are left alone; a value model never takes a policy's LM-head adapter.
+    Returns whether a weight changed."""
+    from megatron_rlhf.models.lora import OUTPUT, borrowed_adapters, is_adapter
+
+    module = role.module
+    targets = [t for t in lora["targets"] if not (t == OUTPUT and role.value_head)]
+    names = {id(m): n for n, m in module.named_modules()}
+    with borrowed_adapters(module, int(lora["rank"]), float(lora["alpha"]), targets) as layers:
+        sharded = {k: v for k, v in module.sharded_state_dict().items() if is_adapter(k) and not k.startswith(skip_prefixes)}
+        loaded = _read(path, sharded)  # collective: also where this stage has nothing to read
+        _, unexpected = module.load_state_dict(loaded, strict=False)
+        if unexpected:
+            raise RuntimeError(f"{path}: unexpected adapter weights {unexpected}")
+        merged = [layer for layer in layers if f"{names[id(layer)]}.lora_A" in loaded]
+        for layer in merged:
+            layer.weight.add_(layer.lora_delta())
+    return bool(merged)

@@ -3,8 +3,9 @@
 A LoRA role's checkpoint holds only what it trained: `<layer>.lora_A` [rank, in] and
 `<layer>.lora_B` [out, rank] (layer-stacked like the weights; B's rows in the fused QKV /
 SwiGLU layouts of the weight they adapt), a critic's value head, and optimizer state. Its
-common `extra` state names the full checkpoint the frozen base weights came from
-(`lora_base`) and the adapter shape (`lora`: rank, alpha, targets).
+common `extra` state names the checkpoint the frozen base weights came from (`lora_base`: a
+full checkpoint, or another LoRA checkpoint, merged in turn) and the adapter shape (`lora`:
+rank, alpha, targets).
 
 - merged (export_hf calls `merged_view`): a checkpoint view whose adapted weights read as
   W + (alpha/rank) B A (float32, on the full tensors), everything else from the base except
@@ -71,7 +72,7 @@ class MergedLoRACheckpoint(TorchDistCheckpoint):
             raise ConvertError(f"{self.path}: a LoRA adapter checkpoint; {where}, {base_dir}, {what}: {fix}")
         try:
             with restricted_dcp_unpickling(base_dir):
-                self.base = TorchDistCheckpoint(base_dir)
+                self.base = merged_view(TorchDistCheckpoint(base_dir))  # a LoRA base: itself merged
         except Exception as e:  # noqa: BLE001  (a damaged or foreign .metadata)
             raise ConvertError(f"{self.path}: its LoRA base checkpoint {base_dir} cannot be read ({e}): {fix}") from e
         # weight key -> (A key, B key); weights the adapter checkpoint holds itself (a value head)

@@ -308,6 +308,12 @@ class Role:
                 "skipped": skipped, "lr": self.optimizer.param_groups[0]["lr"]}
 
 
+def lora_summary(roles: dict) -> dict:
+    """For a stage's summary: which roles train adapters (rank, alpha, targets) on which base."""
+    return {name: {**role.extra_state()["lora"], "base": role.lora_base}
+            for name, role in roles.items() if getattr(role, "lora", None) is not None}
+
+
 class Actor(Role):
     """The policy: per-token log-probs of given tokens and per-token entropy.
 

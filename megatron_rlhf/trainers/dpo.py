@@ -11,6 +11,9 @@ pairs (chosen and rejected of a pair in one microbatch) -> algorithms/dpo.py's l
 mean over the global batch's pairs. Eval: the same on the held-out pairs and, with a built-in
 task, the gold score of responses sampled as the RL stage samples (rl.temperature,
 rl.max_new_tokens) against the SFT policy's. Writes <run>/dpo/ (actor role, like SFT).
+With LoRA (lora.stages has dpo) the actor trains adapters on the frozen start, the reference
+is that start (the actor with its adapters off, no second copy) and the stage writes
+<run>/dpo_lora/.
 """
 
 from __future__ import annotations
@@ -24,13 +27,12 @@ import torch
 
 from megatron_rlhf import parallel
 from megatron_rlhf.algorithms.dpo import PairLogps, dpo_loss, pair_logps, sequence_logps
-from megatron_rlhf.checkpoint.dist import load_model_weights, load_role
 from megatron_rlhf.checkpoint.manager import resolve_checkpoint
 from megatron_rlhf.checkpoint.validate import CheckpointError
 from megatron_rlhf.config import Config, DPOConfig
 from megatron_rlhf.data.encode import collate_preferences, encode_preferences, encode_prompt_records
 from megatron_rlhf.data.sampler import EpochSampler
-from megatron_rlhf.models.roles import Actor, Reference
+from megatron_rlhf.models.roles import Actor, AdapterFreeReference, Reference, lora_summary
 from megatron_rlhf.parallel.collectives import dp_sum, dp_sums
 from megatron_rlhf.rollout import SamplingParams
 from megatron_rlhf.rollout.megatron_engine import MegatronRolloutEngine
@@ -39,6 +41,7 @@ from megatron_rlhf.trainers.rl import EVAL_SEED_OFFSET
 from megatron_rlhf.trainers.rl import evaluate as sample_and_score
 from megatron_rlhf.trainers.runner import StageRunner, skipped_steps
 from megatron_rlhf.trainers.stage_data import load_stage_data, stage_dir
+from megatron_rlhf.trainers.start_weights import load_start
 
 
 # ----------------------------------------------------------------------------- loss
@@ -114,19 +117,6 @@ def start_checkpoint(cfg: Config) -> tuple[str, str]:
                           "dpo.init_from=<an SFT stage or iter_* directory> or model.init_from_hf=<a Hugging Face directory>")
 
 
-def load_start(role, start: tuple[str, str]) -> None:
-    kind, where = start
-    if kind == "hf":
-        from megatron_rlhf.convert import check_model_matches_hf, load_hf_weights
-
-        check_model_matches_hf(role.cfg, where)
-        load_hf_weights(role, where)
-    elif role.trainable:
-        load_model_weights(role, f"{where}/actor")
-    else:
-        load_role(role, f"{where}/actor", with_optimizer=False)
-
-
 # ----------------------------------------------------------------------------- eval
 def eval_pairs(actor: Actor, ref: ReferenceSource, pairs: list, pad_id: int, seq_len: int, dpo: DPOConfig) -> dict:
     """The loss and statistics on the held-out pairs, over data-parallel shards (eval_*)."""
@@ -165,15 +155,16 @@ def train(cfg: Config) -> dict:
     train_set, train_report = encode_preferences(data.splits["preference_train"], **fit)
     eval_set, eval_report = encode_preferences(data.splits["preference_eval"], **fit)
 
-    actor = Actor(cfg, trainable=True, optimizer=d.optimizer, total_steps=d.steps)
+    lora = cfg.lora if cfg.lora.applies_to("dpo") else None
+    actor = Actor(cfg, trainable=True, optimizer=d.optimizer, total_steps=d.steps, lora=lora)
     roles = {"actor": actor}
     sampler = EpochSampler(len(train_set), seed=cfg.seed)
     state = runner.resume(roles, sampler)
     start = tuple(state["start"]) if runner.resumed else start_checkpoint(cfg)
-    if not runner.resumed:
-        load_start(actor, start)
+    if lora or not runner.resumed:  # a LoRA actor's frozen base also on resume (its checkpoints hold adapters)
+        load_start(cfg, actor, start)
     data_id = fingerprint(train_set, eval_set)
-    ref, ref_note = build_reference(cfg, state, start, data_id, (train_set, eval_set, pad))
+    ref, ref_note = build_reference(cfg, state, start, data_id, (train_set, eval_set, pad), actor)
     log = runner.log
     for line in (runner.resumed, f"actor/reference from {start[1]}" + (" (Hugging Face weights)" if start[0] == "hf" else ""),
                  ref_note, f"train pairs: {train_report}; eval pairs: {eval_report}"):
@@ -214,13 +205,14 @@ def train(cfg: Config) -> dict:
         runner.end_step(metrics, step * d.global_batch_size, evaluated, **kept)
 
     return runner.finish(dpo_summary(cfg, before, eval_metrics, metrics, samples, ref, train_report, eval_report,
-                                     data.sources, start),
+                                     data.sources, start, actor),
                          done_message(before["eval"], eval_metrics))
 
 
-def build_reference(cfg: Config, state: dict, start, data_id: str, encoded) -> tuple[ReferenceSource, str]:
+def build_reference(cfg: Config, state: dict, start, data_id: str, encoded, actor: Actor) -> tuple[ReferenceSource, str]:
     """The on-the-fly reference role, or the precomputed tables (from the checkpoint being
-    resumed, else computed now with a reference role that is freed afterwards); and a note."""
+    resumed, else computed now with a reference role that is freed afterwards); and a note.
+    A LoRA actor's reference is the actor with its adapters off (no weights of its own)."""
     d, (train_set, eval_set, pad) = cfg.dpo, encoded
     micro_rows, saved = 2 * d.micro_batch_size, state.get("reference") or {}
     if saved and saved["data"] != data_id:  # the sampler's position and any stored table index these pairs
@@ -234,10 +226,14 @@ def build_reference(cfg: Config, state: dict, start, data_id: str, encoded) -> t
         return ReferenceSource(None, tables, micro_rows), "reference log-probs: precomputed, read from the checkpoint"
     switched = (f" (the checkpoint was trained with dpo.precompute_reference={str(not d.precompute_reference).lower()}:"
                 " the same loss up to float rounding, not a bitwise resume)") if saved and "precomputed" in saved else ""
-    reference = Reference(cfg)
-    load_start(reference, start)
+    if actor.lora is not None:
+        reference, role = AdapterFreeReference(actor), "the LoRA actor with its adapters off"
+    else:
+        reference, role = Reference(cfg), "reference role freed"
+        load_start(cfg, reference, start)
     if not d.precompute_reference:
-        return ReferenceSource(reference, None, micro_rows), f"reference log-probs: on the fly{switched}"
+        return ReferenceSource(reference, None, micro_rows), f"reference log-probs: on the fly{switched}" + (
+            f" ({role})" if actor.lora is not None else "")
     t0 = time.perf_counter()
     tables = {split: precompute(reference, pairs, pad, d.seq_length, d.micro_batch_size)
               for split, pairs in (("train", train_set), ("eval", eval_set))}
@@ -246,7 +242,7 @@ def build_reference(cfg: Config, state: dict, start, data_id: str, encoded) -> t
         torch.cuda.empty_cache()
     return ReferenceSource(None, tables, micro_rows), (
         f"reference log-probs: precomputed for {len(train_set) + len(eval_set)} pairs in "
-        f"{time.perf_counter() - t0:.1f} s, reference role freed{switched}")
+        f"{time.perf_counter() - t0:.1f} s, {role}{switched}")
 
 
 def broadcast_table(saved: dict | None, split: str, pairs: int) -> torch.Tensor:
@@ -267,12 +263,13 @@ def ref_state(ref: ReferenceSource, data_id: str) -> dict:
     return {"precomputed": ref.tables is not None, "data": data_id, "tables": tables}
 
 
-def dpo_summary(cfg, before, eval_metrics, metrics, samples, ref, train_report, eval_report, sources, start) -> dict:
+def dpo_summary(cfg, before, eval_metrics, metrics, samples, ref, train_report, eval_report, sources, start,
+                actor) -> dict:
     d = cfg.dpo
     return {
         "loss_type": d.loss, "beta": d.beta, "label_smoothing": d.label_smoothing, "sft_weight": d.sft_weight,
         "reference": "precomputed" if ref.tables is not None else "on the fly",
-        "started_from": start[1], "final_train_loss": metrics.get("loss"),
+        "started_from": start[1], "lora": lora_summary({"actor": actor}), "final_train_loss": metrics.get("loss"),
         **{k: v for k, v in eval_metrics.items() if not k.startswith("eval_gold") and "win_rate" not in k},
         "eval_reward_accuracy_before": before["eval"].get("eval_reward_accuracy"),
         # sampled responses to the held-out prompts, scored by the task's gold scorer (null without one)

@@ -31,7 +31,7 @@ from megatron_rlhf.config import Config, ConfigError, RLConfig, policy_start, wa
 from megatron_rlhf.data.encode import EncodedPrompt, encode_prompt_records
 from megatron_rlhf.data.sampler import EpochSampler
 from megatron_rlhf.logging.reward_hacking import RewardHackingAlarm
-from megatron_rlhf.models.roles import Actor, AdapterFreeReference, Critic, Reference, RewardModel
+from megatron_rlhf.models.roles import Actor, AdapterFreeReference, Critic, Reference, RewardModel, lora_summary
 from megatron_rlhf.parallel.collectives import all_reduce, any_rank, dp_group, dp_sum, dp_sums, masked_moments
 from megatron_rlhf.rewards import RewardInputs, RewardSourceError, RewardSources, rm_scores
 from megatron_rlhf.rollout import Rollout, SamplingParams, make_engine
@@ -526,8 +526,7 @@ def rl_summary(rl, before, eval_metrics, metrics, kl_ctl, sched, samples_seen, s
     return {
         "algorithm": rl.algorithm, "roles": sorted(roles), "data_sources": data_sources,
         # LoRA: which roles train adapters (rank, alpha, targets) and on which base checkpoint
-        "lora": {name: {**role.extra_state()["lora"], "base": role.lora_base}
-                 for name, role in roles.items() if getattr(role, "lora", None) is not None},
+        "lora": lora_summary(roles),
         # what the reward is made of, and each source's mean score in the last iteration
         "reward_sources": [{"name": src.label, "type": src.type, "weight": src.weight,
                             "source": {"model": rl.rm_from or "<run>/rm", "function": src.function, "http": src.url}[src.type],

@@ -2,8 +2,10 @@
 
     python -m megatron_rlhf sft --config pipelines/tiny_cpu.yaml [key=value ...]
 
-Writes <run>/sft/: iter_*/actor (megatron dist checkpoint), metrics.jsonl, tensorboard/,
-summary.json. Resumes from the stage's latest complete checkpoint.
+Starts from sft.init_from (a checkpoint's actor), else model.init_from_hf, else a fresh
+initialisation. Writes <run>/sft/ (with LoRA <run>/sft_lora/: adapters on that start, frozen):
+iter_*/actor (megatron dist checkpoint), metrics.jsonl, tensorboard/, summary.json. Resumes
+from the stage's latest complete checkpoint.
 """
 
 from __future__ import annotations
@@ -17,11 +19,13 @@ from megatron_rlhf import parallel
 from megatron_rlhf.config import Config
 from megatron_rlhf.data.encode import collate_sft, encode_sft
 from megatron_rlhf.data.sampler import EpochSampler
-from megatron_rlhf.models.roles import Actor
+from megatron_rlhf.checkpoint.manager import resolve_checkpoint
+from megatron_rlhf.models.roles import Actor, lora_summary
 from megatron_rlhf.parallel.collectives import dp_sums
 from megatron_rlhf.trainers.batching import data_parallel, dp_slice, padded_forward
 from megatron_rlhf.trainers.runner import StageRunner, skipped_steps
 from megatron_rlhf.trainers.stage_data import load_stage_data
+from megatron_rlhf.trainers.start_weights import load_start
 
 
 def response_nll(logprobs: torch.Tensor, loss_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -51,6 +55,13 @@ def evaluate(actor: Actor, examples: list, pad_id: int, seq_len: int, micro_batc
     return sums["nll"] / max(sums["tokens"], 1.0)
 
 
+def start_weights(cfg: Config) -> tuple[str, str] | None:
+    """("ckpt", dir) for sft.init_from, ("hf", dir) for model.init_from_hf, None: fresh."""
+    if cfg.sft.init_from:
+        return "ckpt", str(resolve_checkpoint(cfg.sft.init_from))
+    return ("hf", cfg.model.init_from_hf) if cfg.model.init_from_hf else None
+
+
 def train(cfg: Config) -> dict:
     st = cfg.sft
     runner = StageRunner(cfg, "sft", st.steps, st.log_interval, st.save_interval)
@@ -61,21 +72,21 @@ def train(cfg: Config) -> dict:
     train_set, train_report = encode(data.splits["sft_train"])
     eval_set, eval_report = encode(data.splits["sft_eval"])
 
-    actor = Actor(cfg, trainable=True, optimizer=st.optimizer, total_steps=st.steps)
+    lora = cfg.lora if cfg.lora.applies_to("sft") else None
+    actor = Actor(cfg, trainable=True, optimizer=st.optimizer, total_steps=st.steps, lora=lora)
     roles = {"actor": actor}
     sampler = EpochSampler(len(train_set), seed=cfg.seed)
     runner.resume(roles, sampler)
-    if runner.resumed is None and cfg.model.init_from_hf:
-        from megatron_rlhf.convert import check_model_matches_hf, load_hf_weights
-
-        check_model_matches_hf(cfg, cfg.model.init_from_hf)
-        load_hf_weights(actor, cfg.model.init_from_hf)
+    start = start_weights(cfg)
+    # a LoRA actor's frozen base also on resume: its checkpoints hold only the adapters
+    loaded = load_start(cfg, actor, start) if start and (lora or runner.resumed is None) else None
     log = runner.log
     log.info(f"train data: {train_report}; eval data: {eval_report}")
     if runner.resumed:
         log.info(runner.resumed)
-    elif cfg.model.init_from_hf:
-        log.info(f"initialised from the Hugging Face checkpoint {cfg.model.init_from_hf}")
+    if loaded:
+        where = f"the Hugging Face checkpoint {loaded}" if start[0] == "hf" and not lora else loaded
+        log.info(f"LoRA adapters on the frozen base {where}" if lora else f"initialised from {where}")
     eval_args = (data.tokenizer.pad_id, st.seq_length, st.micro_batch_size)
     eval_loss_start = evaluate(actor, eval_set, *eval_args)
     dp_rank, dp_size = data_parallel()
@@ -98,4 +109,5 @@ def train(cfg: Config) -> dict:
     return runner.finish({
         "final_train_loss": metrics.get("loss"), "eval_loss_start": eval_loss_start, "eval_loss": eval_loss,
         "train_data": vars(train_report), "eval_data": vars(eval_report), "data_sources": data.sources,
+        "started_from": start and start[1], "lora": lora_summary(roles),
     }, f"done: eval loss {eval_loss_start:.4f} -> {eval_loss:.4f}")

@@ -28,11 +28,11 @@ def run_dir(cfg: Config) -> Path:
 
 def stage_dir(cfg: Config, stage: str) -> Path:
     """<run>/<stage>; the RL stage writes under its algorithm's name (<run>/ppo, <run>/grpo,
-    ...; with LoRA <run>/ppo_lora, ...), so algorithms tried on the same SFT and RM checkpoints
-    do not overwrite each other."""
-    if stage != "rl":
-        return run_dir(cfg) / stage
-    return run_dir(cfg) / (cfg.rl.algorithm + ("_lora" if cfg.lora.applies_to("rl") else ""))
+    ...), so algorithms tried on the same SFT and RM checkpoints do not overwrite each other;
+    a stage that trains LoRA adapters under <name>_lora (sft_lora, ppo_lora, ...), so it does
+    not overwrite full fine-tuning either (and later stages start from it)."""
+    name = cfg.rl.algorithm if stage == "rl" else stage
+    return run_dir(cfg) / (name + ("_lora" if cfg.lora.applies_to(stage) else ""))
 
 
 @dataclass

@@ -11,7 +11,9 @@ Every layout loads base + adapters from those checkpoints, then:
   3. one optimizer step of each LoRA role on very unequal sequence lengths (adapter-only
      checkpoint saved for the test to compare across layouts, base weights unchanged);
   4. exact resume: save -> a fresh role loads base + adapters -> its step equals the
-     uninterrupted second step bit for bit.
+     uninterrupted second step bit for bit;
+  5. the adapter checkpoints loaded as a later stage's start (merged into the base): frozen, and
+     as the base of new adapters.
 Results go to --root (global rank 0).
 """
 
@@ -21,6 +23,7 @@ import torch
 
 from megatron_rlhf import parallel
 from megatron_rlhf.checkpoint.dist import load_model_weights, load_role, save_role
+from megatron_rlhf.checkpoint.validate import CheckpointError
 from megatron_rlhf.config import LoRAConfig, RLConfig
 from megatron_rlhf.models.lora import is_adapter, lora_layers, merged_parameters
 from megatron_rlhf.models.roles import Actor, AdapterFreeReference, Critic, Reference
@@ -98,8 +101,36 @@ def main() -> None:
             p.copy_(merged[n])
     res["outputs"]["merged"] = outputs(base, batch)
 
+    # A LoRA checkpoint as a later stage's start: frozen, its base with the adapters merged; under
+    # a new LoRA actor (fresh adapters, B = 0, on top of the merged model) and its reference.
+    frozen = Reference(cfg)
+    load_role(frozen, args.root / "init" / "actor_adapters", with_optimizer=False)
+    res["outputs"]["loaded_merged"] = outputs(frozen, batch)
+    stacked = build(cfg, "actor")
+    load_model_weights(stacked, args.root / "init" / "actor_adapters")
+    res["outputs"]["stacked"] = outputs(stacked, batch)
+    res["outputs"]["stacked_reference"] = outputs(AdapterFreeReference(stacked), batch)
+    res["stacked_own_adapters_fresh"] = all(not layer.lora_B.any() for layer in lora_layers(stacked.module))
+    step(stacked, batch, "actor")  # its own adapters (DDP's buffers view them) are what trains
+    res["stacked_own_adapters_trained"] = all(layer.lora_B.any() for layer in lora_layers(stacked.module))
+    del frozen, stacked
+    if args.layout == "tp1pp1":  # resuming across a LoRA change is refused, naming the settings
+        res["refusals"] = {}
+        for case, role, path in (
+                ("rank", lambda: Actor(cfg, lora=LoRAConfig(rank=2, alpha=8.0, targets=LORA.targets)), "actor_adapters"),
+                ("adapters_into_full", lambda: Actor(cfg), "actor_adapters"),
+                ("full_into_lora", lambda: build(cfg, "actor"), "actor_base")):
+            try:
+                load_role(role(), args.root / "init" / path)
+            except CheckpointError as e:
+                res["refusals"][case] = str(e)
+
     critic = load(cfg, args.root, "critic")
     res["outputs"]["critic"] = outputs(critic, batch)
+    frozen_critic = Critic(cfg, trainable=False)  # base + adapters merged + the LoRA run's own value head
+    load_role(frozen_critic, args.root / "init" / "critic_adapters", with_optimizer=False)
+    res["outputs"]["critic_loaded_merged"] = outputs(frozen_critic, batch)
+    del frozen_critic
     for name, role in (("actor", actor), ("critic", critic)):
         named = dict(role.module.named_parameters())
         trainable = [n for n, p in named.items() if p.requires_grad]
