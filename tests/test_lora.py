@@ -107,3 +107,5 @@ def test_resume_is_exact(lora_runs, layout):
     for role, r in lora_runs[1][layout]["resume"].items():
         assert r["loss_resumed"] == r["loss"], role
         assert r["max_param_diff"] == 0.0, role
+    # the checkpoint recorded the base the adapters trained on (roles.lora_base_warnings compares it)
+    assert lora_runs[1][layout]["base_recorded"] == {"actor": True, "critic": True}

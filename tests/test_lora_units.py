@@ -41,3 +41,13 @@ def test_plain_linear_layers_see_their_input():
 def test_adapter_names():
     assert is_adapter("decoder.layers.0.mlp.linear_fc1.lora_A")
     assert not is_adapter("decoder.layers.0.mlp.linear_fc1.weight")
+
+
+def test_a_resumed_adapter_on_another_base_is_reported():
+    from megatron_rlhf.models.roles import lora_base_warnings
+
+    moved = SimpleNamespace(resumed_lora_base="/ckpt/sft/iter_0000060/actor", lora_base="/other/sft/iter_0000030/actor")
+    same = SimpleNamespace(resumed_lora_base="/ckpt/rm/iter_0000060/reward", lora_base="/ckpt/rm/iter_0000060/reward")
+    fresh = SimpleNamespace(resumed_lora_base=None, lora_base="/ckpt/sft/iter_0000060/actor")
+    (warning,) = lora_base_warnings({"actor": moved, "critic": same, "fresh": fresh})
+    assert warning.startswith("warning: actor:") and moved.resumed_lora_base in warning and moved.lora_base in warning

@@ -142,6 +142,7 @@ def load_role(role, path: str | Path, with_optimizer: bool = True) -> None:
         _, unexpected = role.module.load_state_dict(state["model"], strict=False)
         if unexpected:
             raise RuntimeError(f"{path}: unexpected weights {unexpected}")
+        role.resumed_lora_base = state["extra"].get("lora_base")  # what they trained on (roles.lora_base_warnings)
     role.load_extra_state(state["extra"])
     if role.optimizer is None:
         return

@@ -160,8 +160,10 @@ class Role:
         self.lora = lora if lora is not None and lora.rank > 0 else None
         # With LoRA: the weights trained besides the adapters (a value head), by name prefix
         self.trained_prefixes = ("output_layer.",) if self.lora is not None and self.value_head else ()
-        # With LoRA: the checkpoint the frozen base weights were loaded from (saved with the adapters)
+        # With LoRA: the checkpoint the frozen base weights were loaded from (saved with the
+        # adapters), and the one a resumed checkpoint recorded
         self.lora_base: str | None = None
+        self.resumed_lora_base: str | None = None
         if self.lora is not None:  # before DDP and the optimizer: they see only the trainable parameters
             assert trainable, "LoRA adapters belong to a trained role"
             # a value model's output layer is its value head, trained in full
@@ -312,6 +314,16 @@ def lora_summary(roles: dict) -> dict:
     """For a stage's summary: which roles train adapters (rank, alpha, targets) on which base."""
     return {name: {**role.extra_state()["lora"], "base": role.lora_base}
             for name, role in roles.items() if getattr(role, "lora", None) is not None}
+
+
+def lora_base_warnings(roles: dict) -> list[str]:
+    """Resumed LoRA roles whose base this run loaded from elsewhere than where their adapters
+    trained: a moved checkpoint, or other weights under the adapters (a changed setting)."""
+    return [f"warning: {name}: the resumed LoRA adapters were trained on the base {role.resumed_lora_base}, this run "
+            f"loaded it from {role.lora_base}; unless that checkpoint was moved there, restore the setting that named "
+            "it (sft.init_from, dpo.init_from, rl.sft_from, rl.rm_from / rl.critic_from)"
+            for name, role in roles.items()
+            if getattr(role, "resumed_lora_base", None) and role.lora_base and role.resumed_lora_base != role.lora_base]
 
 
 class Actor(Role):

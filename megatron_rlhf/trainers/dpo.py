@@ -32,7 +32,7 @@ from megatron_rlhf.checkpoint.validate import CheckpointError
 from megatron_rlhf.config import Config, DPOConfig
 from megatron_rlhf.data.encode import collate_preferences, encode_preferences, encode_prompt_records
 from megatron_rlhf.data.sampler import EpochSampler
-from megatron_rlhf.models.roles import Actor, AdapterFreeReference, Reference, lora_summary
+from megatron_rlhf.models.roles import Actor, AdapterFreeReference, Reference, lora_base_warnings, lora_summary
 from megatron_rlhf.parallel.collectives import dp_sum, dp_sums
 from megatron_rlhf.rollout import SamplingParams
 from megatron_rlhf.rollout.megatron_engine import MegatronRolloutEngine
@@ -167,7 +167,7 @@ def train(cfg: Config) -> dict:
     ref, ref_note = build_reference(cfg, state, start, data_id, (train_set, eval_set, pad), actor)
     log = runner.log
     for line in (runner.resumed, f"actor/reference from {start[1]}" + (" (Hugging Face weights)" if start[0] == "hf" else ""),
-                 ref_note, f"train pairs: {train_report}; eval pairs: {eval_report}"):
+                 ref_note, f"train pairs: {train_report}; eval pairs: {eval_report}", *lora_base_warnings(roles)):
         if line:
             log.info(line)
 

@@ -31,7 +31,9 @@ from megatron_rlhf.config import Config, ConfigError, RLConfig, policy_start, wa
 from megatron_rlhf.data.encode import EncodedPrompt, encode_prompt_records
 from megatron_rlhf.data.sampler import EpochSampler
 from megatron_rlhf.logging.reward_hacking import RewardHackingAlarm
-from megatron_rlhf.models.roles import Actor, AdapterFreeReference, Critic, Reference, RewardModel, lora_summary
+from megatron_rlhf.models.roles import (
+    Actor, AdapterFreeReference, Critic, Reference, RewardModel, lora_base_warnings, lora_summary,
+)
 from megatron_rlhf.parallel.collectives import all_reduce, any_rank, dp_group, dp_sum, dp_sums, masked_moments
 from megatron_rlhf.rewards import RewardInputs, RewardSourceError, RewardSources, rm_scores
 from megatron_rlhf.rollout import Rollout, SamplingParams, make_engine
@@ -441,7 +443,7 @@ def run_iterations(cfg: Config, runner, data, roles, engine, sched, rewards: Rew
                 part.load_state_dict(state[key])
     log = runner.log
     for line in (load_inputs(cfg, roles, fresh_start=not runner.resumed), runner.resumed,
-                 f"prompts: {train_report}", *(f"warning: {w}" for w in warnings_for(cfg))):
+                 f"prompts: {train_report}", *(f"warning: {w}" for w in warnings_for(cfg)), *lora_base_warnings(roles)):
         if line:
             log.info(line)
     sampling = SamplingParams(rl.temperature, rl.top_k, rl.top_p, rl.max_new_tokens)

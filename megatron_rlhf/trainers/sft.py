@@ -16,11 +16,11 @@ from functools import partial
 import torch
 
 from megatron_rlhf import parallel
+from megatron_rlhf.checkpoint.manager import resolve_checkpoint
 from megatron_rlhf.config import Config
 from megatron_rlhf.data.encode import collate_sft, encode_sft
 from megatron_rlhf.data.sampler import EpochSampler
-from megatron_rlhf.checkpoint.manager import resolve_checkpoint
-from megatron_rlhf.models.roles import Actor, lora_summary
+from megatron_rlhf.models.roles import Actor, lora_base_warnings, lora_summary
 from megatron_rlhf.parallel.collectives import dp_sums
 from megatron_rlhf.trainers.batching import data_parallel, dp_slice, padded_forward
 from megatron_rlhf.trainers.runner import StageRunner, skipped_steps
@@ -87,6 +87,8 @@ def train(cfg: Config) -> dict:
     if loaded:
         where = f"the Hugging Face checkpoint {loaded}" if start[0] == "hf" and not lora else loaded
         log.info(f"LoRA adapters on the frozen base {where}" if lora else f"initialised from {where}")
+    for line in lora_base_warnings(roles):
+        log.info(line)
     eval_args = (data.tokenizer.pad_id, st.seq_length, st.micro_batch_size)
     eval_loss_start = evaluate(actor, eval_set, *eval_args)
     dp_rank, dp_size = data_parallel()

@@ -82,7 +82,7 @@ def main() -> None:
     if args.init:
         init(args, cfg, batch)
     rank = torch.distributed.get_rank()
-    res = {"outputs": {}, "losses": {}, "resume": {}, "trainable": {}}
+    res = {"outputs": {}, "losses": {}, "resume": {}, "trainable": {}, "base_recorded": {}}
 
     actor = load(cfg, args.root, "actor")
     base = Reference(cfg)
@@ -150,6 +150,8 @@ def main() -> None:
         resumed = build(cfg, name)
         load_model_weights(resumed, args.root / "init" / f"{name}_base")
         load_role(resumed, args.root / "after_step" / args.layout / name)
+        recorded = str((args.root / "init" / f"{name}_base").resolve())
+        res["base_recorded"][name] = resumed.resumed_lora_base == recorded == resumed.lora_base
         second_resumed = step(resumed, batch, name)
         diff = max((p - after_two[n]).abs().max().item() for n, p in resumed.module.named_parameters())
         res["resume"][name] = {"loss": second, "loss_resumed": second_resumed, "max_param_diff": diff}
