@@ -130,9 +130,10 @@ def load_role(role, path: str | Path, with_optimizer: bool = True) -> None:
     if not path.is_dir():
         raise FileNotFoundError(f"checkpoint directory not found: {path}")
     check_architecture(role, path)
-    if check_lora_matches(role, path, with_optimizer):
+    extra = load_extra_state(path)
+    if loads_merged(role, path, extra, with_optimizer):
         load_model_weights(role, path)
-        role.load_extra_state(load_extra_state(path))
+        role.load_extra_state(extra)
         return
     with restricted_dcp_unpickling(path):
         state = dist_checkpointing.load(role_sharded_state_dict(role, with_optimizer, is_loading=True), str(path))
@@ -153,13 +154,13 @@ def load_role(role, path: str | Path, with_optimizer: bool = True) -> None:
         role.optimizer.reload_model_params()
 
 
-def check_lora_matches(role, path: Path, with_optimizer: bool) -> bool:
-    """Whether a role without adapters is loading a LoRA checkpoint as a frozen model (True);
-    a CheckpointError when the checkpoint cannot be resumed by this role: adapters of another
-    shape, or adapters on one side only."""
+def loads_merged(role, path: Path, extra: dict, with_optimizer: bool) -> bool:
+    """Whether a role without adapters is loading a LoRA checkpoint (common state `extra`) as a
+    frozen model, its base with the adapters merged (True); a CheckpointError when the checkpoint
+    cannot be resumed by this role: adapters of another shape, or adapters on one side only."""
     from megatron_rlhf.checkpoint.validate import CheckpointError
 
-    saved = load_extra_state(path).get("lora")
+    saved = extra.get("lora")
     lora = getattr(role, "lora", None)
     fix = "set the lora.* settings of the run that wrote it, or start the stage afresh (checkpoint.resume=false)"
     if saved and lora is None and not with_optimizer:
@@ -216,7 +217,9 @@ def _load_weights(role, path: Path, skip_prefixes: tuple[str, ...], base_only: b
 
     skipped = [k for k in sharded if k.startswith(skip_prefixes) or own(k)]
     wanted = {k: v for k, v in sharded.items() if k not in skipped}
-    trained = lambda loaded: any(not lora_role or trained_by_lora(role, k) for k in loaded)  # noqa: E731
+    def trains(loaded: dict) -> bool:  # whether `loaded` changed a weight the role trains
+        return any(not lora_role or trained_by_lora(role, k) for k in loaded)
+
     extra = load_extra_state(path)
     if not extra.get("lora"):
         loaded = _read(path, wanted)
@@ -224,7 +227,7 @@ def _load_weights(role, path: Path, skip_prefixes: tuple[str, ...], base_only: b
         missing = [k for k in missing if not k.startswith(skip_prefixes) and not k.endswith("_extra_state") and not own(k)]
         if missing or unexpected:
             raise RuntimeError(f"{path}: weights do not match the model: missing {missing}, unexpected {unexpected}")
-        return skipped, trained(loaded)
+        return skipped, trains(loaded)
     base = extra.get("lora_base")
     if not base or not Path(base).is_dir():
         raise CheckpointError(f"{path}: a LoRA adapter checkpoint whose base checkpoint ({base}) is missing; restore "
@@ -232,10 +235,10 @@ def _load_weights(role, path: Path, skip_prefixes: tuple[str, ...], base_only: b
     _, changed = _load_weights(role, Path(base), skip_prefixes, base_only)
     with restricted_dcp_unpickling(path):
         held = set(dist_checkpointing.load_tensors_metadata(str(path)))
-    heads = {k: v for k, v in wanted.items() if not is_adapter(k) and getattr(v, "key", None) in held}
+    heads = {k: v for k, v in wanted.items() if getattr(v, "key", None) in held}  # (wanted has no adapters)
     loaded = _read(path, heads)  # what the LoRA run trained in full (a value head); collective, maybe empty here
     role.module.load_state_dict(loaded, strict=False)
-    changed = changed or trained(loaded)
+    changed = changed or trains(loaded)
     merged = merge_adapters(role, path, extra["lora"], skip_prefixes)
     return skipped, changed or (merged and not lora_role)  # a LoRA role's base is not trained
 

@@ -150,8 +150,8 @@ def _adapt(linear, rank: int, alpha: float, dropout: float, column: bool, swiglu
 
 
 def target_layers(model: torch.nn.Module, targets: list[str]):
-    """(name, linear layer, column-parallel?, SwiGLU FC1?, seed offset) of every layer `targets`
-    names on this pipeline stage (`output`: the LM head, on the last stage)."""
+    """(linear layer, column-parallel?, SwiGLU FC1?, seed offset) of every layer `targets` names
+    on this pipeline stage (`output`: the LM head, on the last stage)."""
     for layer in model.decoder.layers:
         for target in targets:
             if target == OUTPUT:
@@ -159,9 +159,9 @@ def target_layers(model: torch.nn.Module, targets: list[str]):
             parent, attr, column = TARGETS[target]
             key = f"{layer.layer_number}.{target}"  # global layer number: the same at every PP
             gated = model.config.gated_linear_unit and target == "fc1"
-            yield key, getattr(getattr(layer, parent), attr), column, gated, zlib.crc32(key.encode())
+            yield getattr(getattr(layer, parent), attr), column, gated, zlib.crc32(key.encode())
     if OUTPUT in targets and getattr(model, "post_process", False):
-        yield OUTPUT, model.output_layer, True, False, zlib.crc32(OUTPUT.encode())
+        yield model.output_layer, True, False, zlib.crc32(OUTPUT.encode())
 
 
 def apply_lora(model: torch.nn.Module, rank: int, alpha: float, dropout: float, targets: list[str],
@@ -170,7 +170,7 @@ def apply_lora(model: torch.nn.Module, rank: int, alpha: float, dropout: float, 
     the last stage); every other parameter frozen except those whose names start with
     `keep_trainable` (e.g. a value head). Call before DDP and the optimizer are built: they then
     hold only the trainable parameters."""
-    for _, linear, column, gated, offset in target_layers(model, targets):
+    for linear, column, gated, offset in target_layers(model, targets):
         _adapt(linear, rank, alpha, dropout, column, gated, seed + offset)
     for name, param in model.named_parameters():
         param.requires_grad_(is_adapter(name) or name.startswith(keep_trainable))
@@ -186,7 +186,7 @@ def borrowed_adapters(model: torch.nn.Module, rank: int, alpha: float, targets: 
     and merged into the weights (checkpoint.dist.merge_adapters). Its own adapters, classes and
     parameters (DDP's buffers view them) are put back afterwards. Yields the adapted layers."""
     saved, layers = [], []
-    for _, linear, column, gated, _ in target_layers(model, targets):
+    for linear, column, gated, _ in target_layers(model, targets):
         own = {k: linear._parameters.pop(k) for k in ("lora_A", "lora_B") if k in linear._parameters}
         saved.append((linear, type(linear), own, {k: linear.__dict__.pop(k) for k in _ADAPTER_STATE
                                                    if k in linear.__dict__}))
@@ -196,8 +196,9 @@ def borrowed_adapters(model: torch.nn.Module, rank: int, alpha: float, targets: 
         yield layers
     finally:
         for linear, cls, own, state in saved:
-            for k in ("lora_A", "lora_B", *_ADAPTER_STATE):
-                linear._parameters.pop(k, None)
+            for k in ("lora_A", "lora_B"):
+                linear._parameters.pop(k)
+            for k in _ADAPTER_STATE:
                 linear.__dict__.pop(k, None)
             linear.__class__ = cls
             linear._parameters.update(own)

@@ -55,7 +55,7 @@ def evaluate(actor: Actor, examples: list, pad_id: int, seq_len: int, micro_batc
     return sums["nll"] / max(sums["tokens"], 1.0)
 
 
-def start_weights(cfg: Config) -> tuple[str, str] | None:
+def start_checkpoint(cfg: Config) -> tuple[str, str] | None:
     """("ckpt", dir) for sft.init_from, ("hf", dir) for model.init_from_hf, None: fresh."""
     if cfg.sft.init_from:
         return "ckpt", str(resolve_checkpoint(cfg.sft.init_from))
@@ -77,7 +77,7 @@ def train(cfg: Config) -> dict:
     roles = {"actor": actor}
     sampler = EpochSampler(len(train_set), seed=cfg.seed)
     runner.resume(roles, sampler)
-    start = start_weights(cfg)
+    start = start_checkpoint(cfg)
     # a LoRA actor's frozen base also on resume: its checkpoints hold only the adapters
     loaded = load_start(cfg, actor, start) if start and (lora or runner.resumed is None) else None
     log = runner.log
