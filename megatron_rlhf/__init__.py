@@ -20,4 +20,63 @@ def _hide_old_nvrx_async_checkpointing() -> None:
         sys.modules.setdefault("nvidia_resiliency_ext.checkpointing.async_ckpt.core", None)
 
 
+class _DeferTorchCompileInMegatron:
+    """Import hook: while megatron.core's package imports, `torch.compile` used as a decorator
+    defers its work to the decorated function's first call.
+
+    megatron-core decorates ~40 functions at import (megatron/core/jit.py sets its `jit_fuser`
+    to torch.compile; transformer/moe/router.py uses @torch.compile directly), and the first
+    torch.compile call imports torch._dynamo and torch._inductor: ~2.5 s of CPU in every process
+    (a third of a worker's start-up on our 2-core machines, ~1.5 s on a GPU node), although
+    most of those functions are never called (none is in our CPU runs, where the fusions are
+    off). torch.compile(fn) compiles on the first call anyway, so deferring the import changes
+    only when it happens: a fused kernel a GPU run calls is compiled exactly as before.
+    torch.compile itself is restored once megatron.core has imported."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name != "megatron.core":
+            return None
+        import importlib.machinery
+        import sys
+
+        sys.meta_path.remove(self)  # once: megatron.core imports once per process
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is not None and spec.loader is not None:
+            run = spec.loader.exec_module
+            spec.loader.exec_module = lambda module: _with_deferred_compile(run, module)
+        return spec
+
+
+def _with_deferred_compile(exec_module, module) -> None:
+    import functools
+
+    import torch
+
+    compile_now = torch.compile
+
+    def compile_on_first_call(model=None, **options):
+        if model is None:  # @torch.compile(...) with options
+            return functools.partial(compile_on_first_call, **options)
+        if not callable(model) or isinstance(model, torch.nn.Module):
+            return compile_now(model, **options)
+        compiled = None
+
+        @functools.wraps(model)
+        def first_call_compiles(*args, **kwargs):
+            nonlocal compiled
+            if compiled is None:
+                compiled = compile_now(model, **options)
+            return compiled(*args, **kwargs)
+
+        return first_call_compiles
+
+    torch.compile = compile_on_first_call
+    try:
+        exec_module(module)
+    finally:
+        torch.compile = compile_now
+
+
 _hide_old_nvrx_async_checkpointing()
+if not any(isinstance(f, _DeferTorchCompileInMegatron) for f in __import__("sys").meta_path):
+    __import__("sys").meta_path.insert(0, _DeferTorchCompileInMegatron())
