@@ -52,7 +52,9 @@ spans: a span's time includes the spans opened inside it.
     parent span spent outside its listed children (batching, statistics, logging).
   * other: the iteration outside those (TRL: the post-update gc.collect() and the dataloader).
   * gc.collect: time in explicit gc.collect() calls, wherever they were (already in the rows above).
-The generation row's CPU ms per token step (generate / new tokens) is printed in the main table.
+The generation row's CPU ms per token step (generate / new tokens) is printed in the main table;
+below the ratios, per B, ours - TRL-best of each leaf phase (medians, largest first): the measured
+costs that hold the ratio where it is.
 
 Also per row: peak RSS (ru_maxrss) and the RSS above a bare `import torch` in the same
 interpreter (VmRSS right after that import), and the model-FLOPs floor: the matmul FLOPs of one
@@ -542,6 +544,20 @@ def throughput_ratios(rows: list[dict]) -> dict:
     return out
 
 
+# The leaf rows of PHASES: they add up to the iteration, so their differences explain a gap.
+LEAVES = ["generate", "score", "train/fwd_bwd/forward", "train/fwd_bwd/backward", "train/fwd_bwd/finalize_grads",
+          "train/fwd_bwd/rest", "train/optimizer", "train/guard", "train/lr_schedule", "train/rest", "other"]
+
+
+def gaps_to_trl_best(rows: list[dict]) -> dict:
+    """Per B: ours - TRL-best CPU s per iteration of each leaf phase (medians), largest first:
+    the measured costs that keep the ratio where it is."""
+    by = {(r["batch"], r["row"]): r["phases_cpu_s_per_iteration"] for r in rows}
+    return {str(batch): dict(sorted(((p, ours[p] - by[batch, "trl-nogc"][p]) for p in LEAVES),
+                                    key=lambda kv: -kv[1]))
+            for (batch, row), ours in by.items() if row == "ours" and (batch, "trl-nogc") in by}
+
+
 def interleaved(rows: list[str], batch_sizes: list[int], repeats: int, run) -> list[dict]:
     """run(row, batch, vocab) for every repeat, rounds of all rows (ABAB...) within each B;
     the first "ours" child of a B reports the vocabulary the TRL rows then use."""
@@ -578,6 +594,9 @@ def print_tables(rows: list[dict], ratios: dict, floors: dict, new_tokens: int, 
             for ours, vs in per.items():
                 print(f"  B={batch:<3} {ours:<10} " + "   ".join(
                     f"{name}: {v['median']:.2f}x ({v['min']:.2f}x)" for name, v in vs.items()))
+    for batch, gap in gaps_to_trl_best(rows).items():
+        print(f"  B={batch:<3} ours - TRL-best, CPU ms per iteration: " + ", ".join(
+            f"{path.removeprefix('train/')} {s * 1e3:+.0f}" for path, s in gap.items()))
     for batch in sorted({r["batch"] for r in rows}):
         at = [r for r in rows if r["batch"] == batch]
         print(f"\nB={batch}: phases, CPU ms per iteration (median over repeats)")
@@ -660,7 +679,7 @@ def main() -> None:
                    "batch_sizes": batch_sizes, "quick": args.quick, "trl": with_trl},
         "primary": "process CPU seconds per iteration (time.process_time of the child: all its threads)",
         "ratio_definition": "samples/s ours / samples/s theirs = their CPU s per iteration / our CPU s per iteration",
-        "ratios": ratios, "floors": {str(b): f for b, f in floors.items()}, "rows": summary, "runs": runs}, indent=2))
+        "ratios": ratios, "gaps_to_trl_best_s_per_iteration": gaps_to_trl_best(summary), "floors": {str(b): f for b, f in floors.items()}, "rows": summary, "runs": runs}, indent=2))
     print(f"wrote {args.out}")
 
 
