@@ -1,51 +1,85 @@
 """PPO throughput side by side: our RL stage against TRL's PPOTrainer, on one CPU thread.
 
     make bench-trl                      # builds .venv-trl (TRL 1.12 on .venv's torch), then runs this
-    python benchmarks/vs_trl.py [--batch-sizes 8,16] [--iterations 5] [--out benchmarks/results/vs_trl.json]
-    python benchmarks/vs_trl.py --quick # B=4, 2 iterations, 8 new tokens; our side only if .venv-trl is absent
+    python benchmarks/vs_trl.py [--batch-sizes 8,16] [--iterations 5] [--repeats 5] [--rows ours,trl,...]
+                                [--out benchmarks/results/vs_trl.json]
+    python benchmarks/vs_trl.py --quick # B=4, 2 iterations, 8 new tokens, 1 repeat; our side only if .venv-trl is absent
 
 The workload is TRL's PPO example configuration (issue 18): a 2-layer Llama (hidden 128, 4 heads,
 no GQA, FFN 512), the vocabulary of our built-in task's tokenizer (the same V on both sides, no
 padding rows), fp32; policy, reference, value and reward models all of that shape and randomly
 initialised; a rollout batch of B prompts of random ids (length 3..6, the same prompts on both
 sides) is one minibatch; exactly 32 new tokens per response (no EOS, so no early stop); 4 PPO
-epochs. Three rows per B, each measured in its own process with torch.set_num_threads(1):
+epochs; torch.set_num_threads(1) and OMP/MKL at 1 thread. Rows:
 
-  * "TRL 1.12 PPOTrainer as shipped": trl.experimental.ppo.PPOTrainer.train(), in .venv-trl
-  * "TRL with its per-step gc.collect() disabled": the same, with gc.collect monkeypatched to a
-    no-op in that child. PPOTrainer.train() calls gc.collect() twice per iteration (after the
-    rollout and after the update); a full collection walks every tracked Python object of the
-    process (torch + transformers + datasets + pandas: over 400k before any model exists), which
-    on a model this small costs about as much as the PPO math. The automatic generational
-    collector still runs.
-  * "megatron_rlhf (TP1 PP1)": our RL stage's own phase functions, as benchmarks/rl_step.py
-    runs them (generate -> score -> advantages -> train).
+  * "trl": TRL 1.12 trl.experimental.ppo.PPOTrainer.train() as shipped, in .venv-trl
+  * "trl-nogc" (TRL-best): the same with gc.collect monkeypatched to a no-op in that child.
+    PPOTrainer.train() calls gc.collect() twice per iteration (after the rollout and after the
+    update); a full collection walks every tracked Python object of the process (torch +
+    transformers + datasets + pandas: over 400k before any model exists), which on a model this
+    small costs about as much as the PPO math. The automatic generational collector still runs.
+  * "ours": megatron_rlhf (TP1 PP1), our RL stage's own phase functions, as benchmarks/rl_step.py
+    runs them (generate -> score -> advantages -> train)
+  * "ours-reuse": the same with rl.reuse_rollout_logprobs (pi_old from the rollout's log-probs, as
+    TRL takes it from its generation's logits: one policy forward less in score)
 
-Per row: samples/s (B x iterations / wall time of the measured iterations, after 1 warm-up
-iteration), seconds per iteration, the process's CPU seconds per iteration (with one thread
-this is the wall time on an idle machine; on a busy one it stays put while wall time grows, so
-compare the two before trusting a row), generation seconds per iteration (TRL: its batch_generation
-call, timed by wrapping it; ours: the generate phase), peak RSS (ru_maxrss) and the RSS above a
-bare `import torch` in the same interpreter (VmRSS right after that import). Also the model-FLOPs
-floor: the matmul FLOPs of one iteration (generation, the scoring forwards of policy, reference,
-value and reward, forward+backward of policy and value for 4 epochs) divided by the best measured
-single-thread fp32 torch.mm rate on the model's shapes, and each row's fraction of it (floor
-seconds / measured seconds; 1.0 would be matmul-bound). The floor is one workload's for all
-rows; TRL takes the old log-probs from generation's logits instead of a policy forward, which
-is ~3% of the floor's FLOPs.
-Prints a table, writes JSON. On a shared machine the numbers are indicative.
+Measurement. Every repeat of every row is its own child process (fresh interpreter, its own RSS
+and allocator state); the children run interleaved, one round of all rows after another (ours,
+trl, trl-nogc, ours-reuse, ours, trl, ...), --repeats rounds per B, so slow spells of a shared
+machine fall on every row alike. A child runs 1 warm-up iteration and --iterations measured ones.
+The primary figure is the process CPU time per iteration (time.process_time: every thread of
+the child, gloo's and any OpenMP pool's included) -- on a loaded machine wall time grows with the
+load while CPU time mostly does not; wall time is printed beside it. Per row: min and median over
+the repeats (a child's value is its measured iterations' mean), and the spread median/min - 1.
+
+Ratios (printed and in the JSON): throughput ours / theirs = samples/s ours / samples/s theirs
+= their CPU s per iteration / our CPU s per iteration at the same B (> 1: ours is faster), from
+the medians (and from the minima beside), against TRL-best (trl-nogc) and TRL as shipped (trl).
+
+Phase table (CPU time per iteration, median over repeats), measured inside each child by
+wrapping functions from the outside (nothing in the package or in TRL is edited), with nested
+spans: a span's time includes the spans opened inside it.
+  * generate: ours `stage.generate` (the Megatron engine); TRL its module-level batch_generation.
+  * score: from the end of generation to the first training forward, both sides: the scoring
+    forwards (reference, value, reward; ours also the policy unless -reuse), rewards, KL, advantages.
+  * train: the PPO epochs up to the iteration's end. Inside it, forward+backward: ours
+    Role._forward_backward (zero-grad, megatron's schedule, DDP's grad finalise), with megatron's
+    schedules.forward_step (model forward + loss) and backward_step and the model config's
+    finalize_model_grads_func as sub-spans; TRL from the update's forward() call (model forward)
+    to the end of accelerator.backward(), i.e. with its loss math. optimizer: ours
+    role.optimizer.step(), TRL optimizer.step() + zero_grad(). NaN guard: ours role.guard.should_skip
+    (TRL has none). LR schedule: scheduler.step() / lr_scheduler.step(). "rest" rows are what the
+    parent span spent outside its listed children (batching, statistics, logging).
+  * other: the iteration outside those (TRL: the post-update gc.collect() and the dataloader).
+  * gc.collect: time in explicit gc.collect() calls, wherever they were (already in the rows above).
+The generation row's CPU ms per token step (generate / new tokens) is printed in the main table;
+below the ratios, per B, ours - TRL-best of each leaf phase (medians, largest first): the measured
+costs that hold the ratio where it is.
+
+Also per row: peak RSS (ru_maxrss) and the RSS above a bare `import torch` in the same
+interpreter (VmRSS right after that import), and the model-FLOPs floor: the matmul FLOPs of one
+iteration (generation, the scoring forwards of policy, reference, value and reward, forward +
+backward of policy and value for 4 epochs) divided by the best measured single-thread fp32
+torch.mm rate on the model's shapes, and each row's fraction of it (floor seconds / median CPU
+seconds; 1.0 would be matmul-bound). The floor is one workload's for all rows; TRL takes the old
+log-probs from generation's logits instead of a policy forward, which is ~3% of the floor's FLOPs.
+Prints the tables, writes JSON (every child's result under "runs", the summaries under "rows").
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import resource
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections import defaultdict
+from contextlib import contextmanager
 from pathlib import Path
 
 # No torch (or anything heavy) at module level: a child's RSS baseline is "right after a bare
@@ -53,17 +87,35 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 RECIPE = REPO / "pipelines/tiny_cpu.yaml"
-ROWS = {
-    "trl": "TRL 1.12 PPOTrainer as shipped",
-    "trl-nogc": "TRL with its per-step gc.collect() disabled",
+ROWS = {  # in the order each round runs them (ours first: it reports V, which the TRL rows reuse)
     "ours": "megatron_rlhf (TP1 PP1)",
-    # TRL takes pi_old from its generation's logits; ours can too (rl.reuse_rollout_logprobs)
+    "trl": "TRL 1.12 PPOTrainer as shipped",
+    "trl-nogc": "TRL-best: its per-step gc.collect() disabled",
     "ours-reuse": "megatron_rlhf, rollout log-probs reused",
 }
+OURS, TRL_ROWS = ("ours", "ours-reuse"), ("trl", "trl-nogc")
 # The model of issue 18 (TRL's PPO example configuration), on both sides.
 LAYERS, HIDDEN, HEADS, FFN, EPOCHS = 2, 128, 4, 512, 4
 PAD, EOS, UNK = 0, 1, 2  # the TRL side's tokenizer; prompt ids start above them on both sides
 RESULT = "RESULT "       # a child's last stdout line: RESULT <json> (TRL may print its own lines)
+# Phase table rows: (span path, label). "rest" rows and "other" are derived (see phase_table).
+PHASES = [
+    ("iteration", "iteration"),
+    ("generate", "generate"),
+    ("score", "score"),
+    ("train", "train"),
+    ("train/fwd_bwd", "  forward+backward"),
+    ("train/fwd_bwd/forward", "    model forward (+ loss: ours)"),
+    ("train/fwd_bwd/backward", "    backward"),
+    ("train/fwd_bwd/finalize_grads", "    DDP grad finalise"),
+    ("train/fwd_bwd/rest", "    rest (ours: schedule, zero-grad; TRL: loss)"),
+    ("train/optimizer", "  optimizer step"),
+    ("train/guard", "  NaN guard"),
+    ("train/lr_schedule", "  LR schedule"),
+    ("train/rest", "  rest (batching, statistics, logging)"),
+    ("other", "other (TRL: post-update gc.collect, data)"),
+    ("gc.collect", "gc.collect() calls, within the above"),
+]
 
 
 # ----------------------------------------------------------------------------- shared helpers
@@ -95,9 +147,95 @@ def import_torch_single_thread() -> float:
     return base
 
 
+class SpanClock:
+    """Process CPU seconds per named span, nested by path ("train/fwd_bwd/backward": a span
+    opened while "train/fwd_bwd" is open). time.process_time covers every thread of the process."""
+
+    def __init__(self):
+        self.open: list[tuple[str, float]] = []  # (path, CPU clock at begin)
+        self.seconds: dict[str, float] = defaultdict(float)
+
+    def top(self) -> str | None:
+        return self.open[-1][0].rsplit("/", 1)[-1] if self.open else None
+
+    def begin(self, name: str) -> None:
+        path = f"{self.open[-1][0]}/{name}" if self.open else name
+        self.open.append((path, time.process_time()))
+
+    def end(self, name: str) -> None:
+        if self.top() != name:
+            raise RuntimeError(f"span {name!r} ended while {self.top()!r} is the innermost open one")
+        path, start = self.open.pop()
+        self.seconds[path] += time.process_time() - start
+
+    @contextmanager
+    def span(self, name: str):
+        self.begin(name)
+        try:
+            yield
+        finally:
+            self.end(name)
+
+    def wrap(self, owner, attr: str, name: str) -> None:
+        """Time every call of owner.attr (a module function or an instance's method) as `name`."""
+        fn = getattr(owner, attr)
+
+        @functools.wraps(fn)
+        def timed(*args, **kwargs):
+            with self.span(name):
+                return fn(*args, **kwargs)
+
+        setattr(owner, attr, timed)
+
+    def clear(self) -> None:
+        """Forget the closed spans (the warm-up's); open ones keep their start."""
+        self.seconds.clear()
+
+
+def phase_table(seconds: dict[str, float], iteration_s: float, iterations: int) -> dict[str, float]:
+    """CPU seconds per iteration of each PHASES row from a child's span totals."""
+    per = {path: s / iterations for path, s in seconds.items()}
+    get = lambda path: per.get(path, 0.0)  # noqa: E731  (a span that never ran: 0)
+    table = {"iteration": iteration_s / iterations,
+             **{p: get(p) for p in ("generate", "score", "train", "train/fwd_bwd", "train/fwd_bwd/forward",
+                                    "train/fwd_bwd/backward", "train/fwd_bwd/finalize_grads", "train/optimizer",
+                                    "train/guard", "train/lr_schedule")}}
+    table["train/fwd_bwd/rest"] = table["train/fwd_bwd"] - sum(
+        table[f"train/fwd_bwd/{p}"] for p in ("forward", "backward", "finalize_grads"))
+    table["train/rest"] = table["train"] - sum(
+        table[f"train/{p}"] for p in ("fwd_bwd", "optimizer", "guard", "lr_schedule"))
+    table["other"] = table["iteration"] - table["generate"] - table["score"] - table["train"]
+    table["gc.collect"] = sum(s for path, s in per.items() if path.rsplit("/", 1)[-1] == "gc.collect")
+    return table
+
+
 # ----------------------------------------------------------------------------- our side
+def install_our_timers(clock: SpanClock, trained: dict) -> list[str]:
+    """Spans around our trainer's steps, wrapped from the outside (public or role-level methods,
+    so a different optimizer or guard class keeps working); returns what was wrapped."""
+    from megatron.core.pipeline_parallel import schedules
+
+    wrapped = []
+
+    def wrap(owner, attr, name, label):
+        if owner is not None and callable(getattr(owner, attr, None)):
+            clock.wrap(owner, attr, name)
+            wrapped.append(label)
+
+    # megatron's per-microbatch steps (a module global the schedules look up at call time)
+    wrap(schedules, "forward_step", "forward", "schedules.forward_step")
+    wrap(schedules, "backward_step", "backward", "schedules.backward_step")
+    for name, role in trained.items():
+        wrap(role, "_forward_backward", "fwd_bwd", f"{name}._forward_backward")
+        wrap(role.module.config, "finalize_model_grads_func", "finalize_grads", f"{name}.finalize_model_grads_func")
+        wrap(role.optimizer, "step", "optimizer", f"{name}.optimizer.step")
+        wrap(getattr(role, "guard", None), "should_skip", "guard", f"{name}.guard.should_skip")
+        wrap(getattr(role, "scheduler", None), "step", "lr_schedule", f"{name}.scheduler.step")
+    return wrapped
+
+
 def run_ours(batch: int, iterations: int, new_tokens: int, seed: int, reuse_logprobs: bool = False) -> dict:
-    """Our RL stage's phase functions, exactly as benchmarks/rl_step.py's run() calls them."""
+    """Our RL stage's phase functions, as benchmarks/rl_step.py's run() calls them."""
     base = import_torch_single_thread()
     import torch
 
@@ -130,27 +268,34 @@ def run_ours(batch: int, iterations: int, new_tokens: int, seed: int, reuse_logp
     sampling = SamplingParams(max_new_tokens=new_tokens)
     prompts = [EncodedPrompt(ids, PromptExample("-")) for ids in make_prompts(batch, cfg.model.vocab_size, seed)]
     score_fn = partial(stage.sequence_rewards, RewardSources(cfg, roles.get("reward")), tokenizer=tokenizer, rl=cfg.rl)
+    clock = SpanClock()
+    timers = install_our_timers(clock, trained)
+    import gc
+    clock.wrap(gc, "collect", "gc.collect")  # as on the TRL side (ours calls none itself)
     torch.set_num_threads(1)  # again, in case an import or initialize changed it
+    per_iteration = []  # (wall, CPU) seconds of each measured iteration
     for it in range(iterations + 1):
         if it == 1:  # iteration 0 is the warm-up
-            sched.stats.clear()
-            start, start_cpu = time.perf_counter(), time.process_time()
-        with sched.phase("generate"):
+            clock.clear()
+        wall, cpu = time.perf_counter(), time.process_time()
+        with clock.span("generate"), sched.phase("generate"):
             rollout, rows, scored, _ = stage.generate(engine, score_fn, lambda: prompts, cfg.rl, sampling, seed=it)
         if int(rollout.response_lengths().min()) != new_tokens:
             raise RuntimeError(f"a response stopped early: {rollout.response_lengths().tolist()}")
-        with sched.phase("score"):
+        with sched.phase("score"), clock.span("score"):
             ppo_batch, _ = stage.score(rollout, scored or score_fn(rollout, rows), roles, cfg.rl,
                                        recompute_old=not reuse_logprobs)
         with sched.phase("train"):
-            stage.add_advantages(ppo_batch, cfg.rl, 0.05)
-            stage.train_on_rollout(trained, ppo_batch, cfg.rl, 0.05, seed=it)
-    wall, cpu = time.perf_counter() - start, time.process_time() - start_cpu
-    phases = {p: v["seconds"] / iterations for p, v in sched.summary().items()}
+            with clock.span("score"):  # advantages: TRL computes them before its first training forward
+                stage.add_advantages(ppo_batch, cfg.rl, 0.05)
+            with clock.span("train"):
+                stage.train_on_rollout(trained, ppo_batch, cfg.rl, 0.05, seed=it)
+        if it:
+            per_iteration.append((time.perf_counter() - wall, time.process_time() - cpu))
     threads = torch.get_num_threads()
     parallel.destroy()
     return {"roles": sorted(roles), "vocab": cfg.model.vocab_size, "padded_vocab": cfg.model.padded_vocab_size,
-            "wall_s": wall, "cpu_s": cpu, "generation_s_per_iteration": phases["generate"], "phase_s_per_iteration": phases,
+            "per_iteration": per_iteration, "spans": dict(clock.seconds), "timers": timers,
             "threads": threads, "rss_after_import_torch_mib": base, "peak_rss_mib": peak_rss_mib(),
             "versions": {"torch": torch.__version__}}
 
@@ -159,10 +304,10 @@ def run_ours(batch: int, iterations: int, new_tokens: int, seed: int, reuse_logp
 def run_trl(batch: int, iterations: int, new_tokens: int, vocab: int, seed: int, gc_off: bool) -> dict:
     """TRL 1.12's PPOTrainer.train() on locally built models (no hub), timed from the outside."""
     base = import_torch_single_thread()
+    import gc
     if gc_off:
         # ppo_trainer.py does `import gc` and calls gc.collect() per step: replacing the module
         # attribute turns those calls (and any other explicit one in this process) into no-ops.
-        import gc
         gc.collect = lambda generation=2: 0
     import torch
     import transformers
@@ -190,25 +335,50 @@ def run_trl(batch: int, iterations: int, new_tokens: int, vocab: int, seed: int,
     policy, ref = LlamaForCausalLM(llama()), LlamaForCausalLM(llama())
     value, reward = (LlamaForSequenceClassification(llama(num_labels=1)) for _ in range(2))
 
-    # Generation time: wrap the module-level batch_generation that train() calls each iteration.
-    gen_seconds: list[float] = []
-    batch_generation = ppo_module.batch_generation
+    # Phases from the outside: train() calls the module-level batch_generation and forward (looked
+    # up at call time), so wrapping them marks generate -> score -> train; on_step_end closes the
+    # iteration (after the update, the metrics and lr_scheduler.step; before the second gc.collect).
+    clock = SpanClock()
+    clock.wrap(gc, "collect", "gc.collect")
+    batch_generation, forward = ppo_module.batch_generation, ppo_module.forward
 
     def timed_batch_generation(model, queries, *args, **kwargs):
-        t = time.perf_counter()
-        out = batch_generation(model, queries, *args, **kwargs)
-        gen_seconds.append(time.perf_counter() - t)
+        clock.end("other")
+        with clock.span("generate"):
+            out = batch_generation(model, queries, *args, **kwargs)
+        clock.begin("score")
         if out[0].shape[1] - queries.shape[1] != new_tokens:
             raise RuntimeError(f"responses of {out[0].shape[1] - queries.shape[1]} tokens, not {new_tokens}")
         return out
 
-    ppo_module.batch_generation = timed_batch_generation
+    def timed_forward(model, *args, **kwargs):
+        if not torch.is_grad_enabled():  # the scoring forwards (reference policy)
+            with clock.span("forward"):
+                return forward(model, *args, **kwargs)
+        if clock.top() == "score":  # the update's first forward: training starts
+            clock.end("score")
+            clock.begin("train")
+        clock.begin("fwd_bwd")  # closed after accelerator.backward
+        with clock.span("forward"):
+            return forward(model, *args, **kwargs)
 
-    step_ends: list[tuple[float, float]] = []  # (wall, process CPU) clocks
+    ppo_module.batch_generation, ppo_module.forward = timed_batch_generation, timed_forward
+
+    per_iteration: list[tuple[float, float]] = []
+    last_step_end: list[tuple[float, float]] = []
+    spans: dict[str, float] = {}
 
     class StepClock(TrainerCallback):  # on_step_end runs once per PPO iteration, after the update
         def on_step_end(self, args, state, control, **kwargs):
-            step_ends.append((time.perf_counter(), time.process_time()))
+            clock.end("train")
+            now = (time.perf_counter(), time.process_time())
+            if last_step_end:
+                per_iteration.append((now[0] - last_step_end[0][0], now[1] - last_step_end[0][1]))
+            else:  # the warm-up ends here
+                clock.clear()
+            last_step_end[:] = [now]
+            spans.update(clock.seconds)  # as of this iteration's end: later spans (the last
+            clock.begin("other")         # post-update gc.collect) fall outside the measured ones
 
     out_dir = tempfile.TemporaryDirectory(prefix="vs_trl_")  # nothing is saved; TRL may create the directory
     args = PPOConfig(
@@ -225,14 +395,26 @@ def run_trl(batch: int, iterations: int, new_tokens: int, vocab: int, seed: int,
     dataset = Dataset.from_dict({"input_ids": make_prompts(batch, vocab, seed)})
     trainer = PPOTrainer(args=args, processing_class=tokenizer, model=policy, ref_model=ref, reward_model=reward,
                          value_model=value, train_dataset=dataset, callbacks=[StepClock()])
+    backward = trainer.accelerator.backward
+
+    def timed_backward(loss, **kwargs):
+        with clock.span("backward"):
+            backward(loss, **kwargs)
+        clock.end("fwd_bwd")
+
+    trainer.accelerator.backward = timed_backward
+    clock.wrap(trainer.optimizer, "step", "optimizer")
+    clock.wrap(trainer.optimizer, "zero_grad", "optimizer")
+    clock.wrap(trainer.lr_scheduler, "step", "lr_schedule")
     torch.set_num_threads(1)  # again, in case accelerate changed it
+    clock.begin("other")
     trainer.train()
     out_dir.cleanup()
-    if len(step_ends) != iterations + 1:
-        raise RuntimeError(f"{len(step_ends)} PPO iterations ran, expected {iterations + 1}")
-    return {"wall_s": step_ends[-1][0] - step_ends[0][0],  # from the end of the warm-up iteration
-            "cpu_s": step_ends[-1][1] - step_ends[0][1],
-            "generation_s_per_iteration": sum(gen_seconds[1:]) / iterations, "vocab": vocab,
+    if len(per_iteration) != iterations:
+        raise RuntimeError(f"{len(per_iteration) + 1} PPO iterations ran, expected {iterations + 1}")
+    return {"vocab": vocab, "per_iteration": per_iteration, "spans": spans,
+            "timers": ["batch_generation", "forward", "accelerator.backward", "optimizer.step", "optimizer.zero_grad",
+                       "lr_scheduler.step", "gc.collect"],
             "threads": torch.get_num_threads(), "rss_after_import_torch_mib": base, "peak_rss_mib": peak_rss_mib(),
             "versions": {"torch": torch.__version__, "transformers": transformers.__version__, "trl": trl.__version__}}
 
@@ -290,7 +472,7 @@ def _timed(fn, a, b, reps: int) -> float:
 
 # ----------------------------------------------------------------------------- driver
 def child(args) -> None:
-    if args.child in ("ours", "ours-reuse"):
+    if args.child in OURS:
         r = run_ours(args.batch, args.iterations, args.new_tokens, args.seed, args.child == "ours-reuse")
     else:
         r = run_trl(args.batch, args.iterations, args.new_tokens, args.vocab, args.seed, args.child == "trl-nogc")
@@ -298,6 +480,7 @@ def child(args) -> None:
 
 
 def measure(python: str, row: str, batch: int, iterations: int, new_tokens: int, vocab: int | None) -> dict:
+    """One child process: one repeat of one row."""
     cmd = [python, __file__, "--child", row, "--batch", str(batch), "--iterations", str(iterations),
            "--new-tokens", str(new_tokens)] + (["--vocab", str(vocab)] if vocab else [])
     # One thread everywhere (also OpenMP/MKL pools that set_num_threads does not reach); offline.
@@ -310,19 +493,132 @@ def measure(python: str, row: str, batch: int, iterations: int, new_tokens: int,
         sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-8000:])
         raise SystemExit(f"{row} (B={batch}) failed with exit code {proc.returncode}")
     r = json.loads(lines[-1][len(RESULT):])
-    r.update(row=row, label=ROWS[row], batch=batch, iterations=iterations, response_tokens=new_tokens,
-             python=python, seconds_per_iteration=r["wall_s"] / iterations,
-             samples_per_s=batch * iterations / r["wall_s"], cpu_s_per_iteration=r["cpu_s"] / iterations,
+    wall, cpu = (sum(t[i] for t in r["per_iteration"]) for i in (0, 1))
+    r.update(row=row, batch=batch, iterations=iterations, response_tokens=new_tokens, python=python,
+             wall_s_per_iteration=wall / iterations, cpu_s_per_iteration=cpu / iterations,
+             phases=phase_table(r["spans"], cpu, iterations),
              rss_increment_mib=r["peak_rss_mib"] - r["rss_after_import_torch_mib"])
     return r
+
+
+def min_median(values: list[float]) -> dict:
+    return {"min": min(values), "median": statistics.median(values), "values": values}
+
+
+def summarise(runs: list[dict]) -> list[dict]:
+    """One row per (B, row): min and median over its repeats."""
+    groups: dict[tuple[int, str], list[dict]] = defaultdict(list)
+    for r in runs:
+        groups[r["batch"], r["row"]].append(r)
+    rows = []
+    for (batch, row), rs in groups.items():
+        cpu = min_median([r["cpu_s_per_iteration"] for r in rs])
+        wall = min_median([r["wall_s_per_iteration"] for r in rs])
+        phases = {p: statistics.median(r["phases"][p] for r in rs) for p, _ in PHASES}
+        rows.append({
+            "batch": batch, "row": row, "label": ROWS[row], "repeats": len(rs), "response_tokens": rs[0]["response_tokens"],
+            "vocab": rs[0]["vocab"], "threads": rs[0]["threads"], "versions": rs[0]["versions"], "timers": rs[0]["timers"],
+            "cpu_s_per_iteration": cpu, "wall_s_per_iteration": wall,
+            "cpu_spread": cpu["median"] / cpu["min"] - 1, "wall_spread": wall["median"] / wall["min"] - 1,
+            "samples_per_s_cpu": batch / cpu["median"], "samples_per_s_wall": batch / wall["median"],
+            "phases_cpu_s_per_iteration": phases,
+            "generate_cpu_ms_per_token": phases["generate"] / rs[0]["response_tokens"] * 1e3,
+            "peak_rss_mib": statistics.median(r["peak_rss_mib"] for r in rs),
+            "rss_after_import_torch_mib": statistics.median(r["rss_after_import_torch_mib"] for r in rs),
+            "rss_increment_mib": statistics.median(r["rss_increment_mib"] for r in rs)})
+    return rows
+
+
+def throughput_ratios(rows: list[dict]) -> dict:
+    """ours / theirs throughput = their CPU s per iteration / ours, per B, from medians and minima."""
+    by = {(r["batch"], r["row"]): r["cpu_s_per_iteration"] for r in rows}
+    out: dict[str, dict] = {}
+    for (batch, ours), mine in by.items():
+        if ours not in OURS:
+            continue
+        for theirs, name in (("trl-nogc", "vs_trl_best"), ("trl", "vs_trl_shipped")):
+            if (batch, theirs) in by:
+                other = by[batch, theirs]
+                out.setdefault(str(batch), {}).setdefault(ours, {})[name] = {
+                    stat: other[stat] / mine[stat] for stat in ("median", "min")}
+    return out
+
+
+# The leaf rows of PHASES: they add up to the iteration, so their differences explain a gap.
+LEAVES = ["generate", "score", "train/fwd_bwd/forward", "train/fwd_bwd/backward", "train/fwd_bwd/finalize_grads",
+          "train/fwd_bwd/rest", "train/optimizer", "train/guard", "train/lr_schedule", "train/rest", "other"]
+
+
+def gaps_to_trl_best(rows: list[dict]) -> dict:
+    """Per B: ours - TRL-best CPU s per iteration of each leaf phase (medians), largest first:
+    the measured costs that keep the ratio where it is."""
+    by = {(r["batch"], r["row"]): r["phases_cpu_s_per_iteration"] for r in rows}
+    return {str(batch): dict(sorted(((p, ours[p] - by[batch, "trl-nogc"][p]) for p in LEAVES),
+                                    key=lambda kv: -kv[1]))
+            for (batch, row), ours in by.items() if row == "ours" and (batch, "trl-nogc") in by}
+
+
+def interleaved(rows: list[str], batch_sizes: list[int], repeats: int, run) -> list[dict]:
+    """run(row, batch, vocab) for every repeat, rounds of all rows (ABAB...) within each B;
+    the first "ours" child of a B reports the vocabulary the TRL rows then use."""
+    runs = []
+    for batch in batch_sizes:
+        vocab = None
+        for repeat in range(repeats):
+            for row in rows:
+                r = run(row, batch, vocab)
+                vocab = vocab or r["vocab"]
+                r.update(repeat=repeat, order=len(runs))
+                runs.append(r)
+                print(f"  B={batch:<3} repeat {repeat + 1}/{repeats} {row:<10} CPU {r['cpu_s_per_iteration']:.3f} s/iter, "
+                      f"wall {r['wall_s_per_iteration']:.3f}", flush=True)
+    return runs
+
+
+def print_tables(rows: list[dict], ratios: dict, floors: dict, new_tokens: int, iterations: int, repeats: int) -> None:
+    print(f"\nPPO, 2-layer Llama h{HIDDEN} ffn{FFN}, V={rows[-1]['vocab']}, {new_tokens} new tokens, {EPOCHS} epochs, "
+          f"fp32, 1 thread; {repeats} interleaved repeats per row (one child process each), {iterations} measured "
+          "iterations after 1 warm-up in each; CPU = process CPU time (all threads)")
+    print(f"{'B':>3} {'row':<44} {'CPU s/iter min':>14} {'median':>7} {'spread':>6} {'samples/s':>9} "
+          f"{'wall s/iter min':>15} {'median':>7} {'samples/s':>9} {'gen ms/tok':>10} {'peak RSS':>8} "
+          f"{'RSS-torch':>9} {'floor/CPU':>9}")
+    for r in rows:
+        c, w = r["cpu_s_per_iteration"], r["wall_s_per_iteration"]
+        print(f"{r['batch']:>3} {r['label']:<44} {c['min']:>14.3f} {c['median']:>7.3f} {r['cpu_spread']:>6.1%} "
+              f"{r['samples_per_s_cpu']:>9.2f} {w['min']:>15.3f} {w['median']:>7.3f} {r['samples_per_s_wall']:>9.2f} "
+              f"{r['generate_cpu_ms_per_token']:>10.2f} {r['peak_rss_mib']:>8.0f} {r['rss_increment_mib']:>9.0f} "
+              f"{r['fraction_of_floor']:>9.3f}")
+    if ratios:
+        print("\nthroughput ours / theirs = their CPU s per iteration / ours (> 1: ours faster), median (min):")
+        for batch, per in ratios.items():
+            for ours, vs in per.items():
+                print(f"  B={batch:<3} {ours:<10} " + "   ".join(
+                    f"{name}: {v['median']:.2f}x ({v['min']:.2f}x)" for name, v in vs.items()))
+    for batch, gap in gaps_to_trl_best(rows).items():
+        print(f"  B={batch:<3} ours - TRL-best, CPU ms per iteration: " + ", ".join(
+            f"{path.removeprefix('train/')} {s * 1e3:+.0f}" for path, s in gap.items()))
+    for batch in sorted({r["batch"] for r in rows}):
+        at = [r for r in rows if r["batch"] == batch]
+        print(f"\nB={batch}: phases, CPU ms per iteration (median over repeats)")
+        print(f"{'':<46}" + "".join(f"{r['row']:>12}" for r in at))
+        for path, label in PHASES:
+            print(f"{label:<46}" + "".join(f"{r['phases_cpu_s_per_iteration'][path] * 1e3:>12.1f}" for r in at))
+    print("\nmodel-FLOPs floor per iteration (matmul FLOPs / best single-thread fp32 torch.mm rate):")
+    for batch, f in floors.items():
+        fl = f["flops_per_iteration"]
+        print(f"  B={batch:<3} {fl['total'] / 1e9:.3f} GFLOP (generate {fl['generate'] / 1e9:.3f}, score "
+              f"{fl['score'] / 1e9:.3f}, train {fl['train'] / 1e9:.3f}) at "
+              f"{max(f['matmul_flops_per_s'].values()) / 1e9:.1f} GFLOP/s -> {f['floor_s_per_iteration'] * 1e3:.1f} ms")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch-sizes", default="8,16", help="comma-separated rollout batch sizes B")
-    ap.add_argument("--iterations", type=int, default=5, help="measured PPO iterations (after 1 warm-up)")
+    ap.add_argument("--iterations", type=int, default=5, help="measured PPO iterations per child (after 1 warm-up)")
+    ap.add_argument("--repeats", type=int, default=5, help="children per row and B, run interleaved with the other rows")
+    ap.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated rows among {', '.join(ROWS)}")
     ap.add_argument("--quick", action="store_true",
-                    help="B=4, 2 iterations, 8 new tokens; our side only when --trl-python is absent")
+                    help="B=4, 2 iterations, 8 new tokens, 1 repeat, no ours-reuse; our side only when --trl-python is absent")
     ap.add_argument("--trl-python", default=str(REPO / ".venv-trl/bin/python"),
                     help="interpreter with TRL 1.12 (make bench-trl-setup)")
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks/results/vs_trl.json")
@@ -336,57 +632,54 @@ def main() -> None:
     if args.child:
         return child(args)
 
-    batch_sizes = [4] if args.quick else [int(b) for b in args.batch_sizes.split(",")]
-    iterations, new_tokens = (2, 8) if args.quick else (args.iterations, 32)
+    rows = [r for r in args.rows.split(",") if r]
+    if unknown := set(rows) - set(ROWS):
+        raise SystemExit(f"--rows: unknown {sorted(unknown)}; choose among {', '.join(ROWS)}")
+    if "ours" not in rows:
+        raise SystemExit("--rows must include ours (it reports the vocabulary both sides use)")
+    if args.quick:
+        batch_sizes, iterations, new_tokens, repeats = [4], 2, 8, 1
+        rows = [r for r in rows if r != "ours-reuse"]
+    else:
+        batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+        iterations, new_tokens, repeats = args.iterations, 32, args.repeats
     with_trl = Path(args.trl_python).exists()
     if not with_trl:
         if not args.quick:
             raise SystemExit(f"{args.trl_python} not found: run `make bench-trl-setup` (or --quick for our side only)")
         print(f"{args.trl_python} not found (make bench-trl-setup): --quick measures our side only")
+        rows = [r for r in rows if r not in TRL_ROWS]
+    rows = [r for r in ROWS if r in rows]  # the round's order: ours first
 
-    rows, floors = [], {}
+    def run(row, batch, vocab):
+        python = sys.executable if row in OURS else args.trl_python
+        return measure(python, row, batch, iterations, new_tokens, None if row in OURS else vocab)
+
+    runs = interleaved(rows, batch_sizes, repeats, run)
+    summary, floors = summarise(runs), {}
     for batch in batch_sizes:
-        # ours first: it reports V (the built-in task's tokenizer), which the TRL children reuse
-        ours = measure(sys.executable, "ours", batch, iterations, new_tokens, None)
-        vocab = ours["vocab"]
-        measured = [measure(args.trl_python, row, batch, iterations, new_tokens, vocab)
-                    for row in ("trl", "trl-nogc")] if with_trl else []
-        measured.append(ours)
-        if not args.quick:
-            measured.append(measure(sys.executable, "ours-reuse", batch, iterations, new_tokens, None))
+        vocab = next(r["vocab"] for r in summary if r["batch"] == batch)
         lengths = [len(p) for p in make_prompts(batch, vocab)]
         flops = iteration_flops(lengths, new_tokens, vocab)
         rates = matmul_flops_per_s(batch * round(sum(lengths) / batch + new_tokens))
-        rate = max(rates.values())
-        floor_s = flops["total"] / rate
+        floor_s = flops["total"] / max(rates.values())
         floors[batch] = {"flops_per_iteration": flops, "matmul_flops_per_s": rates, "floor_s_per_iteration": floor_s,
                          "prompt_lengths": lengths, "vocab": vocab}
-        for r in measured:
-            r["floor_s_per_iteration"] = floor_s
-            r["fraction_of_floor"] = floor_s / r["seconds_per_iteration"]
-        rows += measured
-
-    print(f"\nPPO, 2-layer Llama h{HIDDEN} ffn{FFN}, V={rows[-1]['vocab']}, {new_tokens} new tokens, {EPOCHS} epochs, "
-          f"fp32, 1 thread, {iterations} measured iterations after 1 warm-up")
-    print(f"{'B':>3} {'row':<45} {'samples/s':>9} {'s/iter':>7} {'CPU s/iter':>10} {'gen s/iter':>10} "
-          f"{'peak RSS MiB':>12} {'RSS-torch MiB':>13} {'floor/meas':>10}")
-    for r in rows:
-        print(f"{r['batch']:>3} {r['label']:<45} {r['samples_per_s']:>9.2f} {r['seconds_per_iteration']:>7.3f} "
-              f"{r['cpu_s_per_iteration']:>10.3f} {r['generation_s_per_iteration']:>10.3f} {r['peak_rss_mib']:>12.0f} "
-              f"{r['rss_increment_mib']:>13.0f} {r['fraction_of_floor']:>10.3f}")
-    print("\nmodel-FLOPs floor per iteration (matmul FLOPs / best single-thread fp32 torch.mm rate):")
-    for batch, f in floors.items():
-        fl = f["flops_per_iteration"]
-        print(f"  B={batch:<3} {fl['total'] / 1e9:.3f} GFLOP (generate {fl['generate'] / 1e9:.3f}, score "
-              f"{fl['score'] / 1e9:.3f}, train {fl['train'] / 1e9:.3f}) at "
-              f"{max(f['matmul_flops_per_s'].values()) / 1e9:.1f} GFLOP/s -> {f['floor_s_per_iteration'] * 1e3:.1f} ms")
+        for r in summary:
+            if r["batch"] == batch:
+                r["floor_s_per_iteration"] = floor_s
+                r["fraction_of_floor"] = floor_s / r["cpu_s_per_iteration"]["median"]
+    ratios = throughput_ratios(summary)
+    print_tables(summary, ratios, floors, new_tokens, iterations, repeats)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({
         "benchmark": "PPO vs TRL 1.12, 2-layer Llama, fp32, CPU, 1 thread per process",
         "config": {"layers": LAYERS, "hidden": HIDDEN, "heads": HEADS, "ffn": FFN, "epochs": EPOCHS,
-                   "response_tokens": new_tokens, "iterations": iterations, "batch_sizes": batch_sizes,
-                   "quick": args.quick, "trl": with_trl},
-        "floors": {str(b): f for b, f in floors.items()}, "rows": rows}, indent=2))
+                   "response_tokens": new_tokens, "iterations": iterations, "repeats": repeats, "rows": rows,
+                   "batch_sizes": batch_sizes, "quick": args.quick, "trl": with_trl},
+        "primary": "process CPU seconds per iteration (time.process_time of the child: all its threads)",
+        "ratio_definition": "samples/s ours / samples/s theirs = their CPU s per iteration / our CPU s per iteration",
+        "ratios": ratios, "gaps_to_trl_best_s_per_iteration": gaps_to_trl_best(summary), "floors": {str(b): f for b, f in floors.items()}, "rows": summary, "runs": runs}, indent=2))
     print(f"wrote {args.out}")
 
 

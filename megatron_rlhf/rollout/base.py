@@ -43,13 +43,16 @@ def sample_next(logits: torch.Tensor, generator: torch.Generator,
     if generator.device != logits.device:
         raise ValueError(f"sampling generator is on {generator.device} but the logits are on {logits.device}; "
                          "create it with torch.Generator(device=logits.device)")
-    logits = logits / sampling.temperature
+    # Called once per token: x / 1.0 is x exactly, so the default temperature skips the op; ids
+    # stay [B, 1] (what multinomial returns, what gather takes) until the end.
+    if sampling.temperature != 1.0:
+        logits = logits / sampling.temperature
     if sampling.greedy:
-        ids = logits.argmax(-1)
+        ids = logits.argmax(-1, keepdim=True)
     else:
         probs = filter_logits(logits, sampling.top_k, sampling.top_p).softmax(-1)
-        ids = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
-    return ids, logits.log_softmax(-1).gather(-1, ids[:, None]).squeeze(-1)
+        ids = torch.multinomial(probs, 1, generator=generator)
+    return ids.squeeze(-1), logits.log_softmax(-1).gather(-1, ids).squeeze(-1)
 
 
 @dataclass

@@ -33,13 +33,30 @@ from megatron_rlhf.parallel import cpu, device
 from megatron_rlhf.rollout.base import Rollout, RolloutEngine, SamplingParams, sample_next
 
 
-def from_last_stage_tp0(x: torch.Tensor | None, shape: list[int], dtype: torch.dtype) -> torch.Tensor:
+@dataclass(frozen=True)
+class StageLayout:
+    """This rank's place in the model-parallel grid, read from megatron's parallel_state once
+    per generate() call (each query is a few Python calls; the loop needs them every token)."""
+
+    first: bool  # first pipeline stage: embeds the tokens
+    last: bool   # last pipeline stage: holds the logits and samples
+    tp: int
+    pp: int
+
+    @classmethod
+    def current(cls) -> StageLayout:
+        return cls(ps.is_pipeline_first_stage(ignore_virtual=True), ps.is_pipeline_last_stage(ignore_virtual=True),
+                   ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size())
+
+
+def from_last_stage_tp0(x: torch.Tensor | None, shape: list[int], dtype: torch.dtype,
+                        layout: StageLayout) -> torch.Tensor:
     """`x` as TP rank 0 of the last pipeline stage holds it, on every model-parallel rank
     (`x` is only read on the last stage)."""
-    if ps.is_pipeline_last_stage(ignore_virtual=True) and ps.get_tensor_model_parallel_world_size() > 1:
+    if layout.last and layout.tp > 1:
         torch.distributed.broadcast(x, ps.get_tensor_model_parallel_src_rank(),
                                     group=ps.get_tensor_model_parallel_group())
-    if ps.get_pipeline_model_parallel_world_size() > 1:
+    if layout.pp > 1:
         x = broadcast_from_last_pipeline_stage(shape, dtype, x)
     return x
 
@@ -73,41 +90,48 @@ class Decoding:
         pad, the others take `sampled` ([B]) and, when given, its log-prob ([B]) at pos - 1.
         EOS is only looked for in rows still generating, so a pad equal to EOS, written into
         rows already done, never marks them finished or extends their length."""
-        in_prompt = pos < self.prompt_lengths
-        generating = ~in_prompt & ~self.done
-        token = torch.where(in_prompt, self.tokens[:, pos], sampled).masked_fill(self.done, pad_id)
-        self.tokens[:, pos] = token
-        if logprob is not None:
-            self.logprobs[:, pos - 1] = torch.where(generating, logprob, 0.0)
+        # Called once per token, where each tensor op costs a dispatch: the writes go in place
+        # into views of the state (no temporaries, no index_put).
+        generating = (self.prompt_lengths <= pos) & ~self.done
+        column = self.tokens[:, pos]
+        column.masked_fill_(self.done, pad_id)
+        torch.where(generating, sampled, column, out=column)
+        if logprob is not None:  # the column is still start()'s zeros: each position is written once
+            previous = self.logprobs[:, pos - 1]
+            torch.where(generating, logprob, previous, out=previous)
         self.lengths.masked_fill_(generating, pos + 1)
-        is_eos = generating & (token == eos_id)
+        is_eos = generating & (column == eos_id)
         self.finished |= is_eos
-        self.done |= is_eos | (generating & (pos + 1 - self.prompt_lengths >= max_new_tokens))
+        self.done |= is_eos | (generating & (self.prompt_lengths <= pos + 1 - max_new_tokens))  # budget used
 
 
 class MegatronRolloutEngine(RolloutEngine):
     def __init__(self, actor, eos_id: int, pad_id: int):
         self.actor, self.eos_id, self.pad_id = actor, eos_id, pad_id
 
-    def _next_token_logits(self, chunk: torch.Tensor, start: int, context) -> torch.Tensor | None:
+    def _next_token_logits(self, chunk: torch.Tensor, positions: torch.Tensor, context,
+                           layout: StageLayout) -> torch.Tensor | None:
         """Last stage: full-vocabulary fp32 logits [B, V] for the position after `chunk`
-        (gathered over TP, padded vocabulary rows -inf). Other stages: None."""
+        (`positions`: its RoPE positions, [B, L]; gathered over TP, padded vocabulary rows
+        -inf). Other stages: None."""
         model = self.actor.module
         batch, length = chunk.shape
-        position_ids = torch.arange(start, start + length, device=chunk.device).expand(batch, -1)
-        if not ps.is_pipeline_first_stage(ignore_virtual=True):
+        if not layout.first:
             hidden = torch.empty(length, batch, model.config.hidden_size,
                                  dtype=model.config.params_dtype, device=chunk.device)
             recv_from_prev_pipeline_rank_(hidden)
             model.set_input_tensor(hidden)
-        with cpu.hot_path():  # no-op on GPU
-            out = model(chunk, position_ids, None, inference_context=context)
+        out = model(chunk, positions, None, inference_context=context)
         context.sequence_len_offset += length
-        if not ps.is_pipeline_last_stage(ignore_virtual=True):
+        if not layout.last:
             send_to_next_pipeline_rank(out.contiguous())
             return None
-        logits = gather_from_tensor_model_parallel_region(out[:, -1, :].float())
-        logits[:, self.actor.cfg.model.token_vocab_size :] = float("-inf")  # padding, ids past the tokenizer
+        logits = out[:, -1, :].float()
+        if layout.tp > 1:
+            logits = gather_from_tensor_model_parallel_region(logits)
+        tokens = self.actor.cfg.model.token_vocab_size
+        if logits.size(-1) > tokens:
+            logits[:, tokens:] = float("-inf")  # padding, ids past the tokenizer
         return logits
 
     @torch.no_grad()
@@ -119,24 +143,30 @@ class MegatronRolloutEngine(RolloutEngine):
         if total > self.actor.cfg.model.max_seq_length:
             raise ValueError(f"longest prompt + max_new_tokens = {total} exceeds model.max_seq_length="
                              f"{self.actor.cfg.model.max_seq_length}")
-        last_stage = ps.is_pipeline_last_stage(ignore_virtual=True)
+        layout = StageLayout.current()
         state = Decoding.start(prompts, total, self.pad_id, device())
         generator = torch.Generator(device=device()).manual_seed(seed)
         context = StaticInferenceContext(batch, total)
+        positions = torch.arange(total, device=state.tokens.device).expand(batch, -1)
 
         prev, pos = 0, shortest
-        # `done.all()` is the one host sync per token, kept so a batch that has finished stops
-        # at once: at PP > 1 megatron's p2p helpers synchronise every step anyway, and at PP = 1
-        # decoding is launch-bound, so the sync costs about a kernel launch, far less than the
-        # extra forward steps that checking only every k tokens could run.
-        while pos < total and not bool(state.done.all()):
-            logits = self._next_token_logits(state.tokens[:, prev:pos], prev, context)
-            ids, logprob = sample_next(logits, generator, sampling) if last_stage else (None, None)
-            ids = from_last_stage_tp0(ids, [batch], torch.long)
-            state.record(pos, ids, logprob, self.eos_id, self.pad_id, sampling.max_new_tokens)
-            prev, pos = pos, pos + 1
+        # The whole loop runs outside the CPU device-rewriting mode (a no-op on GPU): besides the
+        # model (which ran there already) it only does tensor math on the state's own device and
+        # megatron's inference p2p / TP helpers, which name the device only through
+        # torch.cuda.current_device() (patched on CPU). The mode costs ~2 us per op: ~30 ops a token.
+        with cpu.hot_path():
+            # `done.all()` is the one host sync per token, kept so a batch that has finished stops
+            # at once: at PP > 1 megatron's p2p helpers synchronise every step anyway, and at PP = 1
+            # decoding is launch-bound, so the sync costs about a kernel launch, far less than the
+            # extra forward steps that checking only every k tokens could run.
+            while pos < total and not bool(state.done.all()):
+                logits = self._next_token_logits(state.tokens[:, prev:pos], positions[:, prev:pos], context, layout)
+                ids, logprob = sample_next(logits, generator, sampling) if layout.last else (None, None)
+                ids = from_last_stage_tp0(ids, [batch], torch.long, layout)
+                state.record(pos, ids, logprob, self.eos_id, self.pad_id, sampling.max_new_tokens)
+                prev, pos = pos, pos + 1
 
         width = int(state.lengths.max())
-        logprobs = state.logprobs[:, :width].contiguous() if last_stage else None
-        logprobs = from_last_stage_tp0(logprobs, [batch, width], torch.float32)
+        logprobs = state.logprobs[:, :width].contiguous() if layout.last else None
+        logprobs = from_last_stage_tp0(logprobs, [batch, width], torch.float32, layout)
         return Rollout(state.tokens[:, :width], state.prompt_lengths, state.lengths, logprobs, state.finished)
