@@ -1,6 +1,7 @@
 """Helpers for tests that run whole stages as users do: `python -m megatron_rlhf <stage>`."""
 
 import json
+import os
 
 import torch
 
@@ -22,6 +23,16 @@ def stage(nproc, command, root, run, *overrides, recipe=None, **torchrun_kwargs)
     recipe = ["--config", recipe] if recipe else RECIPE
     return torchrun(nproc, "-m", "megatron_rlhf", command, *recipe, *SIZES,
                     f"checkpoint.root={root}", f"checkpoint.run_name={run}", *overrides, **torchrun_kwargs)
+
+
+def linked_run(root, run, *stages):
+    """<root>/<run> whose finished `stages` are the shared fixture's run "main" (symlinks: later
+    stages read them and `pipeline` skips them), so that a test's own stages write next to them,
+    never into main/ (pytest-xdist runs other modules reading main/ at the same time)."""
+    (root / run).mkdir()
+    for name in stages:
+        os.symlink(root / "main" / name, root / run / name)
+    return run
 
 
 def summary(root, run, name):

@@ -11,14 +11,13 @@
   numbers within float tolerance.
 """
 
-import os
 import shutil
 
 import pytest
 import torch
 
 from distributed import REPO, read_global_tensors
-from stages import assert_same_run, fault, iter_dir, metrics, stage, summary
+from stages import assert_same_run, fault, iter_dir, linked_run, metrics, stage, summary
 
 pytestmark = pytest.mark.slow
 
@@ -29,13 +28,6 @@ SHORT = [*LEARN, "dpo.steps=6", "dpo.eval_interval=3", "dpo.save_interval=2", "c
          "dpo.precompute_reference=true"]
 ROUTE = ["pipeline.stages=[sft,rm,dpo,rl]", "rl.steps=1", "rl.eval_interval=1", "rl.rollout_batch_size=16"]
 ATOL_REFERENCE = 1e-6
-
-
-def linked_run(root, run, *stages):
-    """<root>/<run> whose finished `stages` are the shared fixture's (symlinks: `pipeline` skips them)."""
-    (root / run).mkdir()
-    for name in stages:
-        os.symlink(root / "main" / name, root / run / name)
 
 
 @pytest.fixture(scope="module")

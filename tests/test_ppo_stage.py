@@ -9,10 +9,11 @@ import shutil
 import pytest
 import torch
 
-from stages import metrics, stage, summary
+from stages import linked_run, metrics, stage, summary
 
 pytestmark = pytest.mark.slow
 
+RUN = "ppo_main"  # SFT and RM: the shared fixture's run "main"
 MIN_GOLD_GAIN = 0.3
 KL_TARGET = 6.0  # nats per sequence; the recipe's ppo.kl_target
 CHECKLIST_METRICS = {  # PPO_CHECKLIST item 18 (+ repetition rate, tokens/s per phase)
@@ -31,7 +32,7 @@ ADAPTIVE_WARMUP = ["ppo.kl_controller=adaptive", f"ppo.kl_horizon={KL_HORIZON}",
 
 @pytest.fixture(scope="module")
 def root(sft_rm_root):
-    stage(1, "ppo", sft_rm_root, "main", f"ppo.kl_target={KL_TARGET}")
+    stage(1, "ppo", sft_rm_root, linked_run(sft_rm_root, RUN, "sft", "rm"), f"ppo.kl_target={KL_TARGET}")
     inputs = [f"ppo.sft_from={sft_rm_root}/main/sft", f"ppo.rm_from={sft_rm_root}/main/rm"]
     stage(2, "ppo", sft_rm_root, "tp2", "parallel.tensor_parallel=2", "ppo.steps=3", "ppo.eval_interval=3", *inputs)
     stage(2, "ppo", sft_rm_root, "dp2", "ppo.steps=3", "ppo.eval_interval=3", *inputs, *ADAPTIVE_WARMUP)
@@ -39,7 +40,7 @@ def root(sft_rm_root):
 
 
 def test_ppo_improves_true_quality_within_the_kl_bound(root):
-    s = summary(root, "main", "ppo")
+    s = summary(root, RUN, "ppo")
     gain = s["gold_score_eval_after"] - s["gold_score_eval_before"]
     assert gain >= MIN_GOLD_GAIN, s
     assert s["rm_score_eval_after"] > s["rm_score_eval_before"]
@@ -47,7 +48,7 @@ def test_ppo_improves_true_quality_within_the_kl_bound(root):
 
 
 def test_summary_has_the_promised_fields(root):
-    s = summary(root, "main", "ppo")
+    s = summary(root, RUN, "ppo")
     assert s["steps"] == 40 and s["samples_per_second"] > 0
     for phase in ("generate", "score", "train", "eval"):
         assert s["phase_seconds"][phase] > 0
@@ -55,10 +56,10 @@ def test_summary_has_the_promised_fields(root):
 
 
 def test_every_step_logs_the_checklist_metrics(root):
-    lines = metrics(root, "main", "ppo")
+    lines = metrics(root, RUN, "ppo")
     assert [x["step"] for x in lines] == list(range(0, 41))
-    assert lines[0] == {"step": 0, "eval_rm_score": pytest.approx(summary(root, "main", "ppo")["rm_score_eval_before"]),
-                        "eval_gold_score": pytest.approx(summary(root, "main", "ppo")["gold_score_eval_before"])}
+    assert lines[0] == {"step": 0, "eval_rm_score": pytest.approx(summary(root, RUN, "ppo")["rm_score_eval_before"]),
+                        "eval_gold_score": pytest.approx(summary(root, RUN, "ppo")["gold_score_eval_before"])}
     for line in lines[1:]:
         missing = CHECKLIST_METRICS - line.keys()
         assert not missing, missing
@@ -68,7 +69,7 @@ def test_every_step_logs_the_checklist_metrics(root):
 
 
 def test_checkpoint_holds_actor_critic_and_trainer_state(root):
-    ckpt = root / "main" / "ppo" / (root / "main" / "ppo" / "latest").read_text().strip()
+    ckpt = root / RUN / "ppo" / (root / RUN / "ppo" / "latest").read_text().strip()
     assert (ckpt / "actor" / "metadata.json").is_file() and (ckpt / "critic" / "metadata.json").is_file()
     state = torch.load(ckpt / "trainer_state" / "rank_00000.pt", weights_only=False)
     assert state["step"] == 40 and state["kl_controller"]["value"] == pytest.approx(0.05)
@@ -79,17 +80,17 @@ def test_tp2_run_from_tp1_checkpoints(root):
     s = summary(root, "tp2", "ppo")
     assert s["steps"] == 3
     # the same SFT policy evaluated at TP2: identical prompts, same sampling seed
-    assert s["gold_score_eval_before"] == pytest.approx(summary(root, "main", "ppo")["gold_score_eval_before"], abs=1e-6)
+    assert s["gold_score_eval_before"] == pytest.approx(summary(root, RUN, "ppo")["gold_score_eval_before"], abs=1e-6)
     assert all(x["logprob_mismatch"] < 1e-5 for x in metrics(root, "tp2", "ppo")[1:])
 
 
 def test_pipeline_skips_finished_stages_resumes_a_partial_one_and_reports(root, tmp_path):
-    shutil.copytree(root / "main", tmp_path / "main")
+    shutil.copytree(root / RUN, tmp_path / "main")  # the linked SFT and RM stages copied too
     (tmp_path / "main" / "ppo" / "summary.json").unlink()  # PPO checkpointed but not finished
     out = stage(1, "pipeline", tmp_path, "main").stdout
     assert "sft: finished earlier, skipped" in out and "rm: finished earlier, skipped" in out
     assert "resumed from" in out
-    s, original = summary(tmp_path, "main", "ppo"), summary(root, "main", "ppo")
+    s, original = summary(tmp_path, "main", "ppo"), summary(root, RUN, "ppo")
     # "before" stays the SFT policy's score, measured on the first start
     assert s["gold_score_eval_before"] == original["gold_score_eval_before"]
     assert s["gold_score_eval_after"] == pytest.approx(original["gold_score_eval_after"], abs=1e-6)

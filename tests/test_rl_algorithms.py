@@ -7,12 +7,13 @@ the middle of one of its iterations resumes bitwise. Plus the dynamic-sampling s
 import pytest
 import torch
 
-from stages import metrics, stage, summary
+from stages import linked_run, metrics, stage, summary
 from stages import assert_same_run, fault, latest
 
 MIN_GOLD_GAIN, KL_BOUND = 0.3, 6.0  # as tests/test_ppo_stage.py
 GRPO_STEPS = 30  # the recipe runs 40 (gold -0.007 -> 0.52 on the full data); 30 keep CI shorter
 ROLES = ["actor", "reference", "reward"]
+RUN = "critic_free"  # SFT and RM: the shared fixture's run "main"
 SHORT = ["rl.steps=2", "rl.eval_interval=2", "rl.rollout_batch_size=8", "rl.mini_batch_size=8", "rl.micro_batch_size=4"]
 # GRPO at DP2 with clip-higher, dual-clip, the GSPO ratio and dynamic sampling; short
 # responses leave many groups unfinished (all scored by the missing-EOS penalty: equal).
@@ -25,9 +26,10 @@ OPTIONS = [f"rl.steps={OPTIONS_STEPS}", "rl.save_interval=2", "rl.eval_interval=
 
 @pytest.fixture(scope="module")
 def root(sft_rm_root):
-    stage(1, "rl", sft_rm_root, "main", f"rl.steps={GRPO_STEPS}", recipe="pipelines/tiny_cpu_grpo.yaml")
-    stage(1, "rl", sft_rm_root, "main", *SHORT, recipe="pipelines/tiny_cpu_rloo.yaml")
-    stage(1, "rl", sft_rm_root, "main", *SHORT, recipe="pipelines/tiny_cpu_reinforce_pp.yaml")
+    linked_run(sft_rm_root, RUN, "sft", "rm")
+    stage(1, "rl", sft_rm_root, RUN, f"rl.steps={GRPO_STEPS}", recipe="pipelines/tiny_cpu_grpo.yaml")
+    stage(1, "rl", sft_rm_root, RUN, *SHORT, recipe="pipelines/tiny_cpu_rloo.yaml")
+    stage(1, "rl", sft_rm_root, RUN, *SHORT, recipe="pipelines/tiny_cpu_reinforce_pp.yaml")
     return sft_rm_root
 
 
@@ -39,25 +41,25 @@ def options_root(sft_rm_root):
 
 
 def test_grpo_improves_true_quality_within_the_kl_bound(root):
-    s = summary(root, "main", "grpo")
+    s = summary(root, RUN, "grpo")
     assert s["algorithm"] == "grpo" and s["roles"] == ROLES and s["steps"] == GRPO_STEPS
     gain = s["gold_score_eval_after"] - s["gold_score_eval_before"]
     assert gain >= MIN_GOLD_GAIN, s
     assert s["rm_score_eval_after"] > s["rm_score_eval_before"]
     assert 0 <= s["kl_mean_final"] < KL_BOUND
     # the same SFT policy and eval prompts as PPO's run: the same "before"
-    lines = metrics(root, "main", "grpo")
+    lines = metrics(root, RUN, "grpo")
     assert lines[0]["step"] == 0 and [x["step"] for x in lines[1:]] == list(range(1, GRPO_STEPS + 1))
 
 
 def test_critic_free_runs_hold_no_critic(root):
     for algorithm in ("grpo", "rloo", "reinforce_pp"):
-        run = root / "main" / algorithm
+        run = root / RUN / algorithm
         ckpt = run / (run / "latest").read_text().strip()
         assert sorted(p.name for p in ckpt.iterdir() if p.is_dir()) == ["actor", "trainer_state"], algorithm
-        s = summary(root, "main", algorithm)
+        s = summary(root, RUN, algorithm)
         assert s["roles"] == ROLES and s["phase_peak_memory_bytes"]["train"] > 0
-        for line in metrics(root, "main", algorithm)[1:]:
+        for line in metrics(root, RUN, algorithm)[1:]:
             assert not {"value_loss", "critic_loss", "explained_variance"} & line.keys()
             assert line["logprob_mismatch"] < 1e-5 and "actor_grad_norm" in line and "policy_loss" in line
 
@@ -65,10 +67,10 @@ def test_critic_free_runs_hold_no_critic(root):
 def test_rloo_and_reinforce_pp_recipes_run(root):
     # rollout_batch_size counts prompts: rloo samples each 4 times, reinforce_pp once
     for algorithm, sequences_per_step in (("rloo", 8 * 4), ("reinforce_pp", 8)):
-        s = summary(root, "main", algorithm)
+        s = summary(root, RUN, algorithm)
         assert s["algorithm"] == algorithm and s["steps"] == 2
         assert -1 <= s["gold_score_eval_after"] <= 1
-        ckpt = root / "main" / algorithm / "iter_0000002" / "trainer_state" / "rank_00000.pt"
+        ckpt = root / RUN / algorithm / "iter_0000002" / "trainer_state" / "rank_00000.pt"
         assert torch.load(ckpt, weights_only=False)["consumed_samples"] == 2 * sequences_per_step
 
 
@@ -126,7 +128,7 @@ def test_the_report_plots_every_algorithm(root, tmp_path):
 
     run = tmp_path / "main"
     for stage_dir in ("sft", "rm", "grpo", "rloo", "reinforce_pp"):
-        shutil.copytree(root / "main" / stage_dir, run / stage_dir, ignore=shutil.ignore_patterns("iter_*"))
+        shutil.copytree(root / RUN / stage_dir, run / stage_dir, ignore=shutil.ignore_patterns("iter_*"))
     report = write_report(run).read_text()  # default: sft, rm and every algorithm's directory present
     for name in ("grpo", "rloo", "reinforce_pp"):
         png = run / f"report_{name}.png"
