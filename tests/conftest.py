@@ -41,13 +41,12 @@ def lora_runs(tmp_path_factory):
     import torch
     from distributed import torchrun
     from test_lora import BASE, LAYOUTS, OVERRIDES
+    from workers import layout_args
 
     def build(root):
         worker = "tests/workers/lora_layouts.py"
-        torchrun(1, worker, f"--root={root}", f"--layout={BASE}", "--init", *OVERRIDES)
-        for layout, (tp, pp) in LAYOUTS.items():
-            torchrun(tp * pp, worker, f"--root={root}", f"--layout={layout}", *OVERRIDES,
-                     f"parallel.tensor_parallel={tp}", f"parallel.pipeline_parallel={pp}")
+        torchrun(1, worker, f"--root={root}", f"--layout={BASE}=1x1", "--init", *OVERRIDES)
+        torchrun(2, worker, f"--root={root}", *layout_args(LAYOUTS), *OVERRIDES)  # every world-2 layout at once
 
     root = built_once(tmp_path_factory, "lora", build)
     return root, {name: torch.load(root / f"results_{name}.pt", weights_only=False) for name in [BASE, *LAYOUTS]}

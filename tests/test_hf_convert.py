@@ -506,6 +506,7 @@ def real_values_diff(ours, theirs, batch):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     from distributed import torchrun
+    from workers import layout_args
 
     root = tmp_path_factory.mktemp("hf_convert")
     models = {}
@@ -521,10 +522,11 @@ def runs(tmp_path_factory):
     batch = make_batch()
     torch.save(batch, root / "batch.pt")
     worker = "tests/workers/hf_convert.py"
+    by_world = {}  # one launch per world size (workers.run_layouts), TP2 importing before PP2 reloads
     for layout, (tp, pp, nproc) in LAYOUTS.items():
-        flags = {"tp2pp1": ["--import-train"], "tp1pp2": ["--reload"]}.get(layout, [])
-        torchrun(nproc, worker, f"--root={root}", f"--layout={layout}", *flags,
-                 f"parallel.tensor_parallel={tp}", f"parallel.pipeline_parallel={pp}")
+        by_world.setdefault(nproc, {})[layout] = (tp, pp)
+    for nproc, layouts in sorted(by_world.items()):
+        torchrun(nproc, worker, f"--root={root}", *layout_args(layouts), "--import-train=tp2pp1", "--reload=tp1pp2")
     results = {layout: torch.load(root / f"results_{layout}.pt") for layout in LAYOUTS}
     return root, models, batch, results
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from distributed import TINY_MODEL, read_global_tensors, torchrun
+from workers import layout_args
 from workers.role_layouts import LOSSES
 
 pytestmark = pytest.mark.slow
@@ -28,13 +29,14 @@ LOOSER = {"dpo_sigmoid": 1e-5, "dpo_ipo": 1e-5}
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
+    """One launch per world size, each checking all of its layouts (workers.run_layouts)."""
     root = tmp_path_factory.mktemp("layouts")
     worker = "tests/workers/role_layouts.py"
-    torchrun(1, worker, f"--root={root}", "--layout=init", "--init", *OVERRIDES)
-    torchrun(1, worker, f"--root={root}", f"--layout={BASE}", *OVERRIDES)
+    by_world = {1: {"init": (1, 1), BASE: (1, 1)}}
     for layout, (tp, pp, nproc) in LAYOUTS.items():
-        torchrun(nproc, worker, f"--root={root}", f"--layout={layout}", *OVERRIDES,
-                 f"parallel.tensor_parallel={tp}", f"parallel.pipeline_parallel={pp}")
+        by_world.setdefault(nproc, {})[layout] = (tp, pp)
+    for nproc, layouts in sorted(by_world.items()):
+        torchrun(nproc, worker, f"--root={root}", *layout_args(layouts), *OVERRIDES)
     results = {name: torch.load(root / f"results_{name}.pt") for name in [BASE, *LAYOUTS]}
     return root, results
 

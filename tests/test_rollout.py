@@ -7,6 +7,7 @@ import torch
 
 from distributed import TINY_MODEL, torchrun
 from megatron_rlhf.rollout import Rollout
+from workers import layout_args
 from workers.rollout_layouts import EOS, NEW, PAD, PROMPTS
 
 pytestmark = pytest.mark.slow
@@ -17,10 +18,12 @@ LAYOUTS = {"tp2pp1": (2, 1, 2), "tp1pp2": (1, 2, 2), "tp2pp2": (2, 2, 4)}
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("rollout")
     worker = "tests/workers/rollout_layouts.py"
-    torchrun(1, worker, f"--root={root}", "--layout=tp1pp1", "--init", *TINY_MODEL)
+    torchrun(1, worker, f"--root={root}", "--layout=tp1pp1=1x1", "--init", *TINY_MODEL)
+    by_world = {}  # one launch per world size (workers.run_layouts)
     for layout, (tp, pp, n) in LAYOUTS.items():
-        torchrun(n, worker, f"--root={root}", f"--layout={layout}", *TINY_MODEL,
-                 f"parallel.tensor_parallel={tp}", f"parallel.pipeline_parallel={pp}")
+        by_world.setdefault(n, {})[layout] = (tp, pp)
+    for n, layouts in sorted(by_world.items()):
+        torchrun(n, worker, f"--root={root}", *layout_args(layouts), *TINY_MODEL)
     return {name: torch.load(root / f"rollout_{name}.pt", weights_only=False) for name in ["tp1pp1", *LAYOUTS]}
 
 

@@ -19,3 +19,40 @@ def start_layout_worker():
     cfg = load_config(None, args.overrides)
     parallel.initialize(cfg)
     return args, cfg
+
+
+def layout_args(layouts: dict[str, tuple[int, int]]) -> list[str]:
+    """`--layout NAME=TPxPP` flags for run_layouts, one per entry {name: (tp, pp)}, in order."""
+    return [f"--layout={name}={tp}x{pp}" for name, (tp, pp) in layouts.items()]
+
+
+def run_layouts(body, extra_args=(), config=None) -> None:
+    """One launch, several layouts: parse `--root DIR --layout NAME=TPxPP [--layout ...]
+    [--init] key=value...`, then for each layout in turn start megatron's parallel_state at that
+    TP x PP (DP: the rest of the world), seed as a fresh process would, run `body(args, cfg,
+    name)`, and tear the model-parallel groups down again. A launch costs ~7 s of CPU in
+    imports alone, so the tests check every layout of one world size in one launch.
+    `extra_args`: (flag, argparse kwargs) pairs the body reads from args; `config(args, tp, pp)`:
+    the config each layout starts with (default: the overrides at that TP x PP)."""
+    from megatron.core import parallel_state
+
+    from megatron_rlhf import parallel
+    from megatron_rlhf.config import load_config
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--root", type=Path, required=True)
+    ap.add_argument("--layout", action="append", required=True, help="NAME=TPxPP, repeatable")
+    ap.add_argument("--init", action="store_true")
+    for flag, kwargs in extra_args:
+        ap.add_argument(flag, **kwargs)
+    ap.add_argument("overrides", nargs="*")
+    args = ap.parse_args()
+    for spec in args.layout:
+        name, shape = spec.split("=")
+        tp, pp = (int(x) for x in shape.split("x"))
+        cfg = (config(args, tp, pp) if config else
+               load_config(None, [*args.overrides, f"parallel.tensor_parallel={tp}", f"parallel.pipeline_parallel={pp}"]))
+        parallel.initialize(cfg)  # the process group stays; megatron's groups are new for each layout
+        body(args, cfg, name)
+        parallel_state.destroy_model_parallel()
+    parallel.destroy()

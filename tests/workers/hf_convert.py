@@ -3,32 +3,31 @@
 The test writes tiny random HF models under --root/hf/<variant> (policies: Llama untied,
 tied, with Llama-3.1 RoPE scaling; Qwen2 with q/k/v biases; Qwen3 with q/k norms and a
 head_dim of its own; reward models of Llama, Qwen2 and Qwen3) and a token batch to
---root/batch.pt. At this launch's TP x PP layout the worker
+--root/batch.pt. At each TP x PP layout of the launch (`--layout NAME=TPxPP`, repeatable: workers.run_layouts)
+the worker
   1. loads every variant with load_hf_weights and records our full logits and log-probs
      (policies) or rewards and per-token values (the reward model);
-  2. --import-train: import_hf of every variant (also a bfloat16 one) into
+  2. at the --import-train layout: import_hf of every variant (also a bfloat16 one) into
      --root/import/<variant>; trains an actor loaded from HF (2 steps) and a reward model
      and a critic loaded from the imported reward model (1 step each), saves them with
      CheckpointManager under --root/trained and records their outputs (the reward model
      with reward_std = 2, which the export folds in), and a bfloat16 actor (1 step);
-  3. --reload: loads the checkpoints import_hf wrote (at another layout), records outputs
+  3. at the --reload layout: loads the checkpoints import_hf wrote (at another layout), records outputs
      and saves the tied policy again at this layout (--root/resaved_tied).
 Results go to --root/results_<layout>.pt (global rank 0).
 """
 
-import argparse
 import sys
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from megatron_rlhf import parallel  # first: it makes megatron.core importable next to nvrx 0.4.1
 from megatron_rlhf.checkpoint.dist import load_model_weights, load_role
 from megatron_rlhf.checkpoint.manager import CheckpointManager
 from megatron_rlhf.config import load_config
 from megatron_rlhf.convert import ConvertError, hf_overrides, import_hf, load_hf_weights
 from megatron_rlhf.models.roles import Actor, Critic, RewardModel, summed
+from workers import run_layouts
 
 POLICIES = ("untied", "tied", "llama31", "qwen2", "qwen3")
 REWARD_MODELS = ("rm", "qwen2_rm", "qwen3_rm")
@@ -66,28 +65,22 @@ class ValuesRewardModel(RewardModel):
         return {"rewards": torch.Size([batch_size]), "values": torch.Size([batch_size, seq_len])}
 
 
-def variant_cfg(args, variant):
+def variant_cfg(args, variant, tp, pp):
     overrides = hf_overrides(args.root / "hf" / variant) + ["model.max_seq_length=64", "optimizer.lr=0.001",
                                                             "optimizer.adam_eps=1e-4"]
     if variant == "bf16":
         overrides.append("model.params_dtype=bfloat16")
-    return load_config(None, overrides + args.overrides)
+    return load_config(None, overrides + args.overrides + [f"parallel.tensor_parallel={tp}",
+                                                           f"parallel.pipeline_parallel={pp}"])
 
 
 def outputs(role, batch):
     return {k: v.detach().cpu() for k, v in role.forward(batch, MBS).items()}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--root", type=Path, required=True)
-    ap.add_argument("--layout", required=True)
-    ap.add_argument("--import-train", action="store_true")
-    ap.add_argument("--reload", action="store_true")
-    ap.add_argument("overrides", nargs="*")
-    args = ap.parse_args()
-    cfgs = {v: variant_cfg(args, v) for v in (*POLICIES, *REWARD_MODELS, "bf16")}
-    parallel.initialize(cfgs["untied"])
+def check_layout(args, cfg, layout: str) -> None:
+    tp, pp = cfg.parallel.tensor_parallel, cfg.parallel.pipeline_parallel
+    cfgs = {v: variant_cfg(args, v, tp, pp) for v in (*POLICIES, *REWARD_MODELS, "bf16")}
     batch = torch.load(args.root / "batch.pt")
     results = {"loaded": {}, "reloaded": {}, "trained": {}}
 
@@ -104,7 +97,7 @@ def main() -> None:
     except ConvertError as e:
         results["refused"] = str(e)
 
-    if args.import_train:
+    if layout == args.import_train:
         for variant in (*POLICIES, *REWARD_MODELS, "bf16"):
             import_hf(cfgs[variant], args.root / "hf" / variant, args.root / "import" / variant)
         cfg = cfgs["untied"]
@@ -133,7 +126,7 @@ def main() -> None:
         results["trained"] = {"actor": outputs(actor, {"tokens": batch["tokens"]}), "reward": outputs(reward, batch),
                               "critic": outputs(critic, {"tokens": batch["tokens"]})}
 
-    if args.reload:
+    if layout == args.reload:
         for variant in POLICIES:
             actor = LogitsActor(cfgs[variant], trainable=False)
             load_role(actor, args.root / "import" / variant / "iter_0000000" / "actor", with_optimizer=False)
@@ -146,9 +139,10 @@ def main() -> None:
             results["reloaded"][variant] = outputs(rm, batch)
 
     if torch.distributed.get_rank() == 0:
-        torch.save(results, args.root / f"results_{args.layout}.pt")
-    parallel.destroy()
+        torch.save(results, args.root / f"results_{layout}.pt")
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_layouts(check_layout, config=lambda args, tp, pp: variant_cfg(args, "untied", tp, pp), extra_args=[
+        ("--import-train", {"metavar": "LAYOUT", "help": "the layout that imports every variant and trains"}),
+        ("--reload", {"metavar": "LAYOUT", "help": "the layout that reloads the imports (after --import-train's)"})]))

@@ -1,4 +1,5 @@
-"""torchrun worker for tests/test_lora.py: LoRA actor and critic at one TP x PP layout.
+"""torchrun worker for tests/test_lora.py: LoRA actor and critic at each layout of the launch
+(`--layout NAME=TPxPP`, repeatable: workers.run_layouts).
 
 --init (one process, TP1 PP1, before its own checks): base actor and critic checkpoints from a
 seed; LoRA roles on them whose outputs must equal the base's while B = 0; then every B set to
@@ -21,7 +22,6 @@ from functools import partial
 
 import torch
 
-from megatron_rlhf import parallel
 from megatron_rlhf.checkpoint.dist import load_model_weights, load_role, save_role
 from megatron_rlhf.checkpoint.validate import CheckpointError
 from megatron_rlhf.config import LoRAConfig, RLConfig
@@ -30,7 +30,7 @@ from megatron_rlhf.models.roles import Actor, AdapterFreeReference, Critic, Refe
 from megatron_rlhf.rollout.refit import RefitPlan, stream_hf_weights
 from megatron_rlhf.trainers.rl import critic_loss
 from megatron_rlhf.trainers.sft import sft_loss
-from workers import start_layout_worker
+from workers import run_layouts
 from workers.role_layouts import make_batch
 
 LORA = LoRAConfig(rank=4, alpha=8.0, targets=["qkv", "proj", "fc1", "fc2", "output"])
@@ -74,8 +74,7 @@ def step(role, batch, name):
     return role.train_step(batch, MBS, LOSSES[name])["loss"]
 
 
-def main() -> None:
-    args, cfg = start_layout_worker()
+def check_layout(args, cfg, layout: str) -> None:
     batch = make_batch(seed=1)
     batch["returns"] = batch["returns"] * batch["mask"]
     batch["old_values"] = batch["values"] = torch.zeros_like(batch["returns"])
@@ -114,7 +113,7 @@ def main() -> None:
     step(stacked, batch, "actor")  # its own adapters (DDP's buffers view them) are what trains
     res["stacked_own_adapters_trained"] = all(layer.lora_B.any() for layer in lora_layers(stacked.module))
     del frozen, stacked
-    if args.layout == "tp1pp1":  # resuming across a LoRA change is refused, naming the settings
+    if layout == "tp1pp1":  # resuming across a LoRA change is refused, naming the settings
         res["refusals"] = {}
         for case, role, path in (
                 ("rank", lambda: Actor(cfg, lora=LoRAConfig(rank=2, alpha=8.0, targets=LORA.targets)), "actor_adapters"),
@@ -144,12 +143,12 @@ def main() -> None:
             "numel": sum(named[n].numel() for n in trainable), "in_buffers": in_buffers,
             "in_optimizer_main_params": in_optimizer, "moved": sorted(moved),
         }
-        save_role(role, args.root / "after_step" / args.layout / name)
+        save_role(role, args.root / "after_step" / layout / name)
         second = step(role, batch, name)
         after_two = {n: p.detach().clone() for n, p in role.module.named_parameters()}
         resumed = build(cfg, name)
         load_model_weights(resumed, args.root / "init" / f"{name}_base")
-        load_role(resumed, args.root / "after_step" / args.layout / name)
+        load_role(resumed, args.root / "after_step" / layout / name)
         recorded = str((args.root / "init" / f"{name}_base").resolve())
         res["base_recorded"][name] = resumed.resumed_lora_base == recorded == resumed.lora_base
         second_resumed = step(resumed, batch, name)
@@ -157,9 +156,8 @@ def main() -> None:
         res["resume"][name] = {"loss": second, "loss_resumed": second_resumed, "max_param_diff": diff}
     if rank == 0:
         res["refit"] = refit
-        torch.save(res, args.root / f"results_{args.layout}.pt")
-    parallel.destroy()
+        torch.save(res, args.root / f"results_{layout}.pt")
 
 
 if __name__ == "__main__":
-    main()
+    run_layouts(check_layout)

@@ -1,9 +1,10 @@
 """torchrun worker for tests/test_role_layouts.py: the four roles at one TP x PP x DP layout.
 
---init: (one process) build all roles from a seed and save their weights, plus the PPO
+Layouts are given as `--layout NAME=TPxPP` (several per launch: workers.run_layouts).
+"init" (one process, first) builds all roles from a seed and saves their weights, plus the PPO
 inputs (old and reference log-probs, old values) computed from them; the other layouts load
 both, so every layout starts from identical weights and identical loss inputs.
-Otherwise, at this launch's layout:
+Every other layout:
   1. forward outputs of actor, reference, critic and reward model on a fixed batch;
   2. gradients of the trainers' own losses (SFT, PPO actor in two aggregation modes, PPO
      critic, Bradley-Terry, DPO sigmoid and IPO) on a batch of very unequal sequence lengths, for several micro
@@ -21,7 +22,6 @@ from functools import partial
 
 import torch
 
-from megatron_rlhf import parallel
 from megatron_rlhf.algorithms.stats import masked_whiten, whiten
 from megatron_rlhf.checkpoint.dist import load_role, save_role
 from megatron_rlhf.config import DPOConfig, RLConfig
@@ -31,7 +31,7 @@ from megatron_rlhf.trainers.dpo import pair_loss
 from megatron_rlhf.trainers.rl import actor_loss, critic_loss
 from megatron_rlhf.trainers.rm import bradley_terry_loss
 from megatron_rlhf.trainers.sft import sft_loss
-from workers import start_layout_worker
+from workers import run_layouts
 
 ROLES = {"actor": Actor, "reference": Reference, "critic": Critic, "reward": RewardModel}
 TRAINABLE = ("actor", "critic", "reward")
@@ -122,7 +122,7 @@ def max_over_ranks(value: float) -> float:
     return t.item()
 
 
-def gradient_checks(args, roles, batch) -> dict:
+def gradient_checks(args, layout: str, roles, batch) -> dict:
     """Per loss: reported global mean loss and gradients for micro batch sizes 1, 2, the
     rank's whole share and a token budget; the in-layout relative gradient difference against the whole share."""
     shard = dp_shard(batch)
@@ -140,7 +140,7 @@ def gradient_checks(args, roles, batch) -> dict:
             grads[key] = flat_gradient(role)
         # Last computed: the whole share. At DP2 the two ranks' shares hold very different token
         # counts, which a mean of per-rank means would weigh equally.
-        save_gradients(role, args.root / "grads" / args.layout / name)
+        save_gradients(role, args.root / "grads" / layout / name)
         ref = grads[rows]
         scale = ref.abs().max().item()
         out[name] = {
@@ -176,16 +176,13 @@ def precomputed_reference(reference, batch) -> torch.Tensor:
     return precompute(reference, pairs, pad_id=1, seq_len=SEQ, micro_pairs=1)
 
 
-def main() -> None:
-    args, cfg = start_layout_worker()
+def check_layout(args, cfg, layout: str) -> None:
     rank = torch.distributed.get_rank()
-
-    if args.init:
+    if layout == "init":
         roles = {name: cls(cfg) for name, cls in ROLES.items()}
         for name, role in roles.items():
             save_role(role, args.root / "init" / name, with_optimizer=False)
         torch.save(ppo_inputs(roles, make_batch(seed=1)), args.root / "init" / "ppo_inputs.pt")
-        parallel.destroy()
         return
 
     roles = {name: cls(cfg) if name == "reference" else cls(cfg, trainable=True) for name, cls in ROLES.items()}
@@ -197,20 +194,20 @@ def main() -> None:
     for name, role in roles.items():
         results["outputs"][name] = role.forward(batch, MBS)
     results["dpo_reference"] = precomputed_reference(roles["reference"], batch)
-    results["gradients"] = gradient_checks(args, roles, batch)
+    results["gradients"] = gradient_checks(args, layout, roles, batch)
     results["whitening"] = whitening_checks(batch)
     for name in TRAINABLE:
         metrics = roles[name].train_step(dp_shard(batch), MBS, LOSSES[STEP_LOSSES[name]][1])
         results["losses"][name] = metrics["loss"]
-        save_role(roles[name], args.root / "after_step" / args.layout / name, with_optimizer=False)
+        save_role(roles[name], args.root / "after_step" / layout / name, with_optimizer=False)
 
     # Exact resume of the actor through a DistributedOptimizer checkpoint.
     actor, actor_loss_fn = roles["actor"], LOSSES["sft"][1]
-    resume_dir = args.root / "resume" / args.layout
+    resume_dir = args.root / "resume" / layout
     save_role(actor, resume_dir)
     batch2 = dp_shard(make_batch(seed=2))
     uninterrupted = actor.train_step(batch2, MBS, actor_loss_fn)
-    save_role(actor, args.root / "after_two_steps" / args.layout / "actor", with_optimizer=False)
+    save_role(actor, args.root / "after_two_steps" / layout / "actor", with_optimizer=False)
     resumed_actor = Actor(cfg)
     load_role(resumed_actor, resume_dir)
     resumed = resumed_actor.train_step(batch2, MBS, actor_loss_fn)
@@ -224,12 +221,11 @@ def main() -> None:
     from_tp1 = Actor(cfg)
     load_role(from_tp1, args.root / "resume" / "tp1pp1dp1")
     from_tp1.train_step(batch2, MBS, actor_loss_fn)
-    save_role(from_tp1, args.root / "resharded_step" / args.layout / "actor", with_optimizer=False)
+    save_role(from_tp1, args.root / "resharded_step" / layout / "actor", with_optimizer=False)
 
     if rank == 0:
-        torch.save(results, args.root / f"results_{args.layout}.pt")
-    parallel.destroy()
+        torch.save(results, args.root / f"results_{layout}.pt")
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_layouts(check_layout))

@@ -1,4 +1,5 @@
-"""torchrun worker for tests/test_rollout.py: the in-place Megatron rollout engine at one layout.
+"""torchrun worker for tests/test_rollout.py: the in-place Megatron rollout engine at each layout
+of the launch (`--layout NAME=TPxPP`, repeatable: workers.run_layouts).
 
 Loads the actor weights saved by the role-layout init (or saves them with --init), then:
 greedy and sampled generation of ragged prompts; the actor's recomputed log-probs of the
@@ -13,7 +14,7 @@ from megatron_rlhf import parallel
 from megatron_rlhf.checkpoint.dist import load_role, save_role
 from megatron_rlhf.models.roles import Actor
 from megatron_rlhf.rollout import MegatronRolloutEngine, SamplingParams
-from workers import start_layout_worker
+from workers import run_layouts
 
 PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12, 13], [14, 15], [16, 17, 18, 19]]
 EOS, PAD = 1, 0
@@ -29,8 +30,7 @@ def no_cache_greedy(actor: Actor, prompt: list[int]) -> list[int]:
     return tokens
 
 
-def main() -> None:
-    args, cfg = start_layout_worker()
+def check_layout(args, cfg, layout: str) -> None:
     actor = Actor(cfg, trainable=False, temperature=0.8)
     if args.init:
         save_role(actor, args.root / "actor_init", with_optimizer=False)
@@ -52,12 +52,11 @@ def main() -> None:
     stop = MegatronRolloutEngine(actor, eos_id=eos, pad_id=PAD).generate(
         PROMPTS, SamplingParams(temperature=0.8, max_new_tokens=NEW, greedy=True), seed=0)
     res["eos_id"], res["eos_run"] = eos, vars(stop.to("cpu"))
-    if args.layout == "tp1pp1":
+    if layout == "tp1pp1":
         res["no_cache_greedy"] = [no_cache_greedy(actor, p) for p in PROMPTS]
     if torch.distributed.get_rank() == 0:
-        torch.save(res, args.root / f"rollout_{args.layout}.pt")
-    parallel.destroy()
+        torch.save(res, args.root / f"rollout_{layout}.pt")
 
 
 if __name__ == "__main__":
-    main()
+    run_layouts(check_layout)
