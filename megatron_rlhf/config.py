@@ -170,7 +170,9 @@ class OptimizerConfig:
     adam_beta2: float = 0.95
     adam_eps: float = 1e-8
     clip_grad: float = 1.0
-    # megatron-core's DistributedOptimizer (ZeRO-1 over data-parallel ranks).
+    # megatron-core's DistributedOptimizer (ZeRO-1 over data-parallel ranks), also at DP=1: it and
+    # the non-distributed one (false) cannot load each other's checkpoints, so true keeps the
+    # optimizer state loadable at any DP (models/optimizer.py).
     use_distributed_optimizer: bool = True
     # megatron-core's OptimizerParamScheduler: linear warmup, then decay to min_lr.
     warmup_steps: int = 0

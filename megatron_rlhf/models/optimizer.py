@@ -3,9 +3,30 @@
 Without Transformer Engine or apex, megatron-core 0.19.2 falls back to torch AdamW, whose
 per-parameter `step` state its DistributedOptimizer checkpoint code mishandles. The fixes
 below are not CPU-specific: any run without TE/apex fused Adam needs them.
+
+megatron builds that torch AdamW with neither `fused` nor `foreach`, which on CPU means torch's
+single-tensor loop (a handful of kernels per parameter); `use_fused_adam` switches CPU groups to
+torch's fused CPU kernel (as megatron's own CPU-offload optimizer builds its CPU AdamW), at build
+and again after every checkpoint load.
+
+At data-parallel size 1 the DistributedOptimizer shards nothing; megatron's non-distributed
+optimizer (`optimizer.use_distributed_optimizer=false`) skips its one-rank param all-gather and
+bookkeeping, though with the fused kernel benchmarks/train_step.py finds their steps within
+noise of each other at the vs-TRL shape. The default stays the DistributedOptimizer at DP=1
+too, because megatron-core 0.19.2 cannot load one's checkpoint into the other.
+A non-distributed checkpoint has no `optimizer.state.param.*` tensors (the DistributedOptimizer's
+fp32 main params), so a DistributedOptimizer's load plan fails (KeyError "optimizer.state.param.
+<weight> from model not in state dict"); the other way the Adam moments are there (the same
+`optimizer.state.exp_avg(_sq).*` keys) but the common state is the DistributedOptimizer's (param
+groups under `optimizer`, `step` in them) and FP32Optimizer.load_state_dict raises ValueError
+"Could not find parameter group with key (...) in loaded checkpoint". Bridging them would take a
+checkpoint converter of our own; without one a run that changed DP between 1 and more would lose
+its optimizer state.
 """
 
 from __future__ import annotations
+
+from functools import cache
 
 import torch
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -41,7 +62,9 @@ def build_optimizer(ddp_model: DistributedDataParallel, o: OptimizerConfig, para
         use_distributed_optimizer=o.use_distributed_optimizer,
         params_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
     )
-    return get_megatron_optimizer(config, [ddp_model])
+    optimizer = get_megatron_optimizer(config, [ddp_model])
+    use_fused_adam(optimizer)
+    return optimizer
 
 
 def build_scheduler(optimizer, o: OptimizerConfig, total_steps: int) -> OptimizerParamScheduler:
@@ -65,6 +88,38 @@ def _inner_optimizers(optimizer):
 def _torch_adam(opt) -> torch.optim.Optimizer | None:
     inner = getattr(opt, "optimizer", None)
     return inner if isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)) else None
+
+
+@cache
+def _torch_has_fused_cpu_adam() -> bool:
+    try:
+        torch.optim.AdamW([torch.zeros(1)], fused=True)
+    except (RuntimeError, TypeError, ValueError):
+        return False
+    return True
+
+
+def use_fused_adam(optimizer) -> None:
+    """Run every torch Adam/AdamW param group whose parameters are all on CPU on torch's fused
+    kernel (foreach off), and leave the others on torch's default, as megatron builds them.
+    TE/apex FusedAdam is left alone.
+
+    On CPU the fused kernel is the same AdamW (equal within float32 rounding) and cheaper than
+    the single-tensor loop. On CUDA torch's default is already its multi-tensor (foreach) path,
+    GPU runs normally get TE's FusedAdam from megatron, and torch's fused kernel keeps `step` on
+    the parameters' device where the DistributedOptimizer fixes below create and load it on the
+    host: untried on GPU, so a CUDA group keeps torch's default, also when a checkpoint written
+    on CPU says fused. Called at build and after every checkpoint load: torch's
+    `Optimizer.load_state_dict` replaces each param group by the saved one, flags included, so a
+    checkpoint written without the flag (or before it existed) would bring the slow path back.
+    """
+    for opt in _inner_optimizers(optimizer):
+        adam = _torch_adam(opt)
+        if adam is None or not _torch_has_fused_cpu_adam():
+            continue
+        for group in adam.param_groups:
+            on_cpu = all(p.device.type == "cpu" and p.is_floating_point() for p in group["params"])
+            group["fused"], group["foreach"] = (True, False) if on_cpu else (None, None)
 
 
 def materialize_state(optimizer) -> None:
@@ -125,3 +180,4 @@ def load_optimizer_state(optimizer, loaded_state) -> None:
             adam.state[p]["step"] = step.detach().clone()
     if len(parts) > 1:
         optimizer._synchronize_steps()
+    use_fused_adam(optimizer)  # the loaded param groups replaced the live ones, flags included

@@ -138,6 +138,16 @@ def global_means(store: list[dict[str, torch.Tensor]]) -> dict[str, float]:
     return {k: v for k, v in zip(keys, means) if k != "units"}
 
 
+def set_training(model: torch.nn.Module, training: bool) -> None:
+    """`model.train(training)` unless every module is already in that mode. PPO alternates
+    scoring (eval) and several train steps; `train()` calls every module's `train` (~150 us at
+    2 layers), reading the flags is ~4x cheaper. Every module is read, not just the root: the
+    rollout engine and megatron's inference wrappers switch modes themselves, and a module
+    added later (LoRA adapters) starts in training mode whatever its parent's."""
+    if any(m.training != training for m in model.modules()):
+        model.train(training)
+
+
 class Role:
     """One megatron GPTModel chunk, trainable (DDP + DistributedOptimizer + LR schedule) or
     frozen. `optimizer` defaults to `cfg.optimizer`; `total_steps` sets the LR decay length."""
@@ -262,7 +272,7 @@ class Role:
     def forward(self, batch: Batch, micro_batch_size: int, token_budget: int = 0) -> dict[str, torch.Tensor]:
         """Role outputs for the whole batch, on every rank. With a `token_budget` (and `lengths`)
         microbatches hold as many rows as fit in it instead of `micro_batch_size`."""
-        self.model.eval()
+        set_training(self.model, False)
         with torch.no_grad():
             store = self._run(batch, micro_batch_size, loss_fn=None, token_budget=token_budget)
         merged = {k: torch.cat([d[k] for d in store]) for k in store[0]} if store else {}
@@ -271,7 +281,7 @@ class Role:
     def _forward_backward(self, batch: Batch, micro_batch_size: int, loss_fn: LossFn,
                           force_all_reduce: bool = False, token_budget: int = 0) -> list[dict]:
         assert self.trainable, f"{type(self).__name__} is frozen"
-        self.model.train()
+        set_training(self.model, True)
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         self._meter = [] if self.activation_bytes is None else None  # once: the hooks cost a call per tensor
