@@ -121,6 +121,7 @@ bench: setup
 	$(PY) benchmarks/rl_algorithms.py
 	$(PY) benchmarks/memory.py
 	$(PY) benchmarks/lora_memory.py
+	$(PY) benchmarks/train_step.py
 
 # Every CPU benchmark's --quick: the same code at tiny sizes, a few steps, one layout (~20-60 s each
 # on 2 cores): does it still run? JSON under $(QUICK_OUT), apart from the full results.
@@ -136,6 +137,7 @@ bench-quick: setup
 	$(PY) benchmarks/reward_server.py --quick --out $(QUICK_OUT)/reward_server.json
 	$(PY) benchmarks/memory.py --quick --out $(QUICK_OUT)/memory.json
 	$(PY) benchmarks/lora_memory.py --quick --out $(QUICK_OUT)/lora_memory.json
+	$(PY) benchmarks/train_step.py --quick --out $(QUICK_OUT)/train_step.json
 
 bench-vllm: $(VLLM_STAMP)
 	$(VENV_VLLM)/bin/python benchmarks/rollout_engines.py

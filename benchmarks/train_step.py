@@ -1,6 +1,6 @@
-"""Process CPU time of one PPO train step, by part, main's step glue against this branch's.
+"""Process CPU time of one PPO train step, by part, the step glue before commit 78be0af against today's.
 
-    python benchmarks/train_step.py [--repeats 5] [--steps 20] [--batch 8] [--out benchmarks/results/train_step.json]
+    python benchmarks/train_step.py [--quick] [--repeats 5] [--steps 20] [--batch 8] [--out benchmarks/results/train_step.json]
 
 The vs-TRL shape (benchmarks/vs_trl.py, issue 18): a 2-layer Llama (hidden 128, 4 heads, FFN 512),
 the built-in task's vocabulary, fp32, one process (TP1 PP1 DP1, gloo), torch.set_num_threads(1).
@@ -8,15 +8,15 @@ One rollout of --batch prompts (3..6 ids) with exactly 32 new tokens is generate
 every variant then trains its own actor and critic (built from the same seed) on that minibatch
 (micro batch = minibatch, as vs_trl.py runs it) with the RL stage's loss functions. Variants:
 
-  main      main's step glue before this change: megatron's torch AdamW as megatron builds it
+  before    the step glue before commit 78be0af (issue 32): megatron's torch AdamW as megatron builds it
             (fused and foreach unset: torch's single-tensor loop on CPU), a NaN guard running
             `torch.isfinite(t).all()` with one host read per gradient buffer and loss, and
-            `model.train()` over every module on every step. Reached by undoing this branch's
+            `model.train()` over every module on every step. Reached by undoing those
             three changes on the variant's roles (groups' flags back to None; the guard's and
             the train() walk's old code, copied below).
-  branch    this branch: fused AdamW, the summed finiteness screen, no train() walk when every
+  after     today's: fused AdamW, the summed finiteness screen, no train() walk when every
             module is already training.
-  branch+plain  as branch with optimizer.use_distributed_optimizer=false: megatron's
+  after+plain  as after with optimizer.use_distributed_optimizer=false: megatron's
             non-distributed optimizer. NOT the default (its checkpoints do not load into a
             DistributedOptimizer at DP2, nor the other way); shown for what it would save
             on top of the fused kernel.
@@ -24,9 +24,10 @@ every variant then trains its own actor and critic (built from the same seed) on
 Each part is timed with time.process_time (all threads of the process) around the role's own
 methods: forward+backward (`Role._forward_backward`: mode switch, zeroing, megatron's schedule,
 DDP finalise), the guard (`guard.should_skip`), `optimizer.step` (grad norm, clip, Adam, param
-sync) and the whole `train_step`. Repeats are interleaved (main, branch, branch+plain, main, ...);
+sync) and the whole `train_step`. Repeats are interleaved (before, after, after+plain, before, ...);
 each repeat runs --steps steps per role and variant after 2 warm-up steps and yields the mean per
 step. The table shows min and median over repeats. Writes JSON.
+--quick: B=4, 8 new tokens, 2 repeats of 2 steps (tests/test_benchmarks.py runs it).
 """
 
 from __future__ import annotations
@@ -42,12 +43,14 @@ import torch
 
 REPO = Path(__file__).resolve().parent.parent
 RECIPE = REPO / "pipelines/tiny_cpu.yaml"
-LAYERS, HIDDEN, HEADS, FFN, NEW_TOKENS = 2, 128, 4, 512, 32
-VARIANTS = ("main", "branch", "branch+plain")
+LAYERS, HIDDEN, HEADS, FFN = 2, 128, 4, 512
+FULL = dict(batch=8, repeats=5, steps=20, new_tokens=32)
+QUICK = dict(batch=4, repeats=2, steps=2, new_tokens=8)
+VARIANTS = ("before", "after", "after+plain")
 PARTS = ("fwd_bwd", "guard", "optimizer", "train_step")
 
 
-def config(batch: int, distributed_optimizer: bool):
+def config(batch: int, distributed_optimizer: bool, new_tokens: int):
     from megatron_rlhf.config import load_config
 
     return load_config(RECIPE, [
@@ -55,13 +58,13 @@ def config(batch: int, distributed_optimizer: bool):
         f"model.num_query_groups={HEADS}", f"model.ffn_hidden_size={FFN}",
         "model.make_vocab_size_divisible_by=1", "model.max_seq_length=64",
         f"rl.rollout_batch_size={batch}", f"rl.mini_batch_size={batch}", f"rl.micro_batch_size={batch}",
-        f"rl.max_new_tokens={NEW_TOKENS}", "rl.steps=100",
+        f"rl.max_new_tokens={new_tokens}", "rl.steps=100",
         f"optimizer.use_distributed_optimizer={str(distributed_optimizer).lower()}"])
 
 
-# ---------------------------------------------------------------- main's code, for the baseline
-def main_should_skip(guard, losses, grads) -> bool:
-    """NonFiniteGuard.should_skip's check as main has it (counting left out: every step is finite)."""
+# ---------------------------------------------------------------- the code before 78be0af, for the baseline
+def old_should_skip(guard, losses, grads) -> bool:
+    """NonFiniteGuard.should_skip's check before 78be0af (counting left out: every step is finite)."""
     from megatron_rlhf.parallel import any_rank
 
     def all_finite(tensors):
@@ -70,8 +73,8 @@ def main_should_skip(guard, losses, grads) -> bool:
     return any_rank(not (all_finite(losses) and all_finite(grads)))
 
 
-def as_on_main(role) -> None:
-    """Undo this branch's step glue on `role` (see the module docstring)."""
+def as_before(role) -> None:
+    """Undo today's step glue on `role` (see the module docstring)."""
     from megatron_rlhf.models import roles
     from megatron_rlhf.models.optimizer import _inner_optimizers, _torch_adam
 
@@ -81,14 +84,14 @@ def as_on_main(role) -> None:
     forward_backward, set_training = role._forward_backward, roles.set_training
 
     def with_train_walk(*args, **kwargs):
-        roles.set_training = lambda model, training: model.train(training)  # main: every call
+        roles.set_training = lambda model, training: model.train(training)  # before: every call
         try:
             return forward_backward(*args, **kwargs)
         finally:
             roles.set_training = set_training
 
     role._forward_backward = with_train_walk
-    role.guard.should_skip = partial(main_should_skip, role.guard)
+    role.guard.should_skip = partial(old_should_skip, role.guard)
 
 
 # ---------------------------------------------------------------- timing
@@ -115,7 +118,7 @@ def instrument(role) -> dict:
     return totals
 
 
-def ppo_minibatch(roles, cfg, batch: int):
+def ppo_minibatch(roles, cfg, batch: int, new_tokens: int):
     """One generated and scored rollout as the train step's minibatch (as train_on_rollout builds it)."""
     from megatron_rlhf.data.encode import EncodedPrompt
     from megatron_rlhf.data.jsonl import PromptExample
@@ -132,34 +135,34 @@ def ppo_minibatch(roles, cfg, batch: int):
     score_fn = partial(stage.sequence_rewards, RewardSources(cfg, roles.get("reward")), tokenizer=tokenizer_for(cfg),
                        rl=cfg.rl)
     rollout, rows, scored, _ = stage.generate(engine, score_fn, lambda: prompts, cfg.rl,
-                                              SamplingParams(max_new_tokens=NEW_TOKENS), seed=0)
+                                              SamplingParams(max_new_tokens=new_tokens), seed=0)
     ppo_batch, _ = stage.score(rollout, scored or score_fn(rollout, rows), roles, cfg.rl)
     stage.add_advantages(ppo_batch, cfg.rl, 0.05)
     return ppo_batch.select(by_length(ppo_batch.lengths)).tensors()
 
 
-def run(batch: int, repeats: int, steps: int) -> dict:
+def run(batch: int, repeats: int, steps: int, new_tokens: int) -> dict:
     from megatron_rlhf import parallel
     from megatron_rlhf.trainers import rl as stage
     from megatron_rlhf.trainers.stage_data import resolve_vocab_size, tokenizer_for
 
     torch.set_num_threads(1)
-    cfgs = {v: config(batch, distributed_optimizer=v != "branch+plain") for v in VARIANTS}
+    cfgs = {v: config(batch, distributed_optimizer=v != "after+plain", new_tokens=new_tokens) for v in VARIANTS}
     for cfg in cfgs.values():
         resolve_vocab_size(cfg, tokenizer_for(cfg))
-    parallel.initialize(cfgs["main"])
+    parallel.initialize(cfgs["before"])
     trained, totals = {}, {}
     for variant, cfg in cfgs.items():
         parallel.seed_everything(cfg.seed)  # the same initial weights for every variant
         roles = stage.build_roles(cfg)
-        if variant == "main":
-            minibatch = ppo_minibatch(roles, cfg, batch)
+        if variant == "before":
+            minibatch = ppo_minibatch(roles, cfg, batch, new_tokens)
         for name in ("actor", "critic"):
-            if variant == "main":
-                as_on_main(roles[name])
+            if variant == "before":
+                as_before(roles[name])
             trained[variant, name] = roles[name]
             totals[variant, name] = instrument(roles[name])
-    cfg = cfgs["main"]
+    cfg = cfgs["before"]
     losses = {"actor": partial(stage.actor_loss, rl=cfg.rl, kl_coef=0.05), "critic": partial(stage.critic_loss, rl=cfg.rl)}
     torch.set_num_threads(1)  # again, in case an import or initialize changed it
 
@@ -176,7 +179,7 @@ def run(batch: int, repeats: int, steps: int) -> dict:
         steps_ms(*key, 2)  # warm-up
     per_step = {key: {p: [] for p in PARTS} for key in trained}
     for _ in range(repeats):
-        for key in trained:  # interleaved: main, branch, branch+plain, main, ...
+        for key in trained:  # interleaved: before, after, after+plain, before, ...
             for p, ms in steps_ms(*key, steps).items():
                 per_step[key][p].append(ms)
     parallel.destroy()
@@ -204,18 +207,22 @@ def print_table(result: dict) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--quick", action="store_true", help="B=4, 8 new tokens, 2 repeats of 2 steps: does it run")
+    ap.add_argument("--batch", type=int, default=None, help="rollout = minibatch = micro batch (default 8; --quick: 4)")
+    ap.add_argument("--repeats", type=int, default=None, help="interleaved repeats (default 5; --quick: 2)")
+    ap.add_argument("--steps", type=int, default=None, help="timed steps per repeat (default 20; --quick: 2)")
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks/results/train_step.json")
     args = ap.parse_args()
+    defaults = QUICK if args.quick else FULL
+    batch, repeats, steps = (getattr(args, k) if getattr(args, k) is not None else defaults[k]
+                             for k in ("batch", "repeats", "steps"))
     import megatron_rlhf  # noqa: F401  (before megatron.core: it adapts megatron-core to CPU)
 
-    result = run(args.batch, args.repeats, args.steps)
+    result = run(batch, repeats, steps, defaults["new_tokens"])
     print_table(result)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"benchmark": "PPO train step parts, vs-TRL shape, fp32, CPU, TP1 PP1, 1 thread",
-                                    **result}, indent=2))
+                                    "quick": args.quick, **result}, indent=2))
     print(f"wrote {args.out}")
 
 

@@ -121,6 +121,19 @@ def check_lora_memory(res: dict) -> None:
     assert r8["weights"] < full["weights"], r8
 
 
+def check_train_step(res: dict) -> None:
+    assert res["quick"]
+    rows = {(r["variant"], r["role"]) for r in res["rows"]}
+    assert rows == {(v, role) for v in ("before", "after", "after+plain") for role in ("actor", "critic")}, rows
+    for row in res["rows"]:
+        positive(row, *(f"{p}_ms_{stat}" for p in ("fwd_bwd", "optimizer", "train_step") for stat in ("min", "median")))
+        per_repeat = row["repeats_ms"]
+        assert all(len(per_repeat[p]) == res["repeats"] for p in per_repeat), row
+        # the parts are timed inside the whole step on one process clock: together they fit in it
+        for i, whole in enumerate(per_repeat["train_step"]):
+            assert sum(per_repeat[p][i] for p in ("fwd_bwd", "guard", "optimizer")) <= whole + 1e-6, row
+
+
 BENCHMARKS = {
     "bench_roles": check_bench_roles,
     "memory": check_memory,
@@ -130,6 +143,7 @@ BENCHMARKS = {
     "split_invariance": check_split_invariance,
     "rl_algorithms": check_rl_algorithms,
     "reward_server": check_reward_server,
+    "train_step": check_train_step,
     "rollout_engines": check_rollout_engines,
 }
 NEEDS_VLLM = {"rollout_engines"}
