@@ -14,7 +14,10 @@ INERT = textwrap.dedent("""
               "Event", "get_rng_state", "set_rng_state", "manual_seed", "current_stream")}
     from megatron.core.tensor_parallel import random as mpu_random
     rng = (mpu_random._get_cuda_rng_state, mpu_random._set_cuda_rng_state)
+    from megatron.core.distributed import param_and_grad_buffer as buffers
+    collectives = (buffers.dist_reduce_scatter_func, buffers.dist_all_gather_func)
     assert cpu.apply() is False and not cpu.is_applied()
+    assert (buffers.dist_reduce_scatter_func, buffers.dist_all_gather_func) == collectives
     assert all(getattr(torch.cuda, n) is f for n, f in before.items()), "torch.cuda was patched"
     assert (mpu_random._get_cuda_rng_state, mpu_random._set_cuda_rng_state) == rng
     assert torch._C._len_torch_function_stack() == 0, "a TorchFunctionMode was pushed"
@@ -43,6 +46,28 @@ ACTIVE = textwrap.dedent("""
     assert torch.equal(b, torch.rand(2)), "fork did not restore the default generator"
     torch.manual_seed(123)
     assert torch.equal(a, torch.rand(2)), "tracker state was not seeded on the CPU generator"
+    # DP=1: the DistributedOptimizer's reduce-scatter and all-gather over one rank return at once
+    # when the output is the input (megatron's case) and copy otherwise; with 2+ ranks they are
+    # gloo's (the DP2 layout and resume tests reduce real gradients through them).
+    import torch.distributed as dist
+    from megatron.core.distributed import param_and_grad_buffer as buffers
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    one_rank = dist.new_group([0])
+    for name in ("dist_reduce_scatter_func", "dist_all_gather_func"):
+        installed = getattr(buffers, name)
+        calls = []
+        def counted(*args, gloo=installed.__wrapped__, **kwargs):
+            calls.append(args)
+            return gloo(*args, **kwargs)
+        collective = cpu._one_rank_is_identity(counted)
+        buffer = torch.arange(6.0)
+        assert collective(buffer[:6], buffer, group=one_rank) is None
+        assert collective(buffer, buffer, group=one_rank, async_op=True).wait()
+        out = torch.zeros(6)
+        collective(out, buffer, group=one_rank)
+        assert torch.equal(out, buffer) and calls == [], name
+        assert installed.__wrapped__ is getattr(dist, installed.__wrapped__.__name__), name
+    dist.destroy_process_group()
     print("ACTIVE-OK")
 """)
 

@@ -1,12 +1,14 @@
 """Build megatron-core GPTModels (Llama-style) for this process's pipeline stage.
 
 The layer spec is Transformer Engine's when TE imports (GPU nodes), megatron-core's local
-spec otherwise (CPU). Value models (reward model, critic) are the same network with the
-vocabulary projection replaced by a TP-aware scalar head.
+spec with torch SDPA core attention otherwise (CPU; models/attention.py). Value models
+(reward model, critic) are the same network with the vocabulary projection replaced by a
+TP-aware scalar head.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -29,11 +31,31 @@ def transformer_engine_available() -> bool:
 
 
 def layer_spec(m: ModelConfig):
+    """Transformer Engine's spec on GPU, else megatron-core's local spec with SDPA core attention."""
     from megatron.core.models.gpt import gpt_layer_specs
 
     if transformer_engine_available():
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=m.qk_layernorm)
+    return sdpa_layer_spec(m)
+
+
+def local_layer_spec(m: ModelConfig):
+    """megatron-core's local spec as megatron ships it (unfused baddbmm + softmax attention)."""
+    from megatron.core.models.gpt import gpt_layer_specs
+
     return gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=m.qk_layernorm)
+
+
+def sdpa_layer_spec(m: ModelConfig):
+    """The local spec with its core attention computed by torch's SDPA (models/attention.py);
+    every other module is the local spec's."""
+    from megatron_rlhf.models.attention import SDPADotProductAttention
+
+    spec = local_layer_spec(m)
+    attention = spec.submodules.self_attention
+    attention = dataclasses.replace(
+        attention, submodules=dataclasses.replace(attention.submodules, core_attention=SDPADotProductAttention))
+    return dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, self_attention=attention))
 
 
 def transformer_config(cfg: Config) -> TransformerConfig:
@@ -130,13 +152,14 @@ def scaled_inv_freq(inv_freq: torch.Tensor, m: ModelConfig) -> torch.Tensor:
     return torch.where(medium, blended, scaled)
 
 
-def build_model(cfg: Config, value_head: bool = False) -> GPTModel:
-    """The model chunk for this rank's pipeline stage (no virtual pipeline)."""
+def build_model(cfg: Config, value_head: bool = False, spec=None) -> GPTModel:
+    """The model chunk for this rank's pipeline stage (no virtual pipeline). `spec`: the
+    transformer layer spec (default: layer_spec)."""
     m: ModelConfig = cfg.model
     cls = GPTValueModel if value_head else GPTModel
     model = cls(
         config=transformer_config(cfg),
-        transformer_layer_spec=layer_spec(m),
+        transformer_layer_spec=spec if spec is not None else layer_spec(m),
         vocab_size=m.padded_vocab_size,
         max_sequence_length=m.max_seq_length,
         pre_process=parallel_state.is_pipeline_first_stage(),

@@ -154,15 +154,51 @@ def _without_mode(fn):
     return run
 
 
+# Stand-ins for megatron's mask builders (transformer/utils.py), on CPU and True = masked as
+# theirs; the mask itself comes from the one builder the SDPA core attention uses (imported
+# when called: models/attention.py imports megatron-core, which this module must not).
 def _causal_mask(sq: int) -> torch.Tensor:
-    return torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1)
+    from megatron_rlhf.models.attention import visible_keys
+
+    return ~visible_keys(sq, sq)
 
 
 def _sliding_window_causal_mask(sq: int, skv: int, window_size) -> torch.Tensor:
-    m = torch.ones(sq, skv, dtype=torch.bool)
-    mu = torch.triu(m, diagonal=skv - sq - window_size[0])
-    ml = torch.tril(mu, diagonal=skv - sq + window_size[1])
-    return ~ml
+    from megatron_rlhf.models.attention import visible_keys
+
+    return ~visible_keys(sq, skv, tuple(window_size))
+
+
+def _one_rank_is_identity(collective):
+    """megatron's DistributedOptimizer reduce-scatters the whole gradient buffer and all-gathers
+    the whole parameter buffer every step, also over a one-rank data-parallel group (DP=1), where
+    each is an identity: its output is a view of its input (param_and_grad_buffer.py
+    start_grad_sync / start_param_sync). gloo still runs it through its own buffers, at ~1 ns per
+    element, a full copy's cost or more (measured, 0.6M and 6M fp32 elements); so a one-rank call
+    whose output already holds the input returns at once (a plain copy otherwise). Exact; groups
+    of two or more ranks go to gloo as before."""
+
+    def call(output, input, group=None, async_op=False, **kwargs):
+        import torch.distributed as dist
+
+        if dist.get_world_size(group) != 1:
+            return collective(output, input, group=group, async_op=async_op, **kwargs)
+        if not (output.data_ptr() == input.data_ptr() and output.numel() == input.numel()):
+            output.copy_(input)
+        return _DoneWork() if async_op else None
+
+    call.__wrapped__ = collective
+    return call
+
+
+class _DoneWork:
+    """The handle of a collective that had nothing to do."""
+
+    def wait(self, timeout=None):
+        return True
+
+    def is_completed(self):
+        return True
 
 
 def apply() -> bool:
@@ -207,6 +243,12 @@ def apply() -> bool:
     fused_softmax.get_sliding_window_causal_mask = _sliding_window_causal_mask
     schedules.forward_step = _without_mode(schedules.forward_step)
     schedules.backward_step = _without_mode(schedules.backward_step)
+
+    # One-rank reduce-scatter / all-gather of the DP=1 DistributedOptimizer: nothing to move.
+    from megatron.core.distributed import param_and_grad_buffer as buffers
+
+    buffers.dist_reduce_scatter_func = _one_rank_is_identity(buffers.dist_reduce_scatter_func)
+    buffers.dist_all_gather_func = _one_rank_is_identity(buffers.dist_all_gather_func)
 
     _mode = _CudaToCpu()
     _mode.__enter__()  # stays active for the life of the process
