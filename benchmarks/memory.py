@@ -1,14 +1,18 @@
 """Peak memory of an actor train step against its memory account, with and without megatron's
-activation recomputation.
+activation recomputation, and of a checkpoint save after it.
 
-    python benchmarks/memory.py [--quick] [--size 135m] [--out benchmarks/results/memory.json]
+    python benchmarks/memory.py [--quick] [--size 135m] [--recompute none] [--out benchmarks/results/memory.json]
 
 Each row is its own process (one thread, TP1 PP1): an Actor (fp32, DistributedOptimizer) takes
 2 steps of a loss over log-probs and entropy (what SFT and PPO's actor compute) on random
 tokens. Reported: the account as every stage summary has it (logging/memory.py: weights +
 gradient buffers + Adam state, plus the activations the microbatch kept for backward), peak RSS
 above the RSS after imports, the ratios, and what one [micro x seq x vocab] fp32 copy of the
-logits weighs. Prints a table and writes JSON.
+logits weighs. Then the actor is saved through CheckpointManager (as a stage saves it, to a
+temporary directory): the save's peak RSS (its RSS at the start plus what MemoryGrowth saw it
+add) against the train phase's peak (the process's peak RSS before the save), and whether the
+save raised the process's peak (its peak after the save over before). Prints a table and
+writes JSON.
 --quick: a tiny model, 1 step (tests/test_benchmarks.py runs it).
 """
 
@@ -60,11 +64,38 @@ def worker(size: str, recompute: str, steps: int, out: Path) -> None:
     for _ in range(steps):
         actor.train_step(batch, s["micro"], loss_fn)
     seconds = (time.perf_counter() - start) / steps
-    account = memory_account({"actor": actor}, peak_memory_bytes(), baseline)
-    out.write_text(json.dumps({"step_s": seconds, **{k: v for k, v in account.items() if k != "roles"},
+    train_peak = peak_memory_bytes()
+    save = measure_save(actor, steps)
+    account = memory_account({"actor": actor}, train_peak, baseline)
+    # the train phase's account; the save's bytes come from measure_save
+    train_account = {k: v for k, v in account.items() if k not in ("roles", "checkpoint_save_bytes")}
+    out.write_text(json.dumps({"step_s": seconds, **train_account,
                                "logits_copy_bytes": s["micro"] * s["seq"] * s["vocab"] * 4,
-                               "params": sum(p.numel() for p in actor.module.parameters())}))
+                               "params": sum(p.numel() for p in actor.module.parameters()),
+                               "train_peak_bytes": train_peak, **save,
+                               "save_over_train": save["save_peak_bytes"] / train_peak,
+                               "peak_raised_by_save": save["process_peak_after_save_bytes"] / train_peak}))
     parallel.destroy()
+
+
+def measure_save(actor, step: int) -> dict:
+    """Save the actor as a stage does (CheckpointManager, sync, to a temporary directory)."""
+    import tempfile
+
+    import torch.distributed as dist
+
+    from megatron_rlhf.checkpoint.manager import CheckpointManager
+    from megatron_rlhf.colocation import current_memory_bytes, peak_memory_bytes
+
+    with tempfile.TemporaryDirectory(prefix="memory_bench_save_") as tmp:
+        manager = CheckpointManager(tmp)
+        at_start = current_memory_bytes()
+        start = time.perf_counter()
+        manager.save(step, {"actor": actor}, {"step": step})
+        seconds = time.perf_counter() - start
+        dist.barrier()
+    return {"save_s": seconds, "save_peak_bytes": at_start + manager.last_save_bytes,
+            "checkpoint_save_bytes": manager.last_save_bytes, "process_peak_after_save_bytes": peak_memory_bytes()}
 
 
 def main() -> None:
@@ -72,6 +103,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="tiny size, 1 step: does it run")
     ap.add_argument("--size", choices=sorted(SIZES), default="135m")
     ap.add_argument("--steps", type=int, default=None, help="train steps per row (default 2; --quick: 1)")
+    ap.add_argument("--recompute", choices=sorted(RECOMPUTE), action="append",
+                    help="only these rows (repeatable; default: all)")
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks/results/memory.json")
     ap.add_argument("--worker", nargs=2, metavar=("SIZE", "RECOMPUTE"))
     ap.add_argument("--worker-out", type=Path)
@@ -83,7 +116,7 @@ def main() -> None:
     size = "tiny" if args.quick else args.size
     rows = []
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    for recompute in RECOMPUTE:
+    for recompute in args.recompute or RECOMPUTE:
         tmp = args.out.with_suffix(f".{recompute}.tmp")
         env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
         proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1",
@@ -95,13 +128,17 @@ def main() -> None:
         tmp.unlink()
     mib = 2**20
     print(f"{'size':<5} {'recompute':<10} {'params':>10} {'step s':>7} {'state MiB':>9} {'activations MiB':>15} "
-          f"{'peak above MiB':>14} {'peak/state':>10} {'peak/account':>12} {'other MiB':>9} {'logits copy MiB':>15}")
+          f"{'peak above MiB':>14} {'peak/state':>10} {'peak/account':>12} {'other MiB':>9} {'logits copy MiB':>15} "
+          f"{'train peak MiB':>14} {'save peak MiB':>13} {'save/train':>10} {'peak raised':>11} {'save s':>6}")
     for r in rows:
         print(f"{r['size']:<5} {r['recompute']:<10} {r['params']:>10} {r['step_s']:>7.2f} {r['model_state_bytes'] / mib:>9.0f} "
               f"{r['activation_bytes'] / mib:>15.0f} {r['peak_above_baseline_bytes'] / mib:>14.0f} "
               f"{r['peak_above_baseline_bytes'] / r['model_state_bytes']:>10.2f} {r['peak_over_account']:>12.2f} "
-              f"{r['other_bytes'] / mib:>9.0f} {r['logits_copy_bytes'] / mib:>15.0f}")
-    args.out.write_text(json.dumps({"benchmark": "actor train step peak RSS vs memory account, fp32, CPU, TP1 PP1",
+              f"{r['other_bytes'] / mib:>9.0f} {r['logits_copy_bytes'] / mib:>15.0f} "
+              f"{r['train_peak_bytes'] / mib:>14.0f} {r['save_peak_bytes'] / mib:>13.0f} {r['save_over_train']:>10.2f} "
+              f"{r['peak_raised_by_save']:>11.2f} {r['save_s']:>6.1f}")
+    title = "actor train step peak RSS vs memory account, then a checkpoint save's peak vs it, fp32, CPU, TP1 PP1"
+    args.out.write_text(json.dumps({"benchmark": title,
                                     "quick": args.quick, "steps": steps, "shape": SIZES[size], "rows": rows}, indent=2))
     print(f"wrote {args.out}")
 

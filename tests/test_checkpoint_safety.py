@@ -1,11 +1,13 @@
 """CheckpointManager is crash-safe and self-validating: commit records, validation, fallback to
-the newest complete checkpoint, retention, async saves equal to sync ones while training goes
-on, no checkpoint from NaN weights, a rank SIGKILLed in the middle of a save, and a resume at
-another layout. The fast tests check validation and the choice of checkpoint on directories
-built here; the slow ones run real 2-process jobs (tests/workers/checkpoint_safety.py)."""
+the newest complete checkpoint, retention, the bytes megatron's own save writes (without its
+up-front copies), async saves equal to sync ones while training goes on, no checkpoint from NaN
+weights, a rank SIGKILLed in the middle of a save, and a resume at another layout. The fast
+tests check validation and the choice of checkpoint on directories built here; the slow ones
+run real 2-process jobs (tests/workers/checkpoint_safety.py)."""
 
 import json
 import os
+import pickle
 import shutil
 
 import pytest
@@ -197,6 +199,28 @@ def test_sync_save_commits_a_complete_record_and_keeps_the_last_two(runs):
         assert validate(path) == []
         # plain values only, RNG states included: it loads with weights_only=True
         assert torch.load(path / "trainer_state" / "rank_00001.pt", weights_only=True)["step"] == step
+
+
+@pytest.mark.slow
+def test_saves_write_the_bytes_megatrons_own_save_writes(runs):
+    # ours copies one tensor at a time (streaming_writer.py) and, at DP1, none of the optimizer
+    # state (live_param_state_at_dp1); megatron's copies them all up front
+    ours, megatrons = runs["root"] / "sync" / "iter_0000004" / "actor", runs["root"] / "megatron_own"
+    names = sorted(p.name for p in megatrons.iterdir())
+    assert names == sorted(p.name for p in ours.iterdir())
+    assert {"__0_0.distcp", "__1_0.distcp", ".metadata", "metadata.json"} <= set(names), names
+    for name in names:
+        if name == ".metadata":  # also records where and under which random id it was saved
+            assert without_storage_meta(ours / name) == without_storage_meta(megatrons / name)
+        else:
+            assert (ours / name).read_bytes() == (megatrons / name).read_bytes(), name
+
+
+def without_storage_meta(path):
+    with open(path, "rb") as f:
+        metadata = pickle.load(f)  # noqa: S301  (written by this test's own run)
+    metadata.storage_meta = None
+    return metadata
 
 
 @pytest.mark.slow

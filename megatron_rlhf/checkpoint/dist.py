@@ -17,6 +17,7 @@ from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.strategies import filesystem_async
 
 from megatron_rlhf.checkpoint.safe_load import restricted_dcp_unpickling
+from megatron_rlhf.checkpoint.streaming_writer import StreamingSaveStrategy
 from megatron_rlhf.models.optimizer import load_optimizer_state, optimizer_sharded_state_dict
 
 _writer_queue_manager = None  # keeps the queue's server process alive
@@ -93,13 +94,16 @@ def save_role(role, path: str | Path, with_optimizer: bool = True, async_save: b
     torch.distributed.barrier()
     _start_writer_queue()
     state = role_sharded_state_dict(role, with_optimizer, is_loading=False)
+    # megatron's torch_dist format, its host copies made one tensor at a time (streaming_writer.py)
+    strategy = StreamingSaveStrategy()
     if not async_save:
-        dist_checkpointing.save(state, str(path))
+        dist_checkpointing.save(state, str(path), sharded_strategy=strategy)
         return None
     # async_strategy="mcore": the default "nvrx" needs nvidia-resiliency-ext >= 0.6, whose
     # async modules megatron_rlhf/__init__.py hides next to the installed 0.4.1
     # (dist_checkpointing/strategies/torch.py get_async_strategy raises ModuleNotFoundError).
-    return dist_checkpointing.save(state, str(path), async_sharded_save=True, async_strategy="mcore")
+    return dist_checkpointing.save(state, str(path), sharded_strategy=strategy, async_sharded_save=True,
+                                   async_strategy="mcore")
 
 
 def check_architecture(role, path: Path) -> None:

@@ -23,13 +23,17 @@ Guarantees:
 - Loading runs no code from the checkpoint (safe_load.py): trainer states hold only plain
   values (RNG states included) and load with weights_only=True, role checkpoints load under
   restricted_dcp_unpickling; a file holding anything else is a CheckpointError naming it.
+- A save adds at most one tensor's copy to the process's memory at DP=1, not a copy of the
+  state (streaming_writer.py, models/optimizer.py live_param_state_at_dp1); `last_save_bytes`
+  is what the last one added (the stage summary's memory_account.checkpoint_save_bytes).
 - Retention keeps the newest `keep_last` complete checkpoints and never the one just
   committed; `.tmp` debris of steps up to the committed one is removed after the commit.
 - async_save: the role files are written by a forked process per save (megatron-core's
   TemporalAsyncCaller) while training continues, and still hold the values at save time
-  although training updates tensors in place: megatron copies GPU tensors to host, views
-  (DDP buffers) and DistributedOptimizer state while planning the save, and the fork,
-  taken inside save(), freezes the rest (on CPU, e.g. a plain optimizer's Adam moments).
+  although training updates tensors in place: megatron copies GPU tensors to host while
+  planning the save (and, at DP > 1, gathers DistributedOptimizer state into copies), and the
+  fork, taken inside save(), freezes the rest copy-on-write (on CPU all of it: weights, DDP
+  buffers, Adam moments); the writer process copies views one at a time (streaming_writer.py).
   `poll()` (every step) / `wait()` commit it as a collective finalize step once every
   rank's writer has finished. One save is in flight at a time.
 """
@@ -55,6 +59,7 @@ from megatron_rlhf.checkpoint.safe_load import load_pt
 from megatron_rlhf.checkpoint.validate import (  # noqa: F401  (re-exported API)
     COMMIT, LATEST, CheckpointError, checkpoint_dirs, find_checkpoint, iter_name, read_commit, validate,
 )
+from megatron_rlhf.logging.memory import MemoryGrowth
 from megatron_rlhf.resilience.faults import FAULTS
 from megatron_rlhf.parallel import any_rank
 from megatron_rlhf.resilience.nonfinite import ensure_finite_weights
@@ -202,6 +207,9 @@ class CheckpointManager:
         self.stage_dir = Path(stage_dir)
         self.keep_last = max(1, keep_last)
         self.async_save = async_save
+        # what this process's memory rose by during the last save() (logging/memory.py
+        # MemoryGrowth; an async save's writing happens in its forked writer, not counted)
+        self.last_save_bytes = 0
         self._queue = None
         if async_save:
             from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
@@ -250,18 +258,22 @@ class CheckpointManager:
             shutil.rmtree(tmp, ignore_errors=True)  # an earlier attempt at this step crashed
             (tmp / "trainer_state").mkdir(parents=True)
         dist.barrier()
-        requests = [save_role(role, tmp / name, async_save=self.async_save) for name, role in roles.items()]
-        # The model config goes with the weights: export-hf and later stages read it from here.
-        model_cfg = next((r.cfg.model for r in roles.values() if hasattr(getattr(r, "cfg", None), "model")), None)
-        recorded = {"model_config": dataclasses.asdict(model_cfg)} if model_cfg is not None else {}
-        torch.save({**recorded, **trainer_state, "rng": rng_state()}, tmp / "trainer_state" / f"rank_{rank:05d}.pt")
-        record = {"step": step, "roles": list(roles), "world_size": dist.get_world_size(),
-                  "layout": current_layout()}
-        commit = partial(self._commit, tmp, final, record)
-        if self.async_save:
-            self._queue.schedule_async_request(_merge_requests(requests, commit))
-        else:
-            commit()
+        with MemoryGrowth() as growth:
+            requests = [save_role(role, tmp / name, async_save=self.async_save) for name, role in roles.items()]
+            # The model config goes with the weights: export-hf and later stages read it from here.
+            model_cfg = next((r.cfg.model for r in roles.values() if hasattr(getattr(r, "cfg", None), "model")), None)
+            recorded = {"model_config": dataclasses.asdict(model_cfg)} if model_cfg is not None else {}
+            torch.save({**recorded, **trainer_state, "rng": rng_state()}, tmp / "trainer_state" / f"rank_{rank:05d}.pt")
+            record = {"step": step, "roles": list(roles), "world_size": dist.get_world_size(),
+                      "layout": current_layout()}
+            commit = partial(self._commit, tmp, final, record)
+            if self.async_save:
+                merged = _merge_requests(requests, commit)
+            else:
+                commit()
+        self.last_save_bytes = growth.bytes
+        if self.async_save:  # forks the writer: after the sampling thread has stopped
+            self._queue.schedule_async_request(merged)
         return final
 
     def poll(self) -> None:

@@ -6,11 +6,17 @@ On GPU the peak is the device's allocated peak and the baseline what was allocat
 stage started; on CPU the peak is the process's peak RSS and the baseline its RSS when the
 stage started (Python, torch and megatron-core already imported). `other` is what the account
 does not explain: activations, logits, the allocator's caches, communication buffers.
+A checkpoint save's own bytes are measured while it runs (MemoryGrowth, in
+CheckpointManager.save) and named `checkpoint_save_bytes`.
 """
 
 from __future__ import annotations
 
+import threading
+
 import torch
+
+from megatron_rlhf.colocation import current_memory_bytes
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -46,6 +52,38 @@ class SavedActivations:
         return sum(self.storages.values())
 
 
+class MemoryGrowth:
+    """The largest rise of this process's memory (colocation.current_memory_bytes: RSS on CPU,
+    allocated device memory on GPU) above its value on entry, while the context is active:
+    `bytes` after it. Neither peak can be read for a span of time without resetting the
+    process's own (which stage summaries report), so a thread samples every `interval_s`; a
+    spike shorter than that can be missed, allocations that live through a save's write cannot."""
+
+    def __init__(self, interval_s: float = 0.002):
+        self.interval_s = interval_s
+        self.start = self.peak = 0
+        self._stop = threading.Event()
+
+    def _sample(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.peak = max(self.peak, current_memory_bytes())
+
+    def __enter__(self):
+        self.start = self.peak = current_memory_bytes()
+        self._thread = threading.Thread(target=self._sample, name="memory-growth", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()  # stopped before anything forks (an async save's writer)
+        self.peak = max(self.peak, current_memory_bytes())
+
+    @property
+    def bytes(self) -> int:
+        return max(self.peak - self.start, 0)
+
+
 def role_memory(role) -> dict[str, int]:
     """Bytes of one role's weights, gradient buffers and optimizer state on this rank, and the
     activations its largest measured microbatch kept for backward (Role.activation_bytes)."""
@@ -71,16 +109,18 @@ def role_memory(role) -> dict[str, int]:
             "activations": role.activation_bytes or 0, "trainable_parameters": trainable}
 
 
-def memory_account(roles: dict, peak_bytes: int, baseline_bytes: int) -> dict:
+def memory_account(roles: dict, peak_bytes: int, baseline_bytes: int, checkpoint_save_bytes: int = 0) -> dict:
     """The stage summary's `memory_account`: per role and in total, with the peak above the
     baseline and what the account leaves unexplained (`other_bytes`). The account is the roles'
-    state plus the activations of the one role that trains at a time (the largest)."""
+    state plus the larger of two transients that never coexist: the activations of the one role
+    that trains at a time (the largest), and `checkpoint_save_bytes`, the memory the last
+    checkpoint save added while it ran (MemoryGrowth; saves run between steps; 0: none)."""
     per_role = {name: role_memory(role) for name, role in roles.items()}
     state = sum(r["weights"] + r["gradient_buffers"] + r["optimizer_state"] for r in per_role.values())
     activations = max((r["activations"] for r in per_role.values()), default=0)
-    account = state + activations
+    account = state + max(activations, checkpoint_save_bytes)
     above = max(peak_bytes - baseline_bytes, 0)
     return {"roles": per_role, "model_state_bytes": state, "activation_bytes": activations,
-            "account_bytes": account, "baseline_bytes": baseline_bytes,
+            "checkpoint_save_bytes": checkpoint_save_bytes, "account_bytes": account, "baseline_bytes": baseline_bytes,
             "peak_above_baseline_bytes": above, "other_bytes": above - account,
             "peak_over_account": above / account if account else None}

@@ -120,7 +120,8 @@ class StageRunner:
         peak = peak_memory_bytes()
         summary = {"stage": self.stage_name, "steps": self.step, **fields,
                    "wall_seconds": time.perf_counter() - self.start_time, "peak_memory_bytes": peak,
-                   "memory_account": memory_account(roles or self.trained, peak, self.memory_at_start),
+                   "memory_account": memory_account(roles or self.trained, peak, self.memory_at_start,
+                                                    checkpoint_save_bytes=self.ckpt.last_save_bytes),
                    "checkpoint": str(self.ckpt.latest())}
         write_summary(self.out, summary)
         self.log.info(message)

@@ -5,6 +5,7 @@ runs are comparable step by step. --mode:
   train     steps 1..4 with a sync save after each (keep_last=2) into <root>/sync; an async save
             of step 3 into <root>/async followed at once by training step 4 (in place, before
             the save is committed), then wait(); an async save of step 4 committed by poll();
+            the actor at step 4 saved by megatron's own code into <root>/megatron_own;
             a load at the same layout (RNG streams restored); async vs sync save with a plain
             (non-distributed) optimizer into <root>/plain_{sync,async}; a NaN weight on rank 1
             -> save() must raise on every rank (sync and async). Results are written, then:
@@ -63,6 +64,24 @@ def params(actor) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in actor.module.named_parameters()}
 
 
+def save_as_megatron_does(role, path: Path) -> None:
+    """The role as megatron-core's own save writes it, without streaming_writer.py and
+    live_param_state_at_dp1: its DistributedOptimizer's gathered copies, its writer's up-front
+    copies of views. tests/test_checkpoint_safety.py compares the bytes with ours."""
+    from megatron.core import dist_checkpointing
+
+    from megatron_rlhf.models.optimizer import OPTIMIZER_CKPT_METADATA
+
+    if dist.get_rank() == 0:
+        path.mkdir(parents=True)
+    dist.barrier()
+    model = role.module.sharded_state_dict()
+    optimizer = role.optimizer.sharded_state_dict(model, is_loading=False, metadata=OPTIMIZER_CKPT_METADATA)
+    state = {"model": model, "extra": role.extra_state(), "optimizer": optimizer,
+             "scheduler": role.scheduler.state_dict()}
+    dist_checkpointing.save(state, str(path))
+
+
 def state(step: int) -> dict:
     return {"step": step}
 
@@ -104,6 +123,7 @@ def mode_train(cfg, overrides: list[str], root: Path, write) -> None:
     asy.wait()
     sync.save(4, roles, state(4))
     after_save = torch.rand(4), tracker_rand()  # what the RNG streams give next
+    save_as_megatron_does(actor, root / "megatron_own")  # the same state, for the bytes it writes
     asy.save(4, roles, state(4))
     polls = 0
     while asy.latest() is None or asy.latest().name != "iter_0000004":
@@ -120,9 +140,8 @@ def mode_train(cfg, overrides: list[str], root: Path, write) -> None:
     res["same_layout"] = {"warnings": loaded["checkpoint_warnings"], "checkpoint": loaded["checkpoint"],
                           "rng_restored": gather(all(map(torch.equal, after_save, (torch.rand(4), tracker_rand()))))}
 
-    # Megatron copies DistributedOptimizer state and DDP-buffer params while planning a save,
-    # but not a plain optimizer's Adam moments or plain params: those rely on the snapshot
-    # the forked writer takes when save() returns.
+    # A plain (non-distributed) optimizer's state, like everything on CPU, relies on the
+    # snapshot the forked writer takes when save() returns.
     plain = Actor(load_config(None, [*overrides, "optimizer.use_distributed_optimizer=false"]))
     train(plain, 1)
     CheckpointManager(root / "plain_sync").save(1, {"actor": plain}, state(1))
