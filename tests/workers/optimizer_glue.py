@@ -34,17 +34,8 @@ from megatron_rlhf.models.roles import Actor, AdapterFreeReference, Critic, summ
 from megatron_rlhf.resilience.nonfinite import any_rank_nonfinite
 from megatron.core import dist_checkpointing, parallel_state  # noqa: E402  (after megatron_rlhf)
 
-BATCH, SEQ, MBS, VOCAB = 4, 16, 2, 100
-
-
-def batch(seed: int) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return {"tokens": torch.randint(2, VOCAB, (BATCH, SEQ), generator=g),
-            "advantages": torch.randn(BATCH, SEQ, generator=g)}
-
-
-def actor_loss(out, mb):
-    return (*summed(-out["logprobs"] * mb["advantages"]), {})
+from workers.checkpoint_safety import MBS, batch  # noqa: E402  (the same batches and actor loss)
+from workers.checkpoint_safety import loss as actor_loss  # noqa: E402
 
 
 def critic_loss(out, mb):
