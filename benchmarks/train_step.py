@@ -26,7 +26,9 @@ methods: forward+backward (`Role._forward_backward`: mode switch, zeroing, megat
 DDP finalise), the guard (`guard.should_skip`), `optimizer.step` (grad norm, clip, Adam, param
 sync) and the whole `train_step`. Repeats are interleaved (before, after, after+plain, before, ...);
 each repeat runs --steps steps per role and variant after 2 warm-up steps and yields the mean per
-step. The table shows min and median over repeats. Writes JSON.
+step. The table shows min and median over repeats. Writes JSON. Every variant runs with today's
+CPU adaptations (parallel/cpu.py, e.g. the one-rank reduce-scatter / all-gather skipped at DP=1),
+so "before" isolates the three glue changes, not all of main's history.
 --quick: B=4, 8 new tokens, 2 repeats of 2 steps (tests/test_benchmarks.py runs it).
 """
 

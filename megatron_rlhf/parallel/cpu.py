@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 
 import torch
+import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
 _applied = False
@@ -179,8 +180,6 @@ def _one_rank_is_identity(collective):
     of two or more ranks go to gloo as before."""
 
     def call(output, input, group=None, async_op=False, **kwargs):
-        import torch.distributed as dist
-
         if dist.get_world_size(group) != 1:
             return collective(output, input, group=group, async_op=async_op, **kwargs)
         if not (output.data_ptr() == input.data_ptr() and output.numel() == input.numel()):
