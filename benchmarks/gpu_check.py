@@ -44,17 +44,20 @@ CUDA-enabled torch (it never installs torch):
    side by side with the memory a critic-free algorithm saves (PPO minus GRPO) per phase and for
    the RL stage's peak; the same for PPO and PPO with LoRA (the saving: PPO minus PPO+LoRA),
    with the trained roles' trainable parameters and optimizer-state bytes, full vs LoRA; gold
-   and RM score before/after, final KL and logprob_mismatch at the first and last step of each
-   RL run. <out> also gets the table, the logs (gpu_check.log: SFT -> RM -> PPO;
+   and reward before/after, final KL and logprob_mismatch at the first and last step of each
+   RL run, and how far its old log-probs were from the first train step's forward with
+   rl.reuse_rollout_logprobs off and on (`reuse_lines`). <out> also gets the table, the logs
+   (gpu_check.log: SFT -> RM -> PPO;
    gpu_check_grpo.log; gpu_check_lora.log), summaries.json (every stage's summary.json by stage)
    and rl_metrics.jsonl (every RL run's metrics.jsonl rows, each with "rl_run": ppo, grpo or
    ppo_lora): 7 files, 8 with the vLLM log; the device tool brings back at most 8.
 
 gpu_check.json: the PPO numbers under the keys of the PPO-only check (stages.{sft,rm,ppo},
-ppo_phases, ppo_steps, gold_score, rm_score, kl_mean_final, logprob_mismatch; complete/missing
+ppo_phases, ppo_steps, gold_score, reward, kl_mean_final, logprob_mismatch; complete/missing
 about the SFT -> RM -> PPO files), and per RL run under "ppo", "grpo" and "ppo_lora" (complete,
-missing, roles, steps, phases, stage, gold_score, rm_score, kl_mean_final, logprob_mismatch;
-trained: the trained roles' trainable_parameters and optimizer_state bytes from the summary's
+missing, roles, steps, phases, stage, gold_score, reward, kl_mean_final, logprob_mismatch;
+old_logprob_mismatch: recomputed, reused, engine (pi_old_mismatch); trained: the trained
+roles' trainable_parameters and optimizer_state bytes from the summary's
 memory_account, and their sums; lora: the summary's; "run": recipe, overrides, exit code,
 seconds, time limit, or why it was skipped), stages.grpo, stages.ppo_lora, memory_saving_bytes
 (phase -> PPO minus GRPO peak bytes, "stage": the RL stage peaks; null where either is missing)
@@ -87,6 +90,7 @@ GRPO_RECIPE = "pipelines/tiny_cpu_grpo.yaml"  # base: tiny_cpu.yaml, rl.algorith
 LORA_RECIPE = "pipelines/tiny_cpu_lora.yaml"  # base: tiny_cpu.yaml, lora.rank=8: PPO training adapters only
 # <run>/<algorithm>[_lora]: the RL stage directories the check compares (stage_data.stage_dir)
 RL_RUNS = ("ppo", "grpo", "ppo_lora")
+RUN_LABELS = {"ppo": "PPO", "grpo": "GRPO", "ppo_lora": "PPO+LoRA"}  # as the table names them
 # The vLLM rollout path (when the GPU `vllm` package imports): its own SFT -> RM -> PPO on the
 # vLLM recipe (head size 32), in <root>/gpu_check_vllm, after PPO and GRPO.
 VLLM_RECIPE, VLLM_RUN = "pipelines/tiny_cpu_vllm.yaml", "gpu_check_vllm"
@@ -481,6 +485,26 @@ def _mismatch(metrics_path: Path, missing: list) -> dict:
             "last": {"step": last, "value": _finite(by_step[last])}}
 
 
+def pi_old_mismatch(metrics_path: Path) -> dict:
+    """How far the old log-probs the loss used were from the trainer's own forward: the RL stage's
+    old_logprob_mismatch (mean |Δ log p| per token in an iteration's first train step), median over
+    the iterations that recomputed them ("recomputed": rl.reuse_rollout_logprobs off, or one of its
+    recompute steps: those log logprob_mismatch) and over those that reused the engine's ("reused");
+    "engine": the median logprob_mismatch, what reused ones would be off by. None: no such step."""
+    by_step = {}
+    for line in metrics_path.read_text().splitlines() if metrics_path.exists() else []:
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if "step" in rec:
+            by_step.setdefault(rec["step"], {}).update(rec)  # a resumed run re-logs steps: the last wins
+    measured = [r for r in by_step.values() if "old_logprob_mismatch" in r]
+    return {"recomputed": _median([r["old_logprob_mismatch"] for r in measured if "logprob_mismatch" in r]),
+            "reused": _median([r["old_logprob_mismatch"] for r in measured if "logprob_mismatch" not in r]),
+            "engine": _median([r["logprob_mismatch"] for r in by_step.values() if "logprob_mismatch" in r])}
+
+
 def trained_roles(account: dict | None) -> dict:
     """From a summary's memory_account: the roles that train (trainable parameters > 0; in an
     account without that field, optimizer state > 0) with their trainable parameters and
@@ -519,10 +543,12 @@ def collect_rl(run_dir: str | Path, algorithm: str) -> dict:
                   "peak_memory_bytes": _finite(summ.get("peak_memory_bytes")) or (max(mems) if mems else None)},
         "gold_score": {"before": _finite(summ.get("gold_score_eval_before")),
                        "after": _finite(summ.get("gold_score_eval_after"))},
-        "rm_score": {"before": _finite(summ.get("rm_score_eval_before")),
-                     "after": _finite(summ.get("rm_score_eval_after"))},
+        # the combined reward of rl.rewards (called rm_score_eval_* in runs of earlier versions)
+        "reward": {"before": _finite(summ.get("reward_eval_before", summ.get("rm_score_eval_before"))),
+                   "after": _finite(summ.get("reward_eval_after", summ.get("rm_score_eval_after")))},
         "kl_mean_final": _finite(summ.get("kl_mean_final")),
         "logprob_mismatch": mismatch,
+        "old_logprob_mismatch": pi_old_mismatch(stage_dir / "metrics.jsonl"),
         "trained": trained_roles(summ.get("memory_account")),
         "lora": summ.get("lora"),  # the roles that train adapters: rank, alpha, targets, base
     }
@@ -558,7 +584,7 @@ def collect(run_dir: str | Path) -> dict:
     return {
         "run_dir": str(run_dir), "complete": not missing, "missing": missing,
         "stages": stages, "ppo_phases": ppo["phases"], "ppo_steps": ppo["steps"],
-        "gold_score": ppo["gold_score"], "rm_score": ppo["rm_score"], "kl_mean_final": ppo["kl_mean_final"],
+        "gold_score": ppo["gold_score"], "reward": ppo["reward"], "kl_mean_final": ppo["kl_mean_final"],
         "logprob_mismatch": ppo["logprob_mismatch"],
         **rl, "memory_saving_bytes": memory_saving(ppo, rl["grpo"]),
         "lora_memory_saving_bytes": memory_saving(ppo, rl["ppo_lora"]),
@@ -691,27 +717,28 @@ def format_table(res: dict) -> str:
                  f"optimizer state PPO {_mib(opt_full)}, PPO+LoRA {_mib(opt_low)}{_share(opt_low, opt_full)}; "
                  f"roles: {', '.join(trained) or 'n/a'}")
 
-    # quality: gold / RM score before and after, final KL, logprob_mismatch
+    # quality: gold score / reward before and after, final KL, logprob_mismatch
     def mm(x):
         return "n/a" if not x else f"{_s(x['value'], '{:.3e}')} (step {x['step']})"
 
     def f3(x, fmt="{:.3f}"):
         return _s(x, fmt)
-    head = (f"{'RL result':<10}{'gold before':>12}{'gold after':>12}{'change':>9}{'RM before':>11}"
-            f"{'RM after':>10}{'KL final':>10}   logprob_mismatch first -> last")
+    head = (f"{'RL result':<10}{'gold before':>12}{'gold after':>12}{'change':>9}{'reward before':>15}"
+            f"{'reward after':>14}{'KL final':>10}   logprob_mismatch first -> last")
     lines += ["", head, "-" * len(head)]
     for name, x in (("PPO", ppo), ("GRPO", grpo), ("PPO+LoRA", lora)):
-        g, r, m = x["gold_score"], x["rm_score"], x["logprob_mismatch"]
+        g, r, m = x["gold_score"], x["reward"], x["logprob_mismatch"]
         if name != "PPO" and str(Path(x["stage_dir"]) / "summary.json") in x["missing"]:
             lines.append(f"{name:<10}missing")  # no summary, no numbers (why: its line below)
             continue
         change = _minus(g["after"], g["before"])
         lines.append(f"{name:<10}{f3(g['before']):>12}{f3(g['after']):>12}{f3(change, '{:+.3f}'):>9}"
-                     f"{f3(r['before']):>11}{f3(r['after']):>10}{f3(x['kl_mean_final']):>10}   "
+                     f"{f3(r['before']):>15}{f3(r['after']):>14}{f3(x['kl_mean_final']):>10}   "
                      f"{mm(m['first'])} -> {mm(m['last'])}")
     for name, x in (("GRPO", grpo), ("PPO+LoRA", lora)):  # PPO's missing files: the `missing:` line
         if state := run_state(x):
             lines.append(f"{name}: {state}")
+    lines += reuse_lines(res)
     lines += vllm_lines(res.get("vllm") or {})
     if res.get("missing"):
         lines.append("missing: " + ", ".join(res["missing"]))
@@ -719,6 +746,28 @@ def format_table(res: dict) -> str:
         lines.append("(peak memory: GPU runs report torch.cuda.max_memory_allocated per phase, CPU runs the "
                      "process's peak RSS; 'n/a' where the stage's summary has no number)")
     return "\n".join(lines)
+
+
+def reuse_lines(res: dict) -> list[str]:
+    """The old log-probs' mismatch against the trainer's forward with rl.reuse_rollout_logprobs off
+    and on, per RL run (pi_old_mismatch); a run that never reused them shows the engine's
+    logprob_mismatch for "on", marked *. Nothing when no run has a number."""
+    cells, estimated = [], False
+    for name in RL_RUNS:
+        m = res.get(name, {}).get("old_logprob_mismatch") or {}
+        on = m.get("reused") if m.get("reused") is not None else m.get("engine")
+        if m.get("recomputed") is None and on is None:
+            continue
+        star = m.get("reused") is None and on is not None
+        estimated = estimated or star
+        off_on = f"{_s(m.get('recomputed'), '{:.2e}')} / {_s(on, '{:.2e}')}{'*' if star else ''}"
+        cells.append(f"{RUN_LABELS[name]} {off_on}")
+    if not cells:
+        return []
+    dtype = (res.get("environment") or {}).get("params_dtype")
+    note = "; * no step reused them: the engine's logprob_mismatch, what they would be off by" if estimated else ""
+    return [f"old log-probs vs the first train step's forward{f' ({dtype})' if dtype else ''}, median |Δ| per "
+            f"token, rl.reuse_rollout_logprobs off / on: {', '.join(cells)}{note}"]
 
 
 def vllm_lines(v: dict) -> list[str]:

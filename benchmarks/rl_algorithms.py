@@ -47,7 +47,7 @@ def run_all(args) -> list[dict]:
             "algorithm": algorithm, "roles": s["roles"],
             "gold_before": s["gold_score_eval_before"], "gold_after": s["gold_score_eval_after"],
             "gold_gain": s["gold_score_eval_after"] - s["gold_score_eval_before"],
-            "rm_before": s["rm_score_eval_before"], "rm_after": s["rm_score_eval_after"],
+            "reward_before": s["reward_eval_before"], "reward_after": s["reward_eval_after"],
             "kl_final": s["kl_mean_final"], "wall_seconds": s["wall_seconds"],
             "peak_rss_mib": s["peak_memory_bytes"] / 2**20,
             "train_phase_peak_mib": s["phase_peak_memory_bytes"]["train"] / 2**20,

@@ -36,8 +36,9 @@ COMMANDS = {
     "stages": "print pipeline.stages, one per line (what slurm/submit_pipeline.sh submits)",
     "import-hf": "--hf DIR --out DIR: a local Hugging Face checkpoint (Llama 2/3.x, Mistral, Qwen2/2.5, "
                  "Qwen3) -> our checkpoint (model fields from its config.json; launch at any TP x PP)",
-    "export-hf": "--ckpt DIR --role actor|reward|critic --out DIR [--tokenizer DIR]: our checkpoint "
-                 "-> a Hugging Face directory (one process; the model config is the one the checkpoint recorded); "
+    "export-hf": "--ckpt DIR [--iter N] --role actor|reward|critic --out DIR: our checkpoint -> a Hugging Face "
+                 "directory (one process; the model config, tokenizer and sampling settings are those the "
+                 "checkpoint's run recorded: --tokenizer DIR only for older checkpoints); "
                  "a LoRA checkpoint is exported merged (W + alpha/r B A on the base checkpoint it records, or "
                  "--lora-base DIR)",
     "export-peft": "--ckpt DIR --role actor --out DIR [--hf BASE_HF_DIR]: the adapters of a LoRA policy "
@@ -49,6 +50,18 @@ COMMANDS = {
 }
 
 
+# Commands that train and write checkpoints: the built-in defaults alone would silently train a
+# toy run into checkpoints/default/, so these need a recipe; the one to start from for each.
+RECIPE_FOR = {"sft": "pipelines/tiny_cpu.yaml", "rm": "pipelines/tiny_cpu.yaml", "dpo": "pipelines/tiny_cpu_dpo.yaml",
+              "rl": "pipelines/tiny_cpu.yaml", "ppo": "pipelines/tiny_cpu.yaml", "pipeline": "pipelines/tiny_cpu.yaml"}
+
+
+def check_recipe_given(command: str, config: str | None) -> None:
+    if config is None and command in RECIPE_FOR:
+        raise ConfigError(f"--config: `{command}` needs a recipe, e.g. --config {RECIPE_FOR[command]} "
+                          "(pipelines/ has one per model size and algorithm; key=value overrides go after it)")
+
+
 def convert_command(args, cfg) -> None:
     from megatron_rlhf.convert import export_hf, import_hf
     from megatron_rlhf.convert.hf_io import checkpoint_model_config
@@ -58,6 +71,8 @@ def convert_command(args, cfg) -> None:
     if missing := [f"--{name}" for name in needed if getattr(args, name) is None]:
         raise ConfigError(f"{args.command}: missing {', '.join(missing)}")
     if args.command in ("export-hf", "export-peft"):
+        if args.iter is not None:  # an older checkpoint of the stage directory, named (validate.find_checkpoint)
+            args.ckpt = f"{args.ckpt}@iter_{args.iter}"
         # The checkpoint's own model config (every stage records it); model.* overrides must agree.
         typed = {o.split("=", 1)[0].strip() for o in args.overrides}
         model_cfg = checkpoint_model_config(args.ckpt, args.role, cfg.model, typed)
@@ -72,8 +87,7 @@ def convert_command(args, cfg) -> None:
 
             path = export_peft_adapter(args.ckpt, args.role, args.out, model_cfg=model_cfg, base_model=args.hf)
         else:
-            tokenizer = args.tokenizer or (cfg.data.tokenizer if cfg.data.tokenizer != "builtin" else None)
-            path = export_hf(args.ckpt, args.role, args.out, model_cfg=model_cfg, tokenizer_dir=tokenizer,
+            path = export_hf(args.ckpt, args.role, args.out, model_cfg=model_cfg, tokenizer_dir=args.tokenizer,
                              drop_score_bias=args.drop_score_bias, lora_base=args.lora_base)
         print(f"[{args.command}] {args.role} of {args.ckpt} -> {path}", flush=True)
         return
@@ -129,7 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m megatron_rlhf", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("command", choices=sorted(COMMANDS), help="; ".join(f"{k}: {v}" for k, v in COMMANDS.items()))
-    parser.add_argument("--config", help="YAML recipe (pipelines/*.yaml)")
+    parser.add_argument("--config", help="YAML recipe (pipelines/*.yaml); required by " + ", ".join(RECIPE_FOR))
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. parallel.tensor_parallel=2")
     parser.add_argument("--verbose", action="store_true",
                         help="show every third-party warning (default: the known harmless ones are hidden, "
@@ -137,12 +151,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--hf", help="import-hf: local Hugging Face model directory; export-peft: the base model's "
                                      "export (recorded in adapter_config.json)")
     parser.add_argument("--ckpt", help="export-hf, export-peft, serve-reward: a stage or iter_* checkpoint directory")
+    parser.add_argument("--iter", type=int, help="export-hf, export-peft: the checkpoint of step N of the stage "
+                                                 "directory --ckpt (default: the one its `latest` names)")
     parser.add_argument("--role", choices=("actor", "reward", "critic", "reference"),
                         help="export-hf / export-peft: the role to export")
     parser.add_argument("--out", help="import-hf / export-hf / export-peft: output directory")
     parser.add_argument("--lora-base", help="export-hf of a LoRA checkpoint: where its base checkpoint is now "
                                             "(default: the path the checkpoint recorded)")
-    parser.add_argument("--tokenizer", help="export-hf: tokenizer directory to copy (default: data.tokenizer)")
+    parser.add_argument("--tokenizer", help="export-hf: tokenizer directory to copy (default: the one the "
+                                            "checkpoint's run recorded)")
     parser.add_argument("--drop-score-bias", action="store_true",
                         help="export-hf of reward/critic: drop the value head's constant offset (HF's score has no bias)")
     parser.add_argument("--host", default="127.0.0.1",
@@ -171,6 +188,7 @@ def report_error(message: str, code: int) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_intermixed_args(argv)
     try:  # cheap: no torch yet
+        check_recipe_given(args.command, args.config)
         cfg = load_config(args.config, args.overrides)
         if args.command == "stages":  # before anything imports torch: Slurm submission scripts wait on it
             print("\n".join(validate(cfg).pipeline.stages))

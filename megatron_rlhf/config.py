@@ -186,7 +186,7 @@ class LoRAConfig:
 
     rank: int = 0
     alpha: float = 16.0  # the adapter's output is scaled by alpha / rank
-    dropout: float = 0.0  # on the adapter's input, in training only
+    dropout: float = 0.0  # on the adapter's input, in training only; sft and dpo only (rl refuses it)
     # which linear layers of every decoder layer: qkv, proj (attention output), fc1, fc2; and
     # output: the policy's LM head (untied embeddings only; a critic's value head trains in full)
     targets: list[str] = field(default_factory=lambda: ["qkv", "proj", "fc1", "fc2"])
@@ -351,7 +351,8 @@ class RLConfig:
     # full softmax, so a filtered sampler would make the rollout off-policy.
     top_k: int = 0
     top_p: float = 1.0
-    # Reward: r_t = -kl_coef * KL_t (kl_in_reward), RM score added at the last response token.
+    # Reward: r_t = -kl_coef * KL_t (kl_in_reward), the combined reward of rl.rewards added at
+    # the last response token.
     kl_coef: float = 0.05
     kl_controller: str = "fixed"     # fixed | adaptive (Ziegler et al.)
     kl_target: float = 6.0
@@ -361,12 +362,15 @@ class RLConfig:
     # expected gradient and is refused, k2 is the gradient of KL(pi||ref), k3 of KL(ref||pi) (GRPO).
     kl_estimator: str = "k1"
     kl_in_reward: bool = True        # False: the KL penalty goes into the actor loss instead
-    kl_clip: float | None = 10.0     # bound on each token's KL estimate (null: none)
+    # Bound on each token's KL estimate (null: none). In the reward and metrics the estimate is
+    # clamped; in the loss the log ratio is, with its gradient passed through, so the tokens that
+    # drifted furthest keep a bounded, non-zero KL gradient (algorithms/kl.py: kl_loss_estimate).
+    kl_clip: float | None = 10.0
     # How the actor and critic losses average over the global batch (every microbatch and
     # data-parallel rank): token_mean | seq_mean_token_mean | seq_mean_token_sum.
     loss_aggregation: str = "token_mean"
     missing_eos_penalty: float | None = None  # score given to responses without EOS
-    reward_clip: float = 10.0        # clip RM scores to [-reward_clip, reward_clip]
+    reward_clip: float = 10.0        # clip the combined reward to [-reward_clip, reward_clip]
     gamma: float = 1.0
     # Policy loss: ratio clipped to [1 - clip_eps, 1 + clip_eps_high] (null: clip_eps;
     # "clip-higher" sets it above clip_eps); dual_clip c > 1 bounds the loss of a negative
@@ -384,9 +388,9 @@ class RLConfig:
     mismatch_mask_threshold: float | None = None
     # Old log-probs: the in-place engine (rollout.engine=megatron) samples with the actor's
     # current weights under the same softmax, so its per-token log-probs are pi_old up to float
-    # rounding (~1e-7); reusing them skips the actor's forward in the score phase. Every
-    # logprob_recompute_interval-th iteration (and the first) still recomputes them and logs
-    # the mismatch (0: only the first).
+    # rounding (~1e-7 in CPU fp32; larger in bf16: make gpu-check reports it); reusing them skips
+    # the actor's forward in the score phase. Every logprob_recompute_interval-th iteration (and
+    # the first) still recomputes them and logs the mismatch (0: only the first).
     reuse_rollout_logprobs: bool = False
     logprob_recompute_interval: int = 10
     group_std_normalization: bool = True  # grpo: divide by the group's std (false: Dr.GRPO)
@@ -475,6 +479,12 @@ class PipelineConfig:
     # from sft, rm, dpo, rl: e.g. [sft, rm, rl] (default), [sft, dpo], [sft, rm, dpo, rl].
     # Each starts from an earlier stage's checkpoint or its *_from field.
     stages: list[str] = field(default_factory=lambda: list(DEFAULT_STAGES))
+    # A finished stage is reused only on the inputs its summary.json recorded (data, tokenizer,
+    # settings, start checkpoint; trainers/stage_inputs.py); one whose inputs changed stops the
+    # run, unless listed here: then it trains again from scratch, its old directory renamed
+    # <stage>.replaced-<time> (as are later stages that start from it: list them too).
+    # Unchanged stages are still reused, so a repeated or requeued command trains nothing twice.
+    rerun: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -535,6 +545,9 @@ class Config:
     # Plain class attributes, not fields: a recipe cannot set them and to_dict leaves them out.
     notes = ()
     given = frozenset()
+    # The dotted keys the command-line overrides set (a subset of `given`): a later stage refuses
+    # these when they contradict what its run recorded, and replaces a recipe's (stage_data.py).
+    override_keys = frozenset()
     # Architecture fields a recipe set that model.from_hf_config / init_from_hf replaced
     # (printed by the pre-flight check).
     hf_notes = ()
@@ -617,6 +630,17 @@ def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
     node[parts[-1]] = value
 
 
+def yaml_problem(err: yaml.YAMLError, context_position: bool = True) -> tuple[str, yaml.Mark | None]:
+    """PyYAML's error as one line without its position, and the position (None if it has none):
+    its own message spans several lines and names the text "<unicode string>"."""
+    if not isinstance(err, yaml.MarkedYAMLError) or err.problem_mark is None:
+        return " ".join(str(err).split()), None
+    context = f" ({err.context}" if err.context else ""
+    if context and context_position and err.context_mark is not None:
+        context += f" started at line {err.context_mark.line + 1}, column {err.context_mark.column + 1}"
+    return f"{err.problem}{context}{')' if context else ''}", err.problem_mark
+
+
 def parse_overrides(overrides: list[str]) -> dict[str, Any]:
     """`["model.hidden_size=128", "seed=3"]` -> nested dict; values parsed as YAML scalars."""
     tree: dict[str, Any] = {}
@@ -624,7 +648,13 @@ def parse_overrides(overrides: list[str]) -> dict[str, Any]:
         if "=" not in item:
             raise ConfigError(f"override '{item}': expected key=value, e.g. model.hidden_size=128")
         key, raw = item.split("=", 1)
-        _set_dotted(tree, key.strip(), yaml.safe_load(raw) if raw != "" else "")
+        try:
+            value = yaml.safe_load(raw) if raw != "" else ""
+        except yaml.YAMLError as err:
+            problem, _ = yaml_problem(err, context_position=False)  # a position in the value alone misleads
+            raise ConfigError(f"override '{item}': the value is not valid YAML: {problem}; fix the value, "
+                              "or put it in quotes to pass it as a string") from None
+        _set_dotted(tree, key.strip(), value)
     return tree
 
 
@@ -673,7 +703,15 @@ def read_recipe(path: Path, chain: tuple[Path, ...] = ()) -> tuple[dict[str, Any
         raise ConfigError(f"{'base' if chain else '--config'}: file not found: {path}")
     if path.resolve() in chain:
         raise ConfigError(f"{path}: base recipes form a cycle: {' -> '.join(map(str, chain))}")
-    data = yaml.safe_load(path.read_text()) or {}
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {err.start}: {err.reason}); "
+                          "save the recipe as UTF-8") from None
+    except yaml.YAMLError as err:
+        problem, mark = yaml_problem(err)
+        at = f"{mark.line + 1}:{mark.column + 1}:" if mark is not None else ""
+        raise ConfigError(f"{path}:{at} not valid YAML: {problem}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: top level must be a mapping of sections")
     data, notes = rename_legacy_keys(data, str(path))
@@ -692,6 +730,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     cfg.notes = notes + cli_notes
     cli_keys = _leaf_keys(cli)
     cfg.given = frozenset(own | cli_keys)
+    cfg.override_keys = frozenset(cli_keys)
     if cfg.model.hf_source:
         cfg.hf_notes = tuple(_architecture_from_hf(cfg, [_leaf_keys(data) - own, own, cli_keys]))
     return cfg
@@ -870,6 +909,11 @@ def _validate_lora(lo: LoRAConfig) -> None:
     if bad:
         raise ConfigError(f"lora.stages={lo.stages}: LoRA trains the policy of {LORA_STAGES} (and the rl critic); "
                           f"remove {bad}")
+    if lo.dropout > 0 and "rl" in lo.stages:
+        raise ConfigError(f"lora.dropout={lo.dropout} with rl in lora.stages={lo.stages}: the RL stage's old "
+                          "log-probs and values come from eval-mode forwards, so adapter dropout in its training "
+                          "forwards makes the first minibatch's ratios differ from 1 and shifts the value clipping; "
+                          "set lora.dropout=0 or remove rl from lora.stages (sft and dpo keep adapter dropout)")
 
 
 def _get_dotted(obj: Any, dotted: str) -> Any:
@@ -1113,6 +1157,10 @@ def _validate_pipeline(cfg: Config) -> None:
             if needed not in stages[:i] and _get_dotted(cfg, field_name) is None:
                 raise ConfigError(f"pipeline.stages={stages}: {name} starts from a {needed} checkpoint; put {needed} "
                                   f"before {name} or set {field_name} to an existing {needed} stage directory")
+    if stray := [name for name in cfg.pipeline.rerun if name not in stages]:
+        hint = " (the RL stage is rl)" if any(name in RL_ALGORITHMS for name in stray) else ""
+        raise ConfigError(f"pipeline.rerun={cfg.pipeline.rerun}: {stray} not in pipeline.stages={stages}{hint}; "
+                          "name stages of this pipeline, e.g. pipeline.rerun=[" + ",".join(stages[:1]) + "]")
 
 
 def warnings_for(cfg: Config) -> list[str]:

@@ -3,9 +3,12 @@ dpo -> rl) in one launch: each stage reads an earlier stage's checkpoint (config
 
     python -m megatron_rlhf pipeline --config pipelines/tiny_cpu.yaml [key=value ...]
 
-A stage whose summary.json exists is skipped; a stage with checkpoints but no summary
-resumes from its latest complete checkpoint. At the end, the policy of the last stage that
-trains one (rl, else dpo: the only model that is deployed) as a Hugging Face directory in
+A finished stage (its summary.json exists) is skipped when its recorded inputs (data, tokenizer,
+settings, start checkpoint) are this run's and continued when its steps were raised; otherwise the
+run stops before anything trains, unless pipeline.rerun lists it (trainers/stage_inputs.py: plan).
+A stage with checkpoints but no summary resumes from its latest complete checkpoint. At the
+end, the policy of the last stage that trains one (rl, else dpo: the only model that is deployed)
+as a Hugging Face directory in
 <run>/export/actor_hf/ (<run>/export/<algorithm>_actor_hf for an RL algorithm other than ppo
 or with LoRA, e.g. ppo_lora_actor_hf with the adapters merged,
 <run>/export/dpo_actor_hf for dpo, dpo_lora_actor_hf with LoRA), and <run>/report.md with PNG
@@ -20,26 +23,32 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from megatron_rlhf import parallel
 from megatron_rlhf.config import Config, validate
 from megatron_rlhf.logging.report import write_report
 from megatron_rlhf.trainers import dpo, rl, rm, sft
-from megatron_rlhf.trainers.stage_data import resolve_vocab_size, run_dir, stage_dir, tokenizer_for
+from megatron_rlhf.trainers.stage_data import record_run, resolve_vocab_size, run_dir, run_tokenizer, stage_dir
+from megatron_rlhf.trainers.stage_inputs import plan, replaced_name
 
 TRAIN = {"sft": sft.train, "rm": rm.train, "dpo": dpo.train, "rl": rl.train}
 
 
 def run(cfg: Config) -> dict:
     validate(cfg)  # the stage list first: a bad one must not cost an SFT run
+    plans = plan(cfg)  # every finished stage checked against its recorded inputs before anything trains
+    rank0 = parallel.read_dist_env().rank == 0
+    policy = next((s for s in ("rl", "dpo") if s in cfg.pipeline.stages), None)
+    replaced = [d for p in plans.values() for d in p.replaces]
+    if policy is not None and plans[policy].action != "skip" and export_dir(cfg, policy).exists():
+        replaced.append(export_dir(cfg, policy))  # the old policy's: export_actor keeps an existing one
+    if replaced:
+        move_aside(cfg, replaced)
     summaries = {}
     for name in cfg.pipeline.stages:
-        train = TRAIN[name]
-        if (stage_dir(cfg, name) / "summary.json").exists():
-            if not dist.is_initialized() or dist.get_rank() == 0:
-                print(f"[pipeline] {name}: finished earlier, skipped ({stage_dir(cfg, name)}/summary.json)", flush=True)
-            continue
-        summaries[name] = train(cfg)
-    rank0 = not dist.is_initialized() or dist.get_rank() == 0
-    policy = next((s for s in ("rl", "dpo") if s in cfg.pipeline.stages), None)
+        if rank0:
+            print(f"[pipeline] {plans[name].note}", flush=True)
+        if plans[name].action != "skip":
+            summaries[name] = TRAIN[name](cfg)
     if policy is not None:
         export = export_actor(cfg, policy)
         if rank0:
@@ -51,26 +60,45 @@ def run(cfg: Config) -> dict:
     return summaries
 
 
+def move_aside(cfg: Config, directories: list[Path]) -> None:
+    """Collective. Rename each directory to <name>.replaced-<time> (rank 0), once every rank has
+    planned from the directories as they were."""
+    parallel.initialize(cfg)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        for directory in directories:
+            directory.rename(aside := replaced_name(directory))
+            print(f"[pipeline] {directory} moved to {aside.name}", flush=True)
+    dist.barrier()
+
+
+def export_dir(cfg: Config, stage: str) -> Path:
+    name = stage_dir(cfg, stage).name  # ppo, grpo, ..., ppo_lora (merged: a full model), dpo, dpo_lora
+    return run_dir(cfg) / "export" / ("actor_hf" if name == "ppo" else f"{name}_actor_hf")
+
+
 def export_actor(cfg: Config, stage: str = "rl") -> Path:
     """<run>/export/actor_hf (ppo; <algorithm>_actor_hf for another RL algorithm, dpo_actor_hf
-    for `stage` dpo): the final actor of `stage` with its tokenizer, in Hugging Face format
-    (written by rank 0 under a temporary name, then renamed; kept if it exists already)."""
+    for `stage` dpo): the final actor of `stage` in Hugging Face format, as export-hf writes it:
+    with the model config its checkpoint recorded and the tokenizer and sampling settings its
+    run recorded, not those of `cfg` (written by rank 0 under a temporary name, then renamed;
+    kept if it exists already)."""
     from megatron_rlhf.convert import export_hf
+    from megatron_rlhf.convert.hf_io import checkpoint_model_config
 
-    tokenizer = tokenizer_for(cfg)
-    if cfg.model.vocab_size is None:  # every stage finished earlier: none has read the tokenizer
-        resolve_vocab_size(cfg, tokenizer)
-    name = stage_dir(cfg, stage).name  # ppo, grpo, ..., ppo_lora (merged: a full model), dpo, dpo_lora
-    out = run_dir(cfg) / "export" / ("actor_hf" if name == "ppo" else f"{name}_actor_hf")
+    out = export_dir(cfg, stage)
     if (not dist.is_initialized() or dist.get_rank() == 0) and not out.is_dir():
+        tokenizer, _ = run_tokenizer(cfg)
+        record_run(cfg, tokenizer, only_missing=True)  # a run whose stages all ran before runs recorded theirs
+        checkpoint = stage_dir(cfg, stage)
+        model_cfg = None  # the checkpoint's own
+        if checkpoint_model_config(checkpoint, "actor") is None:  # older checkpoints: the run's config describes them
+            if cfg.model.vocab_size is None:
+                resolve_vocab_size(cfg, tokenizer)
+            model_cfg = cfg.model
         tmp = out.with_name(out.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
-        if cfg.data.tokenizer == "builtin":  # written next to the weights, in HF format
-            export_hf(stage_dir(cfg, stage), "actor", tmp, model_cfg=cfg.model,
-                      special_token_ids={"eos_token_id": tokenizer.eos_id, "pad_token_id": tokenizer.pad_id})
-            tokenizer.save_hf(tmp)
-        else:
-            export_hf(stage_dir(cfg, stage), "actor", tmp, model_cfg=cfg.model, tokenizer_dir=cfg.data.tokenizer)
+        export_hf(checkpoint, "actor", tmp, model_cfg=model_cfg)
         tmp.rename(out)
     if dist.is_initialized():
         dist.barrier()

@@ -19,7 +19,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from megatron_rlhf.__main__ import COMMANDS, ERROR_DIR_ENV, build_parser
+from megatron_rlhf.__main__ import COMMANDS, ERROR_DIR_ENV, build_parser, check_recipe_given
 from megatron_rlhf.config import ConfigError, load_config, validate
 from megatron_rlhf.logging import quiet
 
@@ -45,6 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     launcher_args, command_args = split(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_intermixed_args(command_args)
     try:
+        check_recipe_given(args.command, args.config)  # before the preflight and any worker
         cfg = load_config(args.config, args.overrides)
     except ConfigError as err:
         return fail(f"config error: {err}")
@@ -83,18 +84,24 @@ def main(argv: list[str] | None = None) -> int:
 
 def check(cfg, command: str, world_size: int | None) -> str | None:
     """The config at this world size and the data: an error message, or None (notes printed)."""
+    from megatron_rlhf.checkpoint.validate import CheckpointError
     from megatron_rlhf.data.jsonl import DataError
     from megatron_rlhf.data.tokenizers import TokenizerError
     from megatron_rlhf.trainers.stage_data import preflight
+    from megatron_rlhf.trainers.stage_inputs import plan
 
     try:
         validate(cfg, world_size)
         for note in preflight(cfg, command):
             print(f"[preflight] {note}", flush=True)
+        if command == "pipeline":
+            plan(cfg)  # a finished stage it may not reuse (changed inputs, damaged checkpoint) stops here
     except ConfigError as err:
         return f"config error: {err}"
     except (DataError, TokenizerError) as err:
         return f"data error: {err}"
+    except CheckpointError as err:
+        return f"checkpoint error: {err}"
     return None
 
 

@@ -14,7 +14,9 @@ import pytest
 import torch
 
 from distributed import TINY_MODEL, read_global_tensors, torchrun
-from megatron_rlhf.checkpoint.validate import CheckpointError, find_checkpoint, validate
+from megatron_rlhf.checkpoint.validate import (
+    CheckpointError, DamagedNewestCheckpoint, checkpoint_dirs, find_checkpoint, validate,
+)
 
 WORKER = "tests/workers/checkpoint_safety.py"
 # lr large enough that one step moves the weights far beyond float noise
@@ -108,6 +110,83 @@ def test_find_checkpoint_errors(tmp_path):
     shutil.rmtree(first)
     with pytest.raises(CheckpointError, match="iter_0000004.tmp: an unfinished save"):
         find_checkpoint(tmp_path)
+
+
+def test_a_damaged_newest_checkpoint_is_refused_unless_an_older_one_is_named(tmp_path):
+    """Starting another stage from (or exporting) a stage whose newest checkpoint is damaged
+    must not silently use an older one; resuming does, loudly (the crash-safety fallback)."""
+    from megatron_rlhf.checkpoint.manager import _resume_choice, resolve_checkpoint
+    from megatron_rlhf.rewards.server import find_reward_checkpoint
+
+    older = fake_checkpoint(tmp_path, 4)
+    fake_checkpoint(tmp_path, 2)
+    newest = fake_checkpoint(tmp_path, 6)
+    (newest / "actor" / "__0_0.distcp").unlink()
+    (tmp_path / "latest").write_text("iter_0000006\n")
+    damage = "checkpoint iter_0000006 is damaged (actor/__0_0.distcp: missing)"
+    with pytest.raises(DamagedNewestCheckpoint) as e:
+        find_checkpoint(tmp_path, allow_fallback=False)
+    assert str(e.value) == (f"the newest checkpoint of {tmp_path} is not usable: {damage}. An older checkpoint is "
+                            "not used in its place unless asked for: to use the newest complete one, iter_0000004, "
+                            f"name it explicitly: {tmp_path}@iter_4 (or {older})")
+    assert str(pickle.loads(pickle.dumps(e.value))) == str(e.value)  # it crosses ranks pickled
+    with pytest.raises(DamagedNewestCheckpoint) as e:
+        resolve_checkpoint(tmp_path, "rm.init_from")
+    assert str(e.value).startswith("rm.init_from: the newest checkpoint") and damage in str(e.value)
+    assert str(e.value).endswith(f"iter_0000004, set rm.init_from={tmp_path}@iter_4")
+    with pytest.raises(DamagedNewestCheckpoint):  # nor served as a reward model
+        find_reward_checkpoint(str(tmp_path))
+    # picked explicitly: the older one, or the damaged one refused as before
+    for explicit in (f"{tmp_path}@iter_4", f"{tmp_path}@iter_0000004", older):
+        assert find_checkpoint(explicit, allow_fallback=False) == (older, [])
+    assert resolve_checkpoint(f"{tmp_path}@iter_4", "rm.init_from") == older
+    with pytest.raises(CheckpointError, match="iter_0000006 is damaged"):
+        find_checkpoint(f"{tmp_path}@iter_6")
+    with pytest.raises(FileNotFoundError, match=f"iter_0000005 .*{tmp_path} has iter_2, iter_4, iter_6$"):
+        find_checkpoint(f"{tmp_path}@iter_5")
+    # resuming falls back, with a line that says so (it goes to the log and the summary)
+    path, warnings = _resume_choice(tmp_path)
+    assert path == older and warnings[-1] == (f"RESUMING FROM AN OLDER CHECKPOINT, iter_0000004: {damage}; "
+                                              "the training after step 4 is done again")
+    # `latest` naming a checkpoint that is gone: the newest is missing, the same refusal
+    shutil.rmtree(newest)
+    with pytest.raises(DamagedNewestCheckpoint, match="'latest' names 'iter_0000006', which does not exist"):
+        find_checkpoint(tmp_path, allow_fallback=False)
+    (tmp_path / "latest").write_text("iter_0000004\n")
+    assert find_checkpoint(tmp_path, allow_fallback=False) == (older, [])
+
+
+def test_symlinks_in_a_stage_directory_are_damage_never_followed(tmp_path):
+    stage, outside = tmp_path / "stage", tmp_path / "outside"
+    older = fake_checkpoint(stage, 2)
+    # iter level: a complete checkpoint outside, linked in as the newest
+    os.symlink(fake_checkpoint(outside, 4), stage / "iter_0000004")
+    (stage / "latest").write_text("iter_0000004\n")
+    link = f"iter_0000004 is a symlink to {outside / 'iter_0000004'}"
+    path, warnings = find_checkpoint(stage)
+    assert path == older and any(w.startswith(f"checkpoint iter_0000004 is damaged ({link}") for w in warnings)
+    for where, allow_fallback in ((stage, False), (stage / "iter_0000004", True)):
+        with pytest.raises(CheckpointError) as e:
+            find_checkpoint(where, allow_fallback)
+        assert link in str(e.value)
+    # role and file level: the sizes match what commit.json records, only the links give it away
+    role = fake_checkpoint(stage, 6)
+    shutil.rmtree(role / "actor")
+    os.symlink(outside / "iter_0000004" / "actor", role / "actor")
+    assert validate(role)[0] == f"actor: a symlink to {outside / 'iter_0000004' / 'actor'}"
+    file = fake_checkpoint(stage, 8)
+    (file / "trainer_state" / "rank_00000.pt").unlink()
+    os.symlink(outside / "iter_0000004" / "trainer_state" / "rank_00000.pt", file / "trainer_state" / "rank_00000.pt")
+    assert validate(file)[0].startswith("trainer_state/rank_00000.pt: a symlink to ")
+    # a recorded path leaving the checkpoint
+    escaping = fake_checkpoint(stage, 10, files={"actor/.metadata": b"m", "../elsewhere.bin": b"x"})
+    assert "../elsewhere.bin: recorded outside the checkpoint directory" in validate(escaping)
+    # tmp level and `latest`: listed (save and retention remove them as links), never read
+    os.symlink(outside, stage / "iter_0000012.tmp")
+    assert checkpoint_dirs(stage)[1] == {12: stage / "iter_0000012.tmp"}
+    (stage / "latest").unlink()
+    os.symlink(outside / "iter_0000004" / "commit.json", stage / "latest")
+    assert f"'latest' is a symlink to {outside}/iter_0000004/commit.json, never followed" in find_checkpoint(stage)[1]
 
 
 def test_a_stage_whose_checkpoints_are_all_damaged_stops_instead_of_starting_over(tmp_path):
@@ -252,8 +331,10 @@ def test_nonfinite_weights_are_never_saved(runs):
 def test_load_falls_back_from_a_damaged_newest_checkpoint(runs):
     res, (size, cut) = runs["relayout"], runs["truncated"]
     assert res["damaged"]["checkpoint"].endswith("damaged/iter_0000003")
-    assert (f"checkpoint iter_0000004 is damaged (actor/__1_0.distcp: {cut} bytes, {size} when committed); "
-            f"falling back to iter_0000003") in res["damaged"]["warnings"]
+    damage = f"checkpoint iter_0000004 is damaged (actor/__1_0.distcp: {cut} bytes, {size} when committed)"
+    assert f"{damage}; falling back to iter_0000003" in res["damaged"]["warnings"]
+    assert (f"RESUMING FROM AN OLDER CHECKPOINT, iter_0000003: {damage}; the training after step 3 is done again"
+            in res["damaged"]["warnings"])
     assert res["bad_latest"]["checkpoint"].endswith("bad_latest/iter_0000004")
     assert "'latest' names 'iter_0000009', which does not exist" in res["bad_latest"]["warnings"]
 

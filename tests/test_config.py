@@ -59,6 +59,40 @@ def test_override_needs_key_value():
         parse_overrides(["model.hidden_size"])
 
 
+def test_yaml_syntax_errors_name_the_file_line_and_column(tmp_path):
+    recipe = tmp_path / "broken.yaml"
+    recipe.write_text("seed: 3\nsft:\n  steps: [1,\n  lr: 2\n")  # the list is never closed
+    with pytest.raises(ConfigError) as err:
+        load_config(recipe)
+    message = str(err.value)
+    assert message.startswith(f"{recipe}:5:1: not valid YAML: expected ',' or ']'"), message
+    assert "flow sequence started at line 3, column 10" in message and "unicode string" not in message
+    (tmp_path / "child.yaml").write_text("base: base.yaml\n")
+    (tmp_path / "base.yaml").write_text("model:\n  hidden_size: 64\n num_layers: 2\n")  # bad indentation
+    with pytest.raises(ConfigError, match=f"^{tmp_path / 'base.yaml'}:3:2: not valid YAML"):
+        load_config(tmp_path / "child.yaml")  # the base recipe's own file and line
+
+
+def test_yaml_syntax_error_in_an_override_names_the_override():
+    with pytest.raises(ConfigError) as err:
+        parse_overrides(["seed=3", "sft.steps=[1,"])
+    message = str(err.value)
+    assert message.startswith("override 'sft.steps=[1,': the value is not valid YAML: "), message
+    assert "quotes" in message and "unicode string" not in message and "line" not in message
+
+
+def test_cli_reports_a_yaml_syntax_error_as_a_config_error_with_exit_2(tmp_path, capsys, monkeypatch):
+    from megatron_rlhf.__main__ import ERROR_DIR_ENV, main
+
+    monkeypatch.delenv(ERROR_DIR_ENV, raising=False)
+    recipe = tmp_path / "broken.yaml"
+    recipe.write_text("seed: 3\nrl: {steps: 4\n")
+    assert main(["stages", "--config", str(recipe)]) == 2
+    assert capsys.readouterr().err.startswith(f"config error: {recipe}:3:1: not valid YAML")
+    assert main(["stages", "--config", "pipelines/tiny_cpu.yaml", "sft.steps=[1,"]) == 2
+    assert capsys.readouterr().err.startswith("config error: override 'sft.steps=[1,'")
+
+
 def test_tp_must_divide_heads():
     msg = assert_error_names("parallel.tensor_parallel", "model.num_attention_heads=6",
                              "model.hidden_size=96", "parallel.tensor_parallel=4")
@@ -229,7 +263,8 @@ def test_activation_recomputation_settings_are_checked(overrides, field):
 ])
 def test_lora_settings_are_checked(overrides, field):
     assert_error_names(field, *overrides)
-    validate(load_config(None, ["lora.rank=8", "lora.targets=[qkv,fc2]", "lora.dropout=0.1"]), world_size=1)
+    validate(load_config(None, ["lora.rank=8", "lora.targets=[qkv,fc2]", "lora.dropout=0.1", "lora.stages=[sft,dpo]",
+                             "sft.init_from=/ckpt/base"]), world_size=1)
     validate(load_config(None, ["lora.rank=8", "lora.stages=[sft,dpo,rl]", "sft.init_from=/ckpt/base"]), world_size=1)
 
 

@@ -112,6 +112,59 @@ def test_data_error_stops_before_workers(tmp_path):
     assert not workers_started(tmp_path / "logs")
 
 
+@pytest.mark.parametrize("command, recipe", [("sft", "pipelines/tiny_cpu.yaml"), ("dpo", "pipelines/tiny_cpu_dpo.yaml"),
+                                             ("pipeline", "pipelines/tiny_cpu.yaml")])
+def test_a_training_command_without_config_is_an_error_naming_a_recipe(command, recipe, capsys, monkeypatch):
+    """The built-in defaults alone would train a toy run into checkpoints/default/."""
+    from megatron_rlhf.__main__ import ERROR_DIR_ENV, main
+
+    monkeypatch.delenv(ERROR_DIR_ENV, raising=False)
+    assert main([command, "sft.steps=3"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"config error: --config: `{command}` needs a recipe, e.g. --config {recipe} "), err
+    assert (REPO / recipe).is_file()
+    from megatron_rlhf.torchrun import main as launch  # the launcher: before its preflight and any worker
+
+    assert launch(["--nproc-per-node=1", command, "sft.steps=3"]) == 2
+    assert capsys.readouterr().err.startswith(f"config error: --config: `{command}` needs a recipe")
+
+
+# ------------------------------------------------------------------ the console line
+
+
+@pytest.mark.parametrize("stage, metrics, shown", [
+    ("sft_lora", {"loss": 1.5, "grad_norm": 0.25}, "loss 1.5  grad norm 0.25"),
+    ("dpo_lora", {"loss": 0.5, "reward_accuracy": 0.75}, "loss 0.5  acc 0.75"),
+    ("ppo_lora", {"reward": 0.25, "kl_mean": 0.5}, "reward 0.25  kl 0.5"),
+    ("rm_holdout", {"loss": 0.5, "accuracy": 0.75}, "loss 0.5  acc 0.75"),
+])
+def test_the_console_line_of_a_lora_stage_shows_its_kinds_numbers(tmp_path, stage, metrics, shown):
+    from megatron_rlhf.logging.metrics import MetricsLogger
+
+    line = MetricsLogger(tmp_path, stage, 3, tensorboard=False).console_line(1, metrics)
+    assert line.startswith(f"[{stage}] 1/3  {shown}"), line
+
+
+def test_the_combined_reward_is_called_reward_whatever_its_sources(tmp_path):
+    """A rule-only run (no reward model) says `reward`, never rm, on the console line and at the end."""
+    from megatron_rlhf.logging.metrics import MetricsLogger
+    from megatron_rlhf.trainers.rl import done_message, format_scores, with_reward_names
+
+    before = {"eval_reward": 0.21, "eval_gold_score": 0.0}
+    after = {"eval_reward": 0.55, "eval_gold_score": 0.5, "eval_win_rate_gold": 0.75, "eval_win_rate_reward": 0.625}
+    line = MetricsLogger(tmp_path, "grpo", 40, tensorboard=False).console_line(
+        40, {"reward": 0.5, "reward_exact": 0.5, "kl_mean": 1.5, **after})
+    assert line.startswith("[grpo] 40/40  reward 0.5  kl 1.5  eval reward 0.55  eval gold 0.5  win(gold) 0.75  "
+                           "win(reward) 0.625"), line
+    assert format_scores(before) == "reward 0.210, gold_score 0.000"
+    assert done_message(before, after) == ("done: gold 0.000 -> 0.500, reward 0.210 -> 0.550; win rate against the "
+                                           "SFT policy: gold 0.75, reward 0.62")
+    # a run started by an earlier version resumes with the SFT policy's numbers under the new names
+    old = {"eval": {"eval_rm_score": 0.21, "eval_win_rate_rm": 0.5}, "samples": ["a || b"], "per_prompt": {"rm": [0.5]}}
+    assert with_reward_names(old) == {"eval": {"eval_reward": 0.21, "eval_win_rate_reward": 0.5},
+                                      "samples": ["a || b"], "per_prompt": {"reward": [0.5]}}
+
+
 # ------------------------------------------------------------------ a worker fails (real runs)
 
 

@@ -38,6 +38,21 @@ def test_sigmoid_loss_by_hand():
     assert stats["logp_chosen"].tolist() == [-4.0, -10.0] and stats["logp_rejected"].tolist() == [-6.0, -7.0]
 
 
+def test_a_tie_counts_half_in_the_reward_accuracy():
+    """At step 0 the policy is the reference: every implicit reward is 0 and every pair ties,
+    which is chance (0.5), not every pair ranked wrong."""
+    _, stats = dpo_loss(REFERENCE, REFERENCE, beta=0.5)
+    assert stats["reward_accuracy"].tolist() == [0.5, 0.5]
+    # one pair won (h = 2), one lost (h = -2), one tie: the chosen and rejected log-ratios equal (0 and 0)
+    policy = PairLogps(torch.tensor([-4.0, -10.0, -3.0]), torch.tensor([-6.0, -7.0, -2.0]),
+                       torch.tensor([2.0, 5.0, 1.0]), torch.tensor([3.0, 2.0, 1.0]))
+    reference = PairLogps(torch.tensor([-5.0, -9.0, -3.0]), torch.tensor([-5.0, -8.0, -2.0]),
+                          torch.tensor([2.0, 5.0, 1.0]), torch.tensor([3.0, 2.0, 1.0]))
+    for loss_type in ("sigmoid", "ipo"):
+        _, stats = dpo_loss(policy, reference, beta=0.5, loss_type=loss_type)
+        assert stats["reward_accuracy"].tolist() == [1.0, 0.0, 0.5], loss_type
+
+
 def test_label_smoothing_by_hand():
     losses, _ = dpo_loss(POLICY, REFERENCE, beta=0.5, label_smoothing=0.2)
     # 0.8 * -logsig(1) + 0.2 * -logsig(-1), and the mirror for h = -2

@@ -139,7 +139,7 @@ def write_run(run, with_stage_memory=True, grpo=True, lora=True):
     (run / "ppo" / "summary.json").write_text(json.dumps({  # no stage peak: the largest phase peak
         "stage": "rl", "algorithm": "ppo", "roles": PPO_ROLES, "steps": 40,
         "gold_score_eval_before": 0.01, "gold_score_eval_after": 0.655,
-        "rm_score_eval_before": 0.08, "rm_score_eval_after": 1.5, "kl_mean_final": 3.25,
+        "reward_eval_before": 0.08, "reward_eval_after": 1.5, "kl_mean_final": 3.25,
         "phase_seconds": dict(zip(phases, (2.0, 10.0, 4.0, 20.0))),
         "phase_peak_memory_bytes": dict(zip(phases, (100 * 2**20, 200 * 2**20, 300 * 2**20, 400 * 2**20))),
         "wall_seconds": 40.5, "lora": {},
@@ -154,7 +154,7 @@ def write_run(run, with_stage_memory=True, grpo=True, lora=True):
         (run / "ppo_lora" / "summary.json").write_text(json.dumps({
             "stage": "rl", "algorithm": "ppo", "roles": PPO_ROLES, "steps": 40, "lora": LORA_SUMMARY,
             "gold_score_eval_before": 0.01, "gold_score_eval_after": 0.6,
-            "rm_score_eval_before": 0.08, "rm_score_eval_after": 1.375, "kl_mean_final": 0.5,
+            "reward_eval_before": 0.08, "reward_eval_after": 1.375, "kl_mean_final": 0.5,
             "phase_seconds": dict(zip(phases, (1.0, 9.0, 3.5, 15.0))),
             "phase_peak_memory_bytes": dict(zip(phases, (90 * 2**20, 120 * 2**20, 180 * 2**20, 220 * 2**20))),
             "peak_memory_bytes": 232 * 2**20, "wall_seconds": 33.0,
@@ -168,7 +168,7 @@ def write_run(run, with_stage_memory=True, grpo=True, lora=True):
     (run / "grpo" / "summary.json").write_text(json.dumps({
         "stage": "rl", "algorithm": "grpo", "roles": GRPO_ROLES, "steps": 40,
         "gold_score_eval_before": 0.01, "gold_score_eval_after": 0.5,
-        "rm_score_eval_before": 0.08, "rm_score_eval_after": 1.25, "kl_mean_final": 0.125,
+        "rm_score_eval_before": 0.08, "rm_score_eval_after": 1.25, "kl_mean_final": 0.125,  # an older run's names
         "phase_seconds": dict(zip(phases, (1.5, 8.0, 3.0, 12.0))),
         "phase_peak_memory_bytes": dict(zip(phases, (100 * 2**20, 150 * 2**20, 200 * 2**20, 250 * 2**20))),
         "peak_memory_bytes": 260 * 2**20, "wall_seconds": 30.0,
@@ -218,7 +218,7 @@ def test_gpu_check_report_table_and_json_cpu(tmp_path):
     assert res["stages"]["grpo"] == grpo["stage"] == {"seconds": 30.0, "peak_memory_bytes": 260 * 2**20}
     assert grpo["phases"]["train"] == {"seconds": 12.0, "peak_memory_bytes": 250 * 2**20}
     assert grpo["gold_score"] == {"before": 0.01, "after": 0.5} and grpo["kl_mean_final"] == 0.125
-    assert grpo["rm_score"] == {"before": 0.08, "after": 1.25}
+    assert grpo["reward"] == {"before": 0.08, "after": 1.25}
     assert grpo["logprob_mismatch"] == {"first": {"step": 1, "value": 5e-4}, "last": {"step": 40, "value": 0.02}}
     # the memory GRPO saves: PPO minus GRPO per phase and for the stage peak
     assert res["memory_saving_bytes"] == {"generate": 50 * 2**20, "score": 100 * 2**20, "train": 150 * 2**20,
@@ -230,7 +230,7 @@ def test_gpu_check_report_table_and_json_cpu(tmp_path):
     assert res["stages"]["ppo_lora"] == lora["stage"] == {"seconds": 33.0, "peak_memory_bytes": 232 * 2**20}
     assert lora["phases"]["train"] == {"seconds": 15.0, "peak_memory_bytes": 220 * 2**20}
     assert lora["gold_score"] == {"before": 0.01, "after": 0.6} and lora["kl_mean_final"] == 0.5
-    assert lora["rm_score"] == {"before": 0.08, "after": 1.375}
+    assert lora["reward"] == {"before": 0.08, "after": 1.375}
     assert lora["logprob_mismatch"] == {"first": {"step": 1, "value": 2e-4}, "last": {"step": 40, "value": 8e-3}}
     assert res["lora_memory_saving_bytes"] == {"generate": 80 * 2**20, "score": 120 * 2**20, "train": 180 * 2**20,
                                                "eval": 10 * 2**20, "stage": 168 * 2**20}
@@ -263,7 +263,7 @@ def test_gpu_check_report_table_and_json_cpu(tmp_path):
                                                    "140.0", "MiB", "(35%)"]
     assert rows["roles"].split(None, 1)[1] == ("PPO: actor, critic, reference, reward (4)   "
                                                "GRPO: actor, reference, reward (3)")
-    # gold before, after, change, RM before, after, KL final, logprob_mismatch first -> last
+    # gold before, after, change, reward before, after, KL final, logprob_mismatch first -> last
     assert rows["PPO"].split() == ["PPO", "0.010", "0.655", "+0.645", "0.080", "1.500", "3.250",
                                    "1.000e-03", "(step", "1)", "->", "6.250e-02", "(step", "40)"]
     assert rows["GRPO"].split() == ["GRPO", "0.010", "0.500", "+0.490", "0.080", "1.250", "0.125",

@@ -2,10 +2,14 @@
 local HF model (`model.init_from_hf`, no model.* overrides although its shape is not the
 recipe's: the architecture comes from config.json) evaluates exactly as transformers does on
 the same data; `export-hf --ckpt <the SFT stage>` needs nothing else and gives a model
-transformers evaluates as our run did; a model field given next to the HF directory that
-disagrees with it stops before any model is built."""
+transformers evaluates as our run did, with the run's tokenizer, special-token ids and
+sampling settings; later stages (and the pipeline's export) take the architecture and the
+tokenizer from what the SFT run recorded; a model field given next to the HF directory that
+disagrees with it stops before any model is built; import-hf -> export-hf keeps config.json."""
 
+import dataclasses
 import json
+import shutil
 import subprocess
 import sys
 
@@ -19,23 +23,31 @@ pytestmark = pytest.mark.slow
 
 SFT = ["sft.steps=2", "sft.optimizer.warmup_steps=1", "sft.eval_interval=2", "data.task_sizes.sft_train=64",
        "data.task_sizes.sft_eval=32"]
+# config.json's special-token ids: not the tokenizer's (eos 1, pad 0, no bos), so an export that
+# writes these back took them from the import, not from the tokenizer
+HF_TOKEN_IDS = {"bos_token_id": 3, "eos_token_id": [1, 2], "pad_token_id": 0}
 
 
 def tiny_qwen2_unlike_the_recipe(path):
     """A random Qwen2ForCausalLM (q/k/v biases, tied embeddings) whose shape is not
-    pipelines/tiny_cpu.yaml's, with 96 embedding rows for the built-in tokenizer's 87 tokens."""
+    pipelines/tiny_cpu.yaml's, with 96 embedding rows for the built-in tokenizer's 87 tokens,
+    which it ships in Hugging Face format (the same ids)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from megatron_rlhf.data.tasks import get_task
+    from megatron_rlhf.data.tokenizers import WordTokenizer
 
     torch.manual_seed(0)
     config = Qwen2Config(vocab_size=96, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                         rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True)
+                         rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True, **HF_TOKEN_IDS)
     model = Qwen2ForCausalLM(config).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith(".bias"):
                 p.normal_(0.0, 0.5)
     model.save_pretrained(path)
+    WordTokenizer(get_task("sentiment").words()).save_hf(path)
     return model
 
 
@@ -58,9 +70,11 @@ def hf_response_nll(model, run_dir, seq_length) -> float:
 
 
 @pytest.mark.parametrize("nproc,layout", [(1, []), (2, ["parallel.tensor_parallel=2"])], ids=["TP1", "TP2"])
-def test_sft_from_a_hf_checkpoint_starts_where_transformers_is(tmp_path, nproc, layout):
+def test_sft_from_a_hf_checkpoint_starts_where_transformers_is(tmp_path, nproc, layout, caplog):
     hf = tiny_qwen2_unlike_the_recipe(tmp_path / "hf")
-    out = stage(nproc, "sft", tmp_path, "from_hf", *SFT, *layout, f"model.init_from_hf={tmp_path / 'hf'}").stdout
+    # the HF directory's tokenizer (the recipe's is builtin); checkpoints at steps 1 and 2
+    out = stage(nproc, "sft", tmp_path, "from_hf", *SFT, *layout, f"model.init_from_hf={tmp_path / 'hf'}",
+                f"data.tokenizer={tmp_path / 'hf'}", "sft.save_interval=1", "rl.temperature=0.7").stdout
     assert f"initialised from the Hugging Face checkpoint {tmp_path / 'hf'}" in out
     seq_length = 32  # the recipe's sft.seq_length
     want = hf_response_nll(hf, tmp_path / "from_hf", seq_length)
@@ -80,6 +94,65 @@ def test_sft_from_a_hf_checkpoint_starts_where_transformers_is(tmp_path, nproc, 
     assert trained.config.max_position_embeddings == 256  # the model's context, not the run's max_seq_length
     assert hf_response_nll(trained, tmp_path / "from_hf", seq_length) == pytest.approx(result["eval_loss"], rel=1e-5)
     assert result["eval_loss"] < result["eval_loss_start"]
+    check_the_export_is_complete(tmp_path / "exported", tmp_path / "hf")
+    check_later_stages_read_the_recorded_model(tmp_path, "from_hf")
+    check_export_refuses_a_damaged_newest_checkpoint(tmp_path, tmp_path / "from_hf" / "sft", caplog)
+
+
+def check_the_export_is_complete(exported, tokenizer_dir):
+    """The run's tokenizer, its special-token ids and its sampling settings: generation stops."""
+    from transformers import GenerationConfig
+
+    from megatron_rlhf.config import load_config
+
+    config = json.loads((exported / "config.json").read_text())
+    assert (config["eos_token_id"], config["pad_token_id"]) == (1, 0)
+    generation = GenerationConfig.from_pretrained(exported)
+    assert (generation.eos_token_id, generation.pad_token_id) == (1, 0)
+    assert generation.do_sample and generation.temperature == 0.7
+    assert generation.max_new_tokens == load_config(REPO / RECIPE[1]).rl.max_new_tokens
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        assert (exported / name).read_bytes() == (tokenizer_dir / name).read_bytes(), name
+
+
+def check_later_stages_read_the_recorded_model(root, run):
+    """rm with the recipe alone (model.init_from_hf and data.tokenizer were SFT overrides): the
+    architecture comes from the SFT checkpoint, the tokenizer from <run>/tokenizer/; an override
+    that contradicts the checkpoint is refused. The pipeline's export uses the checkpoint's too."""
+    from megatron_rlhf.config import ConfigError, load_config
+    from megatron_rlhf.pipeline import export_actor
+    from megatron_rlhf.trainers.stage_data import preflight
+
+    where = [f"checkpoint.root={root}", f"checkpoint.run_name={run}"]
+    cfg = load_config(REPO / RECIPE[1], where)
+    notes = preflight(cfg, "rm")
+    model = dataclasses.asdict(cfg.model)
+    assert {k: model[k] for k in ("family", "num_layers", "hidden_size", "qkv_bias", "vocab_size")} == {
+        "family": "qwen2", "num_layers": 2, "hidden_size": 48, "qkv_bias": True, "vocab_size": 96}
+    assert cfg.data.tokenizer == str(root / run / "tokenizer")
+    assert any("replaces the recipe's" in note and "model.num_layers=4 by 2" in note for note in notes), notes
+    with pytest.raises(ConfigError, match=r"rm.init_from: .*\n  model.hidden_size=64: the checkpoint recorded 48"):
+        preflight(load_config(REPO / RECIPE[1], [*where, "model.hidden_size=64"]), "rm")
+    with pytest.raises(ConfigError, match=r"data.tokenizer=builtin .*: not the tokenizer this run's checkpoints"):
+        preflight(load_config(REPO / RECIPE[1], [*where, "data.tokenizer=builtin"]), "rm")
+    exported = export_actor(load_config(REPO / RECIPE[1], where), "sft")  # the recipe's model is another one
+    assert json.loads((exported / "config.json").read_text())["hidden_size"] == 48
+    assert (exported / "tokenizer.json").is_file()
+
+
+def check_export_refuses_a_damaged_newest_checkpoint(tmp_path, sft, caplog):
+    """export-hf of a stage whose newest checkpoint is damaged names the older one instead of
+    exporting it silently; --iter picks it. Copied out of its run, it has no tokenizer: said."""
+    from megatron_rlhf.__main__ import main
+
+    damaged = tmp_path / "damaged" / "sft"
+    shutil.copytree(sft, damaged)
+    (damaged / "iter_0000002" / "actor" / ".metadata").write_bytes(b"")
+    export = ["export-hf", "--ckpt", str(damaged), "--role", "actor", "--out"]
+    assert main([*export, str(tmp_path / "refused")]) == 2 and not (tmp_path / "refused").exists()
+    assert main([*export, str(tmp_path / "older"), "--iter", "1"]) == 0
+    assert json.loads((tmp_path / "older" / "config.json").read_text())["hidden_size"] == 48
+    assert "no eos_token_id" in caplog.text and "never stops" in caplog.text
 
 
 def test_a_model_field_that_differs_from_the_hf_one_is_refused(tmp_path):
@@ -116,6 +189,15 @@ def test_import_and_export_commands(tmp_path):
     for key in original:
         assert torch.equal(original[key], exported[key]), key
     assert json.loads((tmp_path / "exported" / "config.json").read_text())["architectures"] == ["Qwen2ForCausalLM"]
+    from megatron_rlhf.convert.hf_config import read_hf_config
+
+    # the original's config.json, special-token ids included (read as our converter reads it)
+    before, after = read_hf_config(tmp_path / "hf"), read_hf_config(tmp_path / "exported")
+    assert dataclasses.replace(after, path=None) == dataclasses.replace(before, path=None)
+    assert {k: getattr(after, k) for k in HF_TOKEN_IDS} == HF_TOKEN_IDS
+    generation = json.loads((tmp_path / "exported" / "generation_config.json").read_text())
+    assert {k: generation[k] for k in HF_TOKEN_IDS} == HF_TOKEN_IDS
+    assert (tmp_path / "exported" / "tokenizer.json").is_file()  # the import recorded the HF model's
     proc = subprocess.run(  # an override that contradicts the recorded config is named
         [sys.executable, "-m", "megatron_rlhf", "export-hf", "--ckpt", str(tmp_path / "imported"), "--role", "actor",
          "--out", str(tmp_path / "other"), "model.hidden_size=64"], capture_output=True, text=True, timeout=300, cwd=REPO)

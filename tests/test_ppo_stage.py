@@ -9,7 +9,7 @@ import shutil
 import pytest
 import torch
 
-from stages import linked_run, metrics, stage, summary
+from stages import RM_STEPS, SFT_STEPS, linked_run, metrics, stage, summary
 
 pytestmark = pytest.mark.slow
 
@@ -17,7 +17,7 @@ RUN = "ppo_main"  # SFT and RM: the shared fixture's run "main"
 MIN_GOLD_GAIN = 0.3
 KL_TARGET = 6.0  # nats per sequence; the recipe's ppo.kl_target
 CHECKLIST_METRICS = {  # PPO_CHECKLIST item 18 (+ repetition rate, tokens/s per phase)
-    "rm_score", "gold_score", "kl_mean", "kl_coef", "response_length", "entropy", "policy_loss",
+    "reward", "reward_rm", "gold_score", "kl_mean", "kl_coef", "response_length", "entropy", "policy_loss",
     "value_loss", "clip_fraction", "approx_kl", "explained_variance", "actor_grad_norm",
     "critic_grad_norm", "actor_lr", "critic_lr", "generate_seconds", "score_seconds", "train_seconds",
     "generate_peak_memory_bytes", "train_peak_memory_bytes", "logprob_mismatch", "repetition_rate",
@@ -43,7 +43,7 @@ def test_ppo_improves_true_quality_within_the_kl_bound(root):
     s = summary(root, RUN, "ppo")
     gain = s["gold_score_eval_after"] - s["gold_score_eval_before"]
     assert gain >= MIN_GOLD_GAIN, s
-    assert s["rm_score_eval_after"] > s["rm_score_eval_before"]
+    assert s["reward_eval_after"] > s["reward_eval_before"]
     assert 0 <= s["kl_mean_final"] < KL_TARGET
 
 
@@ -58,7 +58,7 @@ def test_summary_has_the_promised_fields(root):
 def test_every_step_logs_the_checklist_metrics(root):
     lines = metrics(root, RUN, "ppo")
     assert [x["step"] for x in lines] == list(range(0, 41))
-    assert lines[0] == {"step": 0, "eval_rm_score": pytest.approx(summary(root, RUN, "ppo")["rm_score_eval_before"]),
+    assert lines[0] == {"step": 0, "eval_reward": pytest.approx(summary(root, RUN, "ppo")["reward_eval_before"]),
                         "eval_gold_score": pytest.approx(summary(root, RUN, "ppo")["gold_score_eval_before"])}
     for line in lines[1:]:
         missing = CHECKLIST_METRICS - line.keys()
@@ -87,7 +87,7 @@ def test_tp2_run_from_tp1_checkpoints(root):
 def test_pipeline_skips_finished_stages_resumes_a_partial_one_and_reports(root, tmp_path):
     shutil.copytree(root / RUN, tmp_path / "main")  # the linked SFT and RM stages copied too
     (tmp_path / "main" / "ppo" / "summary.json").unlink()  # PPO checkpointed but not finished
-    out = stage(1, "pipeline", tmp_path, "main").stdout
+    out = stage(1, "pipeline", tmp_path, "main", f"sft.steps={SFT_STEPS}", f"rm.steps={RM_STEPS}").stdout  # as trained
     assert "sft: finished earlier, skipped" in out and "rm: finished earlier, skipped" in out
     assert "resumed from" in out
     s, original = summary(tmp_path, "main", "ppo"), summary(root, RUN, "ppo")

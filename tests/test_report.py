@@ -8,11 +8,12 @@ import json
 import matplotlib.image
 import pytest
 
-from megatron_rlhf.logging.report import ALARM, alarm_spans, curves_figure, gold_vs_proxy_figure, write_report
+from megatron_rlhf.logging.report import (ALARM, LEGACY_NAMES, alarm_spans, curves_figure, gold_vs_proxy_figure,
+                                          write_report)
 
 PHASE_SECONDS = {"ppo": {"generate": 120.0, "score": 30.0, "train": 45.5, "eval": 4.5},
                  "grpo": {"generate": 80.0, "score": 10.0, "train": 10.0, "eval": 0.0}}
-ALARM_RECORD = {"step": 31, "proxy": "rm_score", "proxy_slope": 0.0412, "independent": "gold_score",
+ALARM_RECORD = {"step": 31, "proxy": "reward", "proxy_slope": 0.0412, "independent": "gold_score",
                 "independent_slope": -0.0103}
 
 
@@ -20,7 +21,7 @@ def rl_rows(steps=40, gold=True, holdout=False, alarm=(), eval_every=5):
     """An RL stage's metrics.jsonl rows: step 0 has only eval_* keys; the proxy keeps rising,
     the gold (and holdout) score peaks at step 25 and then falls."""
     def scores(k, prefix=""):
-        out = {f"{prefix}rm_score": 0.05 * k}
+        out = {f"{prefix}reward": 0.05 * k}
         if gold:
             out[f"{prefix}gold_score"] = 0.03 * min(k, 25) - 0.02 * max(k - 25, 0)
         if holdout:
@@ -35,7 +36,7 @@ def rl_rows(steps=40, gold=True, holdout=False, alarm=(), eval_every=5):
         if k == 12:
             row["kl_mean"] = None  # non-finite: written as null
         if k % eval_every == 0:
-            row |= scores(k, "eval_") | {"eval_seconds": 0.9, "eval_win_rate_rm": min(0.5 + k / 80, 1.0)}
+            row |= scores(k, "eval_") | {"eval_seconds": 0.9, "eval_win_rate_reward": min(0.5 + k / 80, 1.0)}
             row |= {"eval_win_rate_gold": 0.5 + (k - 20) / 100} if gold else {}
         rows.append(row)
     return rows
@@ -48,9 +49,9 @@ def write_stage(run, stage, rows, summary=None):
         (run / stage / "summary.json").write_text(json.dumps(summary, indent=2))
 
 
-def rl_summary(algorithm, alarms=None, win_rm=0.625, win_gold=0.7):
+def rl_summary(algorithm, alarms=None, win_reward=0.625, win_gold=0.7):
     summary = {"stage": algorithm, "steps": 40, "algorithm": algorithm, "phase_seconds": PHASE_SECONDS[algorithm],
-               "win_rate_rm_final": win_rm, "win_rate_gold_final": win_gold,
+               "win_rate_reward_final": win_reward, "win_rate_gold_final": win_gold,
                "samples_before": ["a || b"], "samples_after": ["a || c"]}
     return summary if alarms is None else summary | {"reward_hacking_alarms": alarms}
 
@@ -79,13 +80,13 @@ def assert_png(path, min_width=300, min_height=200):
 def test_alarm_spans_are_runs_of_consecutive_alarm_iterations():
     assert alarm_spans(rl_rows(alarm=[3, 4, 5, 8, 40])) == [(3, 5), (8, 8), (40, 40)]
     assert alarm_spans(rl_rows()) == []
-    assert alarm_spans([{"step": 0, "eval_rm_score": 0.1}]) == []  # step 0: eval keys only
+    assert alarm_spans([{"step": 0, "eval_reward": 0.1}]) == []  # step 0: eval keys only
 
 
 def test_gold_vs_proxy_plot_has_every_signal_on_one_axes_and_shades_the_alarms():
     fig = gold_vs_proxy_figure(rl_rows(holdout=True, alarm=[3, 4, 5, 8]), "ppo")
     labels = [t.get_text() for t in fig.legends[0].get_texts()]
-    assert labels == ["rm_score (proxy)", "eval_rm_score", "holdout_rm_score (independent)",
+    assert labels == ["reward (proxy)", "eval_reward", "holdout_rm_score (independent)",
                       "eval_holdout_rm_score", ALARM, "gold_score (independent)", "eval_gold_score"]
     ax, twin = fig.axes  # gold on a twin y-axis of the same plot
     assert ax.get_shared_x_axes().joined(ax, twin)
@@ -95,9 +96,10 @@ def test_gold_vs_proxy_plot_has_every_signal_on_one_axes_and_shades_the_alarms()
 
 
 def test_the_win_rates_share_a_panel_of_the_curve_grid():
-    fig = curves_figure(rl_rows(holdout=True), ["rm_score", ("eval_win_rate_rm", "eval_win_rate_gold")], "ppo")
-    win = [ax for ax in fig.axes if ax.get_title() == "eval_win_rate_rm / eval_win_rate_gold"]
-    assert len(win) == 1 and [line.get_label() for line in win[0].lines] == ["eval_win_rate_rm", "eval_win_rate_gold"]
+    fig = curves_figure(rl_rows(holdout=True), ["reward", ("eval_win_rate_reward", "eval_win_rate_gold")], "ppo")
+    win = [ax for ax in fig.axes if ax.get_title() == "eval_win_rate_reward / eval_win_rate_gold"]
+    assert len(win) == 1
+    assert [line.get_label() for line in win[0].lines] == ["eval_win_rate_reward", "eval_win_rate_gold"]
     assert list(win[0].lines[0].get_xdata()) == list(range(5, 41, 5))
 
 
@@ -109,9 +111,9 @@ def test_report_of_a_finished_run_plots_judges_and_times_each_rl_stage(tmp_path)
         assert_png(run / f"report_{name}.png")
         assert f"(report_{name}.png)" in report
     parts = sections(report)
-    assert "- step 31: rm_score slope +0.0412, gold_score slope -0.0103" in parts["ppo"]
+    assert "- step 31: reward slope +0.0412, gold_score slope -0.0103" in parts["ppo"]
     assert "no alarm" not in parts["ppo"] and "**Reward hacking:** no alarm\n" in parts["grpo"]
-    assert "by the RM 62.5%, by the gold score 70.0%\n" in parts["ppo"]  # no holdout RM
+    assert "by the reward 62.5%, by the gold score 70.0%\n" in parts["ppo"]  # no holdout RM
     assert "Reward hacking" not in parts["sft"] + parts["rm"] and "kl_vs_reward" not in parts["sft"]
     table = parts["Time per phase (seconds, share of the stage)"]
     assert "| stage | generate | score | train | eval | total |" in table
@@ -136,18 +138,18 @@ def test_user_data_without_gold_plots_the_proxy_against_the_holdout_rm(tmp_path)
     for name in ("gold_vs_proxy", "kl_vs_reward"):
         assert_png(run / f"report_ppo_{name}.png")
         assert f"(report_ppo_{name}.png)" in report
-    assert "- step 31: rm_score slope +0.0412, holdout_rm_score slope -0.0103" in report
-    assert "by the RM 62.5%, by the gold score n/a, by the holdout RM 55.0%" in report
+    assert "- step 31: reward slope +0.0412, holdout_rm_score slope -0.0103" in report
+    assert "by the reward 62.5%, by the gold score n/a, by the holdout RM 55.0%" in report
     fig = gold_vs_proxy_figure(rl_rows(gold=False, holdout=True), "ppo")
     assert len(fig.axes) == 1 and [t.get_text() for t in fig.legends[0].get_texts()] == [
-        "rm_score (proxy)", "eval_rm_score", "holdout_rm_score (independent)", "eval_holdout_rm_score"]
+        "reward (proxy)", "eval_reward", "holdout_rm_score (independent)", "eval_holdout_rm_score"]
 
 
 def test_unfinished_and_partial_stages_are_reported_not_crashed_on(tmp_path):
     run = tmp_path / "run"
     write_stage(run, "ppo", rl_rows(steps=8), None)  # stopped at step 8: no summary
     (run / "ppo" / "metrics.jsonl").open("a").write('{"step": 9, "rm_sc')  # a line torn by the kill
-    write_stage(run, "grpo", [{"step": 0, "eval_rm_score": 0.1}], rl_summary("grpo"))  # no alarm record
+    write_stage(run, "grpo", [{"step": 0, "eval_reward": 0.1}], rl_summary("grpo"))  # no alarm record
     (run / "rloo").mkdir()  # started, nothing written yet
     report = write_report(run, ["sft", "ppo", "grpo", "rloo"]).read_text()
     parts = sections(report)
@@ -167,5 +169,39 @@ def test_a_stage_without_phase_seconds_is_left_out_of_the_time_split(tmp_path, a
     report = write_report(run, [algorithm]).read_text()
     assert "Time per phase" not in report and not (run / "report_phase_time.png").exists()
     assert "**Reward hacking:** no alarm\n" in report  # checked, never on; the summary predates the record
-    write_stage(run, "rloo", [{"step": 1, "rm_score": 0.1}], {"algorithm": "rloo", "reward_hacking_alarms": []})
+    write_stage(run, "rloo", [{"step": 1, "reward": 0.1}], {"algorithm": "rloo", "reward_hacking_alarms": []})
     assert "**Reward hacking:** no alarm (never checked" in write_report(run, ["rloo"]).read_text()
+
+
+def test_lora_stage_directories_are_reported_as_their_stage(tmp_path):
+    """The pipeline names LoRA stages by directory (sft_lora, dpo_lora, ppo_lora): SFT and DPO
+    curves for the first two, and the RL judges only for the RL stage."""
+    run = tmp_path / "run"
+    write_stage(run, "sft_lora", [{"step": k, "loss": 3 / k} for k in range(1, 6)], {"stage": "sft_lora", "steps": 5})
+    write_stage(run, "dpo_lora", [{"step": k, "loss": 0.7 / k, "reward_accuracy": 0.5 + k / 20} for k in range(1, 6)],
+                {"stage": "dpo_lora", "steps": 5})
+    write_stage(run, "ppo_lora", rl_rows(steps=10), rl_summary("ppo", []))
+    parts = sections(write_report(run, ["sft_lora", "dpo_lora", "ppo_lora"]).read_text())
+    for stage in ("sft_lora", "dpo_lora", "ppo_lora"):
+        assert_png(run / f"report_{stage}.png")
+        assert f"(report_{stage}.png)" in parts[stage]
+    assert "Reward hacking" not in parts["sft_lora"] + parts["dpo_lora"] and "win rate" not in parts["dpo_lora"]
+    assert "**Reward hacking:** no alarm\n" in parts["ppo_lora"]
+    assert "(report_ppo_lora_gold_vs_proxy.png)" in parts["ppo_lora"]
+
+
+def test_a_run_of_an_earlier_version_is_read_under_the_current_reward_names(tmp_path):
+    """Runs written before the combined reward was called `reward` (rm_score, eval_win_rate_rm,
+    win_rate_rm_final, ...) still get their proxy curve, win rates and summary numbers."""
+    old_names = {new: old for old, new in LEGACY_NAMES.items()}
+    run = tmp_path / "run"
+    summary = {old_names.get(k, k): v for k, v in rl_summary("ppo", []).items()} | {"rm_score_eval_before": 0.125}
+    write_stage(run, "ppo", [{old_names.get(k, k): v for k, v in r.items()} for r in rl_rows(steps=10)], summary)
+    assert "win_rate_rm_final" in summary and "rm_score" in (run / "ppo" / "metrics.jsonl").read_text()
+    report = write_report(run, ["ppo"]).read_text()
+    assert "by the reward 62.5%, by the gold score 70.0%" in report and "| reward_eval_before | 0.125 |" in report
+    assert_png(run / "report_ppo_gold_vs_proxy.png")
+    from megatron_rlhf.logging.report import _read_metrics
+
+    rows = _read_metrics(run / "ppo")
+    assert rows[10]["reward"] == 0.5 and rows[10]["eval_win_rate_reward"] == 0.625 and "rm_score" not in rows[10]

@@ -77,6 +77,9 @@ def test_sft_rank_killed_while_writing_a_checkpoint_falls_back(drilled):
     assert "iter_0000006.tmp" in resumed  # the broken save is reported ...
     assert "at step 4" in resumed  # ... and the previous complete one loaded
     assert not (root / "drilled" / "sft" / "iter_0000006.tmp").exists()
+    # what the resume skipped stays on record after the log has scrolled by
+    assert summary(root, "drilled", "sft")["checkpoint_warnings"] == [
+        "iter_0000006.tmp: an unfinished save (interrupted while writing); ignored"]
 
 
 def test_sft_drilled_run_equals_the_uninterrupted_one_bitwise(drilled):

@@ -21,7 +21,7 @@ def test_slope_and_t_statistic():
 def run_alarm(proxy, independent, key="gold_score", window=6):
     alarm, flags, warnings = RewardHackingAlarm(window), [], []
     for step, (p, i) in enumerate(zip(proxy, independent), start=1):
-        metrics = {"rm_score": p, key: i}
+        metrics = {"reward": p, key: i}
         if warning := alarm.update(step, metrics):
             warnings.append(warning)
         flags.append(metrics.get("reward_hacking"))
@@ -39,7 +39,7 @@ def test_the_alarm_turns_on_when_the_proxy_rises_and_the_judge_falls():
     assert flags[-1] == 1.0 and len(warnings) == 1  # warned once, when it turned on
     first = alarm.alarms[0]
     assert first["independent"] == "gold_score" and first["proxy_slope"] > 0 > first["independent_slope"]
-    assert "rm_score rising" in warnings[0] and "rl.kl_coef" in warnings[0]
+    assert "reward rising" in warnings[0] and "rl.kl_coef" in warnings[0]
     _, flags, _ = run_alarm(up, down, key="holdout_rm_score")  # user data: the holdout RM is the judge
     assert set(flags[5:]) == {1.0}
 
@@ -58,7 +58,7 @@ def test_state_round_trips_for_resume():
     alarm, _, _ = run_alarm([0.1 * s for s in range(8)], [-0.1 * s for s in range(8)])
     again = RewardHackingAlarm(6)
     again.load_state_dict(alarm.state_dict())
-    a, b = {"rm_score": 1.0, "gold_score": -1.0}, {"rm_score": 1.0, "gold_score": -1.0}
+    a, b = {"reward": 1.0, "gold_score": -1.0}, {"reward": 1.0, "gold_score": -1.0}
     assert alarm.update(9, a) == again.update(9, b) and a == b and again.alarms == alarm.alarms
 
 
@@ -82,7 +82,7 @@ def test_a_mis_specified_reward_model_raises_the_alarm(sft_rm_root):
     assert s["reward_hacking_alarms"], s
     alarm = s["reward_hacking_alarms"][0]
     assert alarm["independent"] == "gold_score" and alarm["proxy_slope"] > 0 > alarm["independent_slope"]
-    assert s["win_rate_rm_final"] > 0.5 > s["win_rate_gold_final"]
+    assert s["win_rate_reward_final"] > 0.5 > s["win_rate_gold_final"]
     assert "holdout_reward" in s["roles"] and s["win_rate_holdout_rm_final"] is not None
     rows = metrics(root, "swapped", "ppo")
     assert any(r.get("reward_hacking") == 1.0 for r in rows)

@@ -45,7 +45,7 @@ def test_grpo_improves_true_quality_within_the_kl_bound(root):
     assert s["algorithm"] == "grpo" and s["roles"] == ROLES and s["steps"] == GRPO_STEPS
     gain = s["gold_score_eval_after"] - s["gold_score_eval_before"]
     assert gain >= MIN_GOLD_GAIN, s
-    assert s["rm_score_eval_after"] > s["rm_score_eval_before"]
+    assert s["reward_eval_after"] > s["reward_eval_before"]
     assert 0 <= s["kl_mean_final"] < KL_BOUND
     # the same SFT policy and eval prompts as PPO's run: the same "before"
     lines = metrics(root, RUN, "grpo")

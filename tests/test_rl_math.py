@@ -2,10 +2,13 @@
 (masked moments, whitening, diagnostics), kl.py (KL estimators and controllers),
 advantages.py (token rewards, GAE, the advantage estimators of every rl.algorithm) and
 losses.py (importance ratios incl. GSPO, clipped policy loss with clip-higher and dual-clip,
-value loss, aggregation). Expected values are worked out in the comments, never by calling
-the code under test."""
+value loss, aggregation), and the RL trainer's loss functions (trainers/rl.py: actor_loss,
+critic_loss) with the means the roles report (models/roles.py: stat_means). Expected values are
+worked out in the comments, never by calling the code under test."""
 
 import math
+from functools import partial
+from pathlib import Path
 
 import pytest
 import torch
@@ -23,7 +26,9 @@ from megatron_rlhf.algorithms.advantages import (
     sequence_returns,
     token_rewards,
 )
-from megatron_rlhf.algorithms.kl import AdaptiveKLController, FixedKLController, kl_estimate, make_kl_controller
+from megatron_rlhf.algorithms.kl import (
+    AdaptiveKLController, FixedKLController, kl_estimate, kl_loss_estimate, make_kl_controller,
+)
 from megatron_rlhf.algorithms.losses import aggregate, log_importance_ratio, policy_loss, value_loss
 from megatron_rlhf.algorithms.stats import (
     explained_variance,
@@ -33,7 +38,14 @@ from megatron_rlhf.algorithms.stats import (
     response_repetition_rate,
     whiten,
 )
-from megatron_rlhf.config import LOSS_AGGREGATIONS, RL_ALGORITHMS
+from megatron_rlhf.config import (
+    KL_ESTIMATORS, LOSS_AGGREGATIONS, RL_ALGORITHMS, ConfigError, RLConfig, load_config, validate,
+)
+from megatron_rlhf.models.roles import stat_means
+from megatron_rlhf.trainers.rl import actor_loss, critic_loss, step_means
+
+
+PIPELINES = Path(__file__).resolve().parent.parent / "pipelines"
 
 
 def t(rows):
@@ -646,6 +658,104 @@ def test_kl_clip_bounds_each_token():
     assert kl_estimate(lp, ref, "k3").max() > 1e8  # unbounded without the clip
 
 
+def estimators_accepted(kl_in_reward: bool) -> list[str]:
+    """The KL estimators the config accepts with the KL in the reward or in the loss."""
+    accepted = []
+    for estimator in KL_ESTIMATORS:
+        overrides = [f"rl.kl_in_reward={str(kl_in_reward).lower()}", f"rl.kl_estimator={estimator}"]
+        try:
+            validate(load_config(PIPELINES / "tiny_cpu.yaml", overrides))
+        except ConfigError:
+            continue
+        accepted.append(estimator)
+    return accepted
+
+
+def policy_batch():
+    """Two rows of unequal lengths, their first positions prompt tokens (mask 0): the actor's
+    log-prob of -100 at (0, 0) is a prompt token's, while the reference's is 0 there (masked)."""
+    g = torch.Generator().manual_seed(5)
+    mask = t([[0, 0, 1, 1, 1, 0], [0, 1, 1, 1, 1, 1]])
+    logprobs = -1.0 + 0.3 * torch.randn(2, 6, generator=g)
+    logprobs[0, 0] = -100.0
+    batch = {"tokens": torch.zeros(2, 6, dtype=torch.long), "mask": mask,
+             "old_logprobs": (logprobs + 0.1 * torch.randn(2, 6, generator=g)) * mask,
+             "ref_logprobs": (logprobs + 0.5 * torch.randn(2, 6, generator=g)) * mask,
+             "advantages": torch.randn(2, 6, generator=g) * mask}
+    return logprobs, batch
+
+
+@pytest.mark.parametrize("clip", [10.0, None])
+@pytest.mark.parametrize("site", ["loss", "reward"])
+def test_kl_of_a_masked_prompt_token_leaves_gradients_finite(site, clip):
+    """k3 at a prompt token with log p = -100 was exp(100) = inf in fp32: masked away in the
+    forward, but 0 * inf = NaN in the backward (and the clamp's zero gradient does not help). The
+    gradients must be finite and those of the same batch with that (masked) position removed."""
+    estimators = estimators_accepted(kl_in_reward=site == "reward")
+    assert "k3" in estimators and (site == "reward") == ("k1" in estimators)  # k1 is refused in the loss
+    for estimator in estimators:
+        rl = RLConfig(kl_in_reward=site == "reward", kl_estimator=estimator, kl_clip=clip)
+
+        def gradient(columns):
+            logprobs, batch = policy_batch()
+            logprobs = logprobs[:, columns].clone().requires_grad_()
+            batch = {k: v[:, columns] for k, v in batch.items()}
+            if site == "loss":
+                loss, units, _ = actor_loss({"logprobs": logprobs, "entropy": torch.zeros_like(logprobs)}, batch,
+                                            rl, kl_coef=0.1)
+                value = loss / units
+            else:  # the estimate the reward uses (add_advantages), differentiated to see what it would pass on
+                value = kl_estimate(logprobs, batch["ref_logprobs"], estimator, clip, batch["mask"]).sum()
+            value.backward()
+            return value.detach(), logprobs.grad
+
+        value, grad = gradient(slice(None))
+        assert torch.isfinite(value) and torch.isfinite(grad).all(), (estimator, grad)
+        removed_value, removed_grad = gradient(slice(1, None))  # column 0 is masked in both rows
+        torch.testing.assert_close(value, removed_value)
+        torch.testing.assert_close(grad[:, 1:], removed_grad)
+        assert (grad[:, 0] == 0).all()
+
+
+def k3_bound_below(clip: float) -> float:
+    """-y where k3(-y) = exp(y) - 1 - y = clip: y = log(clip + 1 + y), a contraction (slope
+    1 / (clip + 1 + y) < 1/11 for clip 10) iterated to convergence."""
+    y = 1.0
+    for _ in range(60):
+        y = math.log(clip + 1.0 + y)
+    return -y
+
+
+def test_kl_clip_in_the_loss_bounds_the_gradient_instead_of_zeroing_it():
+    # clip 10, log ratio below the bound (-6, -60, -1000: log pi far below log pi_ref):
+    #   k2: bound -sqrt(2 * 10) = -4.4721; value 10, gradient k2'(bound) = bound = -4.4721;
+    #   k3: bound -y with exp(y) = 11 + y (y = 2.6109); value 10, gradient
+    #       k3'(bound) = 1 - exp(y) = 1 - (11 + y) = -(10 + y) = -12.6109.
+    # The reward-side estimate keeps the clamp: value 10, gradient 0 (no gradient flows there).
+    y = -k3_bound_below(10.0)
+    slope = {"k2": -math.sqrt(20.0), "k3": -(10.0 + y)}
+    for estimator in ("k2", "k3"):
+        lp = t([[-6.0, -60.0, -1000.0]]).requires_grad_()
+        kl = kl_loss_estimate(lp, torch.zeros(1, 3), estimator, clip=10.0)
+        (grad,) = torch.autograd.grad(kl.sum(), lp)
+        close(kl, [[10.0, 10.0, 10.0]], tol=1e-4)
+        close(grad, [[slope[estimator]] * 3], tol=1e-4)
+        lp = t([[-6.0]]).requires_grad_()
+        reward_side = kl_estimate(lp, torch.zeros(1, 1), estimator, clip=10.0)
+        assert reward_side.item() == 10.0 and torch.autograd.grad(reward_side.sum(), lp)[0].item() == 0.0
+    # k2 above the bound: gradient +4.4721; k3 above (log ratio > 11.0): 1 - exp(-11) = 0.99998.
+    lp = t([[6.0]]).requires_grad_()
+    close(torch.autograd.grad(kl_loss_estimate(lp, t([[0.0]]), "k2", 10.0).sum(), lp)[0], [[math.sqrt(20.0)]])
+    lp = t([[12.0]]).requires_grad_()
+    close(torch.autograd.grad(kl_loss_estimate(lp, t([[0.0]]), "k3", 10.0).sum(), lp)[0], [[1 - math.exp(-11.0)]],
+          tol=1e-4)
+    # Inside the bounds it is the plain estimator: log ratio -1, k3 = e - 1 - 1 = 0.71828, slope 1 - e = -1.71828.
+    lp = t([[-1.0]]).requires_grad_()
+    kl = kl_loss_estimate(lp, t([[0.0]]), "k3", 10.0)
+    close(kl, [[math.e - 2.0]])
+    close(torch.autograd.grad(kl.sum(), lp)[0], [[1.0 - math.e]])
+
+
 # ----------------------------------------------------------------------------- diagnostics
 
 
@@ -669,6 +779,63 @@ def test_response_repetition_rate():
     rate = response_repetition_rate([[1, 2, 1, 2], [5, 5, 5], [1, 2, 3], [7]])
     assert rate == pytest.approx(5 / 24)
     assert response_repetition_rate([]) == 0.0
+
+
+def reported_means(loss_fn, outputs: dict, batch: dict, splits: list[list[int]]) -> dict[str, float]:
+    """What a role's train_step reports: each microbatch's loss, units and stats summed over the
+    split (megatron's schedule and the data-parallel sum), then stat_means."""
+    totals: dict[str, float] = {}
+    for rows in splits:
+        loss, units, stats = loss_fn({k: v[rows] for k, v in outputs.items()}, {k: v[rows] for k, v in batch.items()})
+        for name, value in {"loss": loss, "units": units, **stats}.items():
+            totals[name] = totals.get(name, 0.0) + float(value)
+    return stat_means(totals)
+
+
+def test_diagnostics_are_token_means_whatever_the_loss_aggregation():
+    # Row 0: 10 tokens, ratio 1.5 on the first 4 (clipped: A = 1 > 0, 1.5 > 1 + 0.2), 1 on the rest;
+    # row 1: 2 tokens, both ratio 1.5 (clipped). Entropy 0.7 on row 0, 0.1 on row 1.
+    # Diagnostics: clip_fraction 6 / 12 = 0.5, entropy (7 + 0.2) / 12 = 0.6, ratio_mean
+    # (6 * 1.5 + 6) / 12 = 1.25, policy_loss (-1.2 * 6 - 1 * 6) / 12 = -1.1,
+    # old_logprob_mismatch 6 * log(1.5) / 12 = 0.2027, in every mode.
+    # The loss keeps its aggregation: per-token policy loss -1.2 (clipped) or -1;
+    # row sums -10.8 and -2.4, row means -1.08 and -1.2:
+    #   token_mean -13.2 / 12 = -1.1; seq_mean_token_mean -2.28 / 2 = -1.14; seq_mean_token_sum -13.2 / 2 = -6.6.
+    # Critic: V - V_old = 0.5 on the 6 tokens of ratio 1.5 (clipped at 0.2, returns 2 away), 0 elsewhere:
+    # value_clip_fraction 0.5.
+    mask = torch.zeros(2, 11)
+    mask[0, 1:11], mask[1, 1:3] = 1.0, 1.0
+    drifted = torch.zeros(2, 11, dtype=torch.bool)
+    drifted[0, 1:5], drifted[1, 1:3] = True, True
+    old = -torch.ones(2, 11) * mask
+    outputs = {"logprobs": old + math.log(1.5) * drifted, "entropy": t([[0.7] * 11, [0.1] * 11]),
+               "values": 0.5 * drifted.float()}
+    batch = {"tokens": torch.zeros(2, 11, dtype=torch.long), "mask": mask, "old_logprobs": old,
+             "ref_logprobs": old, "advantages": mask.clone(), "values": torch.zeros(2, 11),
+             "returns": 2.0 * mask}
+    expected_loss = {"token_mean": -1.1, "seq_mean_token_mean": -1.14, "seq_mean_token_sum": -6.6}
+    for mode in LOSS_AGGREGATIONS:
+        rl = RLConfig(loss_aggregation=mode)
+        for splits in ([[0, 1]], [[0], [1]]):
+            actor = reported_means(partial(actor_loss, rl=rl, kl_coef=0.0), outputs, batch, splits)
+            assert actor["clip_fraction"] <= 1.0
+            close(actor["clip_fraction"], 0.5)
+            close(actor["entropy"], 0.6)
+            close(actor["ratio_mean"], 1.25)
+            close(actor["policy_loss"], -1.1)
+            close(actor["old_logprob_mismatch"], 0.5 * math.log(1.5))
+            close(actor["loss"], expected_loss[mode])
+            critic = reported_means(partial(critic_loss, rl=rl), outputs, batch, splits)
+            close(critic["value_clip_fraction"], 0.5)
+
+
+def test_old_logprob_mismatch_is_the_first_train_steps():
+    # Steps 2 and 3 run after updates: their |log pi - log pi_old| is the policy's drift, not the
+    # old log-probs' error; the other statistics are means over the steps that report them.
+    steps = [{"old_logprob_mismatch": 1e-3, "approx_kl": 0.1, "actor_loss": 1.0}, {"value_loss": 2.0},
+             {"old_logprob_mismatch": 5e-2, "approx_kl": 0.3, "actor_loss": 3.0}]
+    assert step_means(steps) == pytest.approx({"old_logprob_mismatch": 1e-3, "approx_kl": 0.2, "actor_loss": 2.0,
+                                               "value_loss": 2.0})
 
 
 # ----------------------------------------------------------------------------- KL controllers

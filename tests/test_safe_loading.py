@@ -3,7 +3,8 @@
 objects in .distcp files that hold anything but plain values are refused with a
 CheckpointError naming the file; RNG states survive the restricted load exactly. The fast
 tests work on files built here; one test loads a real tampered megatron checkpoint in a
-single subprocess (tests/workers/checkpoint_safety.py). And what runs write for other tools
+single subprocess (tests/workers/checkpoint_safety.py), which also saves past symlinks planted
+in a stage directory: nothing is written through them. And what runs write for other tools
 (metrics.jsonl, summary.json) is strict JSON: NaN/Inf become null."""
 
 import json
@@ -178,11 +179,19 @@ def run_python(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=timeout)
 
 
-def test_tampered_megatron_checkpoints_are_refused_and_never_run(tmp_path):
-    proc = run_python("tests/workers/checkpoint_safety.py", "--root", str(tmp_path), "--mode", "payloads",
+@pytest.fixture(scope="module")
+def payloads(tmp_path_factory):
+    """The one-process worker's run (tests/workers/checkpoint_safety.py --mode payloads): its
+    root and results."""
+    root = tmp_path_factory.mktemp("payloads")
+    proc = run_python("tests/workers/checkpoint_safety.py", "--root", str(root), "--mode", "payloads",
                       *TINY_MODEL, "seed=7")
     assert proc.returncode == 0, proc.stderr[-6000:]
-    res = torch.load(tmp_path / "results_payloads.pt", weights_only=True)
+    return root, torch.load(root / "results_payloads.pt", weights_only=True)
+
+
+def test_tampered_megatron_checkpoints_are_refused_and_never_run(payloads):
+    tmp_path, res = payloads
     assert res["good"] == {"step": 1, "warnings": [], "rng_restored": True}
     files = {"trainer_state": f"{tmp_path}/trainer_state/iter_0000001/trainer_state/rank_00000.pt: {REFUSED}",
              "metadata": f"{tmp_path}/metadata/iter_0000001/actor/.metadata: holds objects other than "
@@ -192,6 +201,23 @@ def test_tampered_megatron_checkpoints_are_refused_and_never_run(tmp_path):
     for name, start in files.items():
         assert res[name]["error"].startswith(f"CheckpointError: {start}"), res[name]["error"]
         assert WHY in res[name]["error"] and not res[name]["payload_ran"], name
+
+
+def test_saves_never_write_through_symlinks_planted_in_the_stage_directory(payloads):
+    """Planted symlinks to <root>/outside: a save's tmp dir, the iter dir of the step saved next,
+    latest.tmp and .tmp debris are removed as links, not followed; a tmp dir holding a symlinked
+    role directory or file is not committed; the next save works."""
+    root, res = payloads
+    res = res["symlinks"]
+    assert (res["save_1"], res["save_2"], res["save_3"]) == (None, None, None)
+    for name, rel in (("role", "actor"), ("file", "trainer_state/rank_00000.pt")):
+        assert res[f"commit_{name}"] == (
+            f"CheckpointError: {root}/links/iter_0000003.tmp: not committed, it holds a symlink ({rel}: a symlink "
+            f"to {root}/outside/actor_copy/{rel}); a checkpoint is never written or read through one")
+        assert not res[f"committed_{name}"]
+    assert res["stage"] == ["iter_0000003", "latest"] and res["latest"] == "iter_0000003"
+    assert res["complete"] == ["iter_0000003"]
+    assert res["outside"] == ["keep.txt"] and res["keep.txt"] == "not the checkpoint's"
 
 
 # ------------------------------------------------------------------ strict JSON out

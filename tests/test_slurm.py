@@ -74,7 +74,7 @@ def test_ppo_script_runs_on_two_nodes(cluster, sft_rm_root):
     acc = EventAccumulator(str(sft_rm_root / "slurm_ppo" / "ppo" / "tensorboard"))
     acc.Reload()
     assert [e.step for e in acc.Scalars("ppo/gold_score")] == [1, 2, 3]
-    assert [e.value for e in acc.Scalars("ppo/rm_score")] == pytest.approx([x["rm_score"] for x in lines[1:]], rel=1e-6)
+    assert [e.value for e in acc.Scalars("ppo/reward")] == pytest.approx([x["reward"] for x in lines[1:]], rel=1e-6)
 
 
 def test_pipeline_submits_dependent_stages_in_order(cluster, tmp_path):

@@ -11,7 +11,7 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from distributed import REPO, read_global_tensors
-from stages import RECIPE, SFT_STEPS, stage, summary
+from stages import RECIPE, RM_STEPS, SFT_STEPS, SIZES, stage, summary
 
 pytestmark = pytest.mark.slow
 
@@ -42,6 +42,23 @@ def test_rm_learns_the_preferences(root):
     assert s["eval_margin_normalized"] > 0
     # normalisation over SFT responses is stored with the checkpoint
     assert s["reward_std"] > 0 and s["reward_mean"] != 0.0
+
+
+def test_pipeline_reuses_stages_on_the_inputs_their_summaries_recorded(sft_rm_root):
+    """The inputs a stage records in summary.json are the ones `pipeline` computes for the same
+    settings: the finished SFT and RM are skipped, more RM steps continue it, other data is refused."""
+    from megatron_rlhf.config import ConfigError, load_config
+    from megatron_rlhf.trainers.stage_inputs import plan
+
+    def pipeline_plan(*overrides):
+        return plan(load_config(RECIPE[1], [*SIZES, f"checkpoint.root={sft_rm_root}", "checkpoint.run_name=main",
+                                            f"sft.steps={SFT_STEPS}", f"rm.steps={RM_STEPS}", *overrides]))
+
+    assert summary(sft_rm_root, "main", "rm")["inputs"]["start"].startswith(f"iter_{SFT_STEPS:07d}, commit.json")
+    assert {s: p.action for s, p in pipeline_plan("pipeline.stages=[sft,rm]").items()} == {"sft": "skip", "rm": "skip"}
+    assert pipeline_plan(f"rm.steps={RM_STEPS + 10}")["rm"].action == "continue"
+    with pytest.raises(ConfigError, match="sft: data.sft_train: was task sentiment"):
+        pipeline_plan("data.task_sizes.sft_train=512")
 
 
 def test_resumed_sft_equals_uninterrupted(root):

@@ -62,7 +62,9 @@ def dpo_loss(policy: PairLogps, reference: PairLogps, beta: float, loss_type: st
              label_smoothing: float = 0.0, sft_weight: float = 0.0) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """([P] loss per pair, {statistic: [P] per pair}): the implicit rewards beta x log-ratio
     (summed for sigmoid, averaged for ipo, as the loss uses them), their margin, whether the
-    chosen one is higher, and the policy's summed log-probs."""
+    chosen one is higher (a tie counts half, as in the RL stage's win rates: at the start the
+    policy is the reference, every pair ties, and the accuracy is 0.5, not 0), and the
+    policy's summed log-probs."""
     if loss_type not in DPO_LOSSES:
         raise ValueError(f"dpo.loss={loss_type!r}: choose one of {DPO_LOSSES}")
     chosen_ratio, rejected_ratio = policy.log_ratios(reference, average=loss_type == "ipo")
@@ -78,6 +80,7 @@ def dpo_loss(policy: PairLogps, reference: PairLogps, beta: float, loss_type: st
         stats["sft_nll"] = nll.detach()
     chosen_reward, rejected_reward = beta * chosen_ratio.detach(), beta * rejected_ratio.detach()
     stats.update(chosen_reward=chosen_reward, rejected_reward=rejected_reward, margin=chosen_reward - rejected_reward,
-                 reward_accuracy=(chosen_reward > rejected_reward).to(losses.dtype),
+                 reward_accuracy=(chosen_reward > rejected_reward).to(losses.dtype)
+                 + 0.5 * (chosen_reward == rejected_reward).to(losses.dtype),
                  logp_chosen=policy.chosen.detach(), logp_rejected=policy.rejected.detach())
     return losses, stats

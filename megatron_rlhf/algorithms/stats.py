@@ -60,6 +60,15 @@ def masked_whiten(x: Tensor, mask: Tensor, shift_mean: bool = True, reduce=None)
 
 
 @torch.no_grad()
+def token_sums(mask: Tensor, **per_token: Tensor) -> dict[str, Tensor]:
+    """Diagnostics of one microbatch as sums over its tokens, and their count under "tokens":
+    the trainer reports each as a token mean over the global batch (models/roles.py: LossFn),
+    whatever unit rl.loss_aggregation gives the loss. [B, T] each -> 0-dim tensors."""
+    sums = {name: masked(x * mask, mask).sum() for name, x in per_token.items()}
+    return {**sums, "tokens": (mask != 0).sum().to(torch.int32)}
+
+
+@torch.no_grad()
 def explained_variance(var_residual: Tensor, var_returns: Tensor) -> Tensor:
     """1 - Var[returns - values] / Var[returns] (variances of the same tokens); NaN when
     Var[returns] is 0. 0-dim tensors in, 0-dim tensor out (no host sync)."""

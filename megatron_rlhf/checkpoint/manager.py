@@ -14,9 +14,14 @@ Guarantees:
   does rank 0 write `commit.json` ({step, roles, world_size, layout: {tp, pp, dp}, files:
   {relative path: bytes}}), rename the directory to `iter_*`, and then replace `latest`
   atomically. A crash at any point leaves the previous committed checkpoint untouched.
-- Loading checks the chosen checkpoint against its commit record (validate.py) and falls
-  back to the next older complete one, with a warning naming what was damaged; an explicit
-  iter_* directory that is damaged is an error, never silently replaced.
+- Loading checks the chosen checkpoint against its commit record (validate.py). Resuming
+  (load) falls back to the next older complete one, with a loud warning naming what was
+  damaged (logged, and in the stage's summary); starting from another stage's checkpoint
+  (resolve_checkpoint) refuses a damaged newest one and names the older one to pick
+  explicitly; an explicit iter_* directory that is damaged is an error, never replaced.
+- Symlinks inside a stage directory are never followed: a planted one (an iter_*, .tmp,
+  role directory or file) is removed as a link by save and retention, and a checkpoint
+  holding one is neither loaded nor committed, so every write stays under the stage directory.
 - Nothing is written from NaN/Inf weights (NonFiniteError on every rank, no directory).
 - RNG states are restored only at the layout (TP, PP, DP) they were saved at; model and
   optimizer state reshard to any layout (megatron dist checkpointing).
@@ -57,7 +62,8 @@ import torch.distributed as dist
 from megatron_rlhf.checkpoint.dist import load_role, save_role
 from megatron_rlhf.checkpoint.safe_load import load_pt
 from megatron_rlhf.checkpoint.validate import (  # noqa: F401  (re-exported API)
-    COMMIT, LATEST, CheckpointError, checkpoint_dirs, find_checkpoint, iter_name, read_commit, validate,
+    COMMIT, LATEST, CheckpointError, DamagedNewestCheckpoint, checkpoint_dirs, find_checkpoint, iter_name,
+    read_commit, symlinks_in, validate,
 )
 from megatron_rlhf.logging.memory import MemoryGrowth
 from megatron_rlhf.resilience.faults import FAULTS
@@ -134,19 +140,35 @@ def _agreed(fn):
     return value
 
 
-def resolve_checkpoint(path: str | Path) -> Path:
-    """A stage directory or an iter_* directory -> the complete iter_* directory to load
-    (validate.find_checkpoint); what was skipped is logged as warnings (rank 0)."""
-    found, warnings = find_checkpoint(path)
+def resolve_checkpoint(path: str | Path, setting: str | None = None) -> Path:
+    """A stage directory, an iter_* directory or STAGE_DIR@iter_N -> the complete iter_*
+    directory to start from (validate.find_checkpoint); what was skipped is logged as warnings
+    (rank 0). Strict: a stage whose newest checkpoint is damaged is DamagedNewestCheckpoint,
+    telling to set `setting` (the config field naming `path`, e.g. rm.init_from) to the older
+    one, not silently built on."""
+    try:
+        found, warnings = find_checkpoint(path, allow_fallback=False)
+    except DamagedNewestCheckpoint as e:
+        raise DamagedNewestCheckpoint(e.stage_dir, e.damage, e.older, setting) from None
     if _rank0():
         for line in warnings:
             log.warning(line)
     return found
 
 
+def _remove(path: Path) -> None:
+    """Delete a file, a directory tree or a symlink; a symlink as a link, never what it points
+    to (rmtree refuses a symlink, and its ignore_errors hid that)."""
+    if path.is_symlink() or path.is_file():
+        path.unlink()
+    elif path.exists():
+        shutil.rmtree(path)
+
+
 def _write_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
+    tmp.unlink(missing_ok=True)  # leftover or planted (a symlink): "x" then creates, never follows
+    with open(tmp, "x") as f:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())
@@ -198,6 +220,18 @@ def _agreed_trainer_state(path: Path) -> dict[str, Any]:
     if any_rank(error is not None):
         raise error or CheckpointError(f"{path}/trainer_state: a file was refused on another rank (see its error)")
     return state
+
+
+def _resume_choice(where: str | Path) -> tuple[Path, list[str]]:
+    """find_checkpoint with the fallback, the fallback said loudly (logged on rank 0)."""
+    try:
+        return find_checkpoint(where, allow_fallback=False)
+    except DamagedNewestCheckpoint as unusable:
+        path, warnings = find_checkpoint(where)
+        loud = (f"RESUMING FROM AN OLDER CHECKPOINT, {path.name}: {'; '.join(unusable.damage)}; "
+                f"the training after step {int(path.name[5:])} is done again")
+        log.warning(loud)
+        return path, [*warnings, loud]
 
 
 class CheckpointManager:
@@ -254,10 +288,15 @@ class CheckpointManager:
         rank = dist.get_rank()
         final = self.stage_dir / iter_name(step)
         tmp = final.with_name(final.name + ".tmp")
+        error = None
         if rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)  # an earlier attempt at this step crashed
-            (tmp / "trainer_state").mkdir(parents=True)
-        dist.barrier()
+            try:
+                _remove(tmp)  # an earlier attempt at this step crashed
+                (tmp / "trainer_state").mkdir(parents=True)
+            except OSError as e:
+                error = e
+        if any_rank(error is not None):  # instead of the other ranks waiting for rank 0 forever
+            raise error or RuntimeError(f"rank 0 could not create {tmp}")
         with MemoryGrowth() as growth:
             requests = [save_role(role, tmp / name, async_save=self.async_save) for name, role in roles.items()]
             # The model config goes with the weights: export-hf and later stages read it from here.
@@ -293,11 +332,14 @@ class CheckpointManager:
         error = None
         if dist.get_rank() == 0:
             try:
+                if links := symlinks_in(tmp):
+                    raise CheckpointError(f"{tmp}: not committed, it holds a symlink ({'; '.join(links)}); "
+                                          "a checkpoint is never written or read through one")
                 files = sorted(p for p in tmp.rglob("*") if p.is_file())
                 record = {**record, "files": {p.relative_to(tmp).as_posix(): p.stat().st_size for p in files}}
                 _write_atomic(tmp / COMMIT, json.dumps(record, indent=1) + "\n")
-                if final.exists():  # the same step saved again: the new save replaces it
-                    shutil.rmtree(final)
+                if os.path.lexists(final):  # the same step saved again (or a planted link): replaced
+                    _remove(final)
                 os.replace(tmp, final)
                 _write_atomic(self.stage_dir / LATEST, final.name + "\n")
                 _fsync_dir(self.stage_dir)
@@ -317,15 +359,20 @@ class CheckpointManager:
         doomed = [p for s, p in done.items() if s <= committed and s not in keep]
         doomed += [p for s, p in unfinished.items() if s <= committed]  # debris of crashed saves
         for path in doomed:
-            shutil.rmtree(path, ignore_errors=True)
+            try:
+                _remove(path)
+            except OSError as e:  # the commit stands; what could not be deleted is said
+                log.warning(f"retention: could not delete {path} ({e})")
 
     def load(self, roles: dict, checkpoint: str | Path | None = None) -> dict[str, Any]:
         """Collective. Loads every role (at this process's layout) from the stage's newest
         complete checkpoint, or from `checkpoint` (a stage or iter_* directory), and returns
         this rank's trainer state plus "checkpoint" (its path) and "checkpoint_warnings"
-        (lines for the log: damaged or unfinished checkpoints skipped, RNG not restored)."""
+        (lines for the log and the stage's summary: damaged or unfinished checkpoints skipped,
+        RNG not restored). A damaged newest checkpoint is not an error here: resuming from the
+        newest complete one is what saving under .tmp and committing last is for."""
         self.wait()
-        path, warnings = _agreed(lambda: find_checkpoint(checkpoint or self.stage_dir))
+        path, warnings = _agreed(lambda: _resume_choice(checkpoint or self.stage_dir))
         record = read_commit(path)
         if missing := [name for name in roles if name not in record["roles"]]:
             raise CheckpointError(f"checkpoint {path} holds {record['roles']}, not {missing}")

@@ -393,6 +393,13 @@ def resolve_from_hf(model_cfg: ModelConfig, checked: set[str], replaceable: set[
 
 # ----------------------------------------------------------------------------- export
 
+# What a run records for its exports (trainers/stage_data.py record_run, in the run directory;
+# import_hf in its output directory), so that `export-hf --ckpt DIR` needs no more: the
+# tokenizer as Hugging Face files (data/tokenizers.py record_tokenizer) and the sampling
+# settings the run generates with, for generation_config.json.
+RECORDED_TOKENIZER = "tokenizer"
+RECORDED_SAMPLING = "sampling.json"
+
 
 def _rope_json(m: ModelConfig) -> dict[str, Any] | None:
     r = m.rope_scaling

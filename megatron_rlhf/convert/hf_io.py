@@ -5,9 +5,14 @@ megatron checkpoints.
   TP x PP shard from the HF safetensors.
 - import_hf(cfg, hf_dir, out_dir): collective; a frozen role loaded from HF, saved as a
   stage-style checkpoint (CheckpointManager: iter_0000000/<role> + commit.json + latest)
-  that loads at any TP x PP (ppo.sft_from, rm.init_from, ppo.rm_from).
+  that loads at any TP x PP (ppo.sft_from, rm.init_from, ppo.rm_from). It keeps the HF
+  model's tokenizer (out_dir/tokenizer/), special-token ids and generation_config.json.
 - export_hf(checkpoint, role, out_dir, ...): one process, no torch.distributed; reads our
-  torch_dist checkpoint (any layout) one layer at a time and writes an HF directory.
+  torch_dist checkpoint (any layout) one layer at a time and writes an HF directory,
+  complete: the model config, tokenizer and sampling settings recorded with the checkpoint
+  (hf_config.RECORDED_TOKENIZER, RECORDED_SAMPLING: in its run directory, or an import's own)
+  give config.json's bos/eos/pad ids, the tokenizer files and generation_config.json; an
+  import's original ids come back as they were.
 
 Value models (reward model, critic) are <Family>ForSequenceClassification with num_labels=1:
 HF's `score` is a bias-free [1, hidden] projection read at the last non-pad token, our
@@ -31,9 +36,9 @@ from typing import Any
 
 import torch
 
-from megatron_rlhf.checkpoint.safe_load import restricted_dcp_unpickling
+from megatron_rlhf.checkpoint.safe_load import load_pt, restricted_dcp_unpickling
 from megatron_rlhf.convert.hf_config import (
-    ConvertError, check_model_matches_hf, hf_config_dict, read_hf_config,
+    RECORDED_SAMPLING, RECORDED_TOKENIZER, ConvertError, check_model_matches_hf, hf_config_dict, read_hf_config,
 )
 from megatron_rlhf.convert.hf_weights import (
     CKPT_LAYER_KEYS, Dims, hf_expected_shapes, hf_layer_tensors, layer_kinds, shard_for_param,
@@ -43,14 +48,14 @@ from megatron_rlhf.convert.safetensors_io import (
     HFWeights, check_export_dir, group_bytes, write_shards, written_atomically,
 )
 from megatron_rlhf.convert.torch_dist_reader import TorchDistCheckpoint
+from megatron_rlhf.data.tokenizers import TOKENIZER_FILES, read_tokenizer_record
 
 log = logging.getLogger(__name__)
 
 VALUE_ROLES = ("reward", "critic")
 POLICY_ROLES = ("actor", "reference")
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # transformers' classic max_shard_size="5GB"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-                   "added_tokens.json", "vocab.json", "merges.txt", "chat_template.jinja")
+SPECIAL_TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 # HF tensors that carry no weights of ours (old checkpoints saved the RoPE buffer).
 _IGNORED_HF = ("rotary_emb.inv_freq",)
 
@@ -137,13 +142,27 @@ def _build_role(cfg, role: str):
             "reward": lambda: RewardModel(cfg), "critic": lambda: Critic(cfg, trainable=False)}[role]()
 
 
+def _record_hf_tokenizer(hf_dir: Path, out_dir: Path) -> None:
+    from megatron_rlhf.data.tokenizers import HFTokenizer, TokenizerError, record_tokenizer
+
+    try:
+        tokenizer = HFTokenizer(hf_dir)
+    except TokenizerError as e:
+        log.warning(f"{out_dir}: no tokenizer recorded with the import ({e}); export-hf of it needs --tokenizer DIR")
+        return
+    record_tokenizer(tokenizer, str(hf_dir), None, out_dir / RECORDED_TOKENIZER)
+
+
 def import_hf(cfg, hf_dir: str | os.PathLike, out_dir: str | os.PathLike, role: str | None = None) -> Path:
     """Collective. The HF model at `hf_dir` as our checkpoint under `out_dir` (a new stage
     directory): out_dir/iter_0000000/<role> + commit.json + latest, loadable at any TP x PP.
     `role` defaults to "actor" for *ForCausalLM and "reward" for *ForSequenceClassification
-    (so `ppo.sft_from`, `rm.init_from` and `ppo.rm_from` can point at out_dir). Starts
+    (so `ppo.sft_from`, `rm.init_from` and `ppo.rm_from` can point at out_dir). Its
+    tokenizer is recorded in out_dir/tokenizer/, config.json's bos/eos/pad ids and
+    generation_config.json in the trainer state (export_hf writes them back). Starts
     torch.distributed / megatron for `cfg` itself if the caller has not. Returns the
     iter_0000000 directory."""
+    import torch.distributed as dist
     from megatron.core import parallel_state
 
     from megatron_rlhf import parallel
@@ -172,9 +191,15 @@ def import_hf(cfg, hf_dir: str | os.PathLike, out_dir: str | os.PathLike, role: 
     try:
         model = _build_role(cfg, role)
         load_hf_weights(model, hf_dir)
+        generation = hf_dir / "generation_config.json"
         state = {"step": 0, "imported_from": str(hf_dir), "hf_architecture": hf.architecture,
-                 "model_config": dataclasses.asdict(cfg.model)}
-        return CheckpointManager(out_dir).save(0, {role: model}, state)
+                 "model_config": dataclasses.asdict(cfg.model),
+                 "hf_token_ids": {key: getattr(hf, key) for key in SPECIAL_TOKEN_IDS},
+                 "hf_generation_config": json.loads(generation.read_text()) if generation.is_file() else {}}
+        saved = CheckpointManager(out_dir).save(0, {role: model}, state)
+        if dist.get_rank() == 0:
+            _record_hf_tokenizer(hf_dir, out_dir)
+        return saved
     finally:
         if started:
             parallel.destroy()
@@ -185,15 +210,17 @@ def import_hf(cfg, hf_dir: str | os.PathLike, out_dir: str | os.PathLike, role: 
 
 def _resolve_role_dir(checkpoint: Path, role: str) -> tuple[Path, Path | None]:
     """(role directory holding .metadata, its iter_* directory or None)."""
-    from megatron_rlhf.checkpoint.validate import COMMIT, find_checkpoint, read_commit
+    from megatron_rlhf.checkpoint.validate import COMMIT, DamagedNewestCheckpoint, find_checkpoint, read_commit
 
     if (checkpoint / ".metadata").is_file():  # a role directory itself
         return checkpoint, checkpoint.parent if (checkpoint.parent / "trainer_state").is_dir() else None
-    try:
-        iter_dir, warnings = find_checkpoint(checkpoint)
+    try:  # a damaged newest checkpoint is refused: an older one is exported only when named
+        iter_dir, warnings = find_checkpoint(checkpoint, allow_fallback=False)
+    except DamagedNewestCheckpoint as e:
+        raise ConvertError(f"{e} (export-hf: --iter {int(e.older.name[5:])})") from None
     except FileNotFoundError as e:  # CheckpointError too
-        raise ConvertError(f"{checkpoint}: {e}; give a stage directory, an iter_* directory or a role "
-                           "directory of one of our checkpoints") from None
+        raise ConvertError(f"{checkpoint}: {e}; give a stage directory (with export-hf --iter N: its iter_N), an "
+                           "iter_* directory or a role directory of one of our checkpoints") from None
     for line in warnings:
         log.warning(line)
     role_dir = iter_dir / role
@@ -307,6 +334,22 @@ def _check_checkpoint(ck: TorchDistCheckpoint, layers: _Layers, d: Dims, value_m
                            f"(policies: {POLICY_ROLES}, value models: {VALUE_ROLES})")
 
 
+def _recorded_with_checkpoint(iter_dir: Path | None) -> tuple[Path | None, dict[str, Any], dict[str, Any]]:
+    """(tokenizer directory, sampling settings, trainer state) recorded with the checkpoint at
+    `iter_dir`: the first two by import_hf next to it (in its stage directory), or by the
+    stages of its run in the run directory."""
+    if iter_dir is None:
+        return None, {}, {}
+    tokenizer, sampling = None, {}
+    for where in (iter_dir.parent, iter_dir.parent.parent):
+        if tokenizer is None and read_tokenizer_record(where / RECORDED_TOKENIZER) is not None:
+            tokenizer = where / RECORDED_TOKENIZER
+        if not sampling and (where / RECORDED_SAMPLING).is_file():
+            sampling = json.loads((where / RECORDED_SAMPLING).read_text())
+    state_file = iter_dir / "trainer_state" / "rank_00000.pt"
+    return tokenizer, sampling, load_pt(state_file) if state_file.is_file() else {}
+
+
 def _token_ids(tokenizer_dir: Path | None, vocab_size: int) -> dict[str, int | None]:
     """bos/eos/pad ids named by a tokenizer directory's config files (best effort)."""
     if tokenizer_dir is None:
@@ -382,9 +425,11 @@ def export_hf(checkpoint: str | os.PathLike, role: str, out_dir: str | os.PathLi
     <model.family>ForSequenceClassification with num_labels=1 (see the module docstring
     for the value-head bias and drop_score_bias).
     Vocabulary padding rows are dropped. `dtype` ("float32", "bfloat16", "float16"):
-    default the checkpoint's. `tokenizer_dir`: its tokenizer files are copied and its
-    bos/eos/pad tokens named in config.json and generation_config.json;
-    `special_token_ids` ({"eos_token_id": 1, "pad_token_id": 0, ...}) overrides them.
+    default the checkpoint's. The tokenizer (`tokenizer_dir`, default: the one its run or
+    import recorded) is copied and its bos/eos/pad ids written to
+    config.json and generation_config.json, with the sampling settings the run recorded; an
+    import's original ids win over the tokenizer's, `special_token_ids` ({"eos_token_id": 1,
+    "pad_token_id": 0, ...}) over both. A policy without an eos id is exported with a warning.
     Weights go to safetensors shards of at most max_shard_bytes (model.safetensors when one
     suffices, else model-0000X-of-0000N.safetensors + model.safetensors.index.json).
     `out_dir` must not exist or be empty; it appears complete or not at all.
@@ -416,7 +461,10 @@ def export_hf(checkpoint: str | os.PathLike, role: str, out_dir: str | os.PathLi
     if value_model:
         score, info = _value_head(ck, role, drop_score_bias)
         export_info.update(info)
-    token_ids = _token_ids(Path(tokenizer_dir) if tokenizer_dir else None, d.vocab)
+    recorded_tokenizer, sampling, state = _recorded_with_checkpoint(iter_dir)
+    tokenizer_dir = Path(tokenizer_dir) if tokenizer_dir is not None else recorded_tokenizer
+    token_ids = _token_ids(tokenizer_dir, d.vocab)
+    token_ids.update({k: v for k, v in (state.get("hf_token_ids") or {}).items() if v is not None})
     token_ids.update(special_token_ids or {})
 
     shapes = hf_expected_shapes(d, value_model)
@@ -450,9 +498,16 @@ def export_hf(checkpoint: str | os.PathLike, role: str, out_dir: str | os.PathLi
         config = hf_config_dict(m, value_model, dtype_name, token_ids, extra={"megatron_rlhf_export": export_info})
         config["tie_word_embeddings"] = tied
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        gen = {k: v for k, v in token_ids.items() if v is not None}
+        gen = {**(state.get("hf_generation_config") or {}), **sampling,
+               **{k: v for k, v in token_ids.items() if v is not None}}
         if not value_model and gen:
             (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+        if not value_model and gen.get("eos_token_id") is None:
+            why = (f"{tokenizer_dir} names no eos token" if tokenizer_dir is not None else
+                   f"{checkpoint} records no tokenizer (written before runs recorded theirs) and none was given")
+            log.warning(f"{out_dir}: no eos_token_id ({why}): generation with the exported model never stops at the "
+                        "end of a response; export with --tokenizer DIR (export_hf(tokenizer_dir=...)) or "
+                        "special_token_ids={'eos_token_id': ...}")
         if tokenizer_dir is not None:
             copied = [f for f in TOKENIZER_FILES if (Path(tokenizer_dir) / f).is_file()]
             if not {"tokenizer.json", "tokenizer.model"} & set(copied):

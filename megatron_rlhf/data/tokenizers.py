@@ -8,18 +8,29 @@ PAD may equal EOS, and a Hugging Face tokenizer without a pad token gets EOS as 
 every length, loss mask, response mask and "ended with EOS" flag comes from sequence
 lengths and explicit flags, never from comparing tokens with `pad_id`, so the real EOS at
 the end of a sequence is never taken for padding.
+
+A run records its tokenizer once (`record_tokenizer`): its files, in Hugging Face format, in
+<run>/tokenizer/ with RECORD_FILE naming where it came from and its fingerprint. Later stages
+use it (trainers/stage_data.py run_tokenizer) and export-hf ships it with the model.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import shutil
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 PAD, EOS, UNK = "<pad>", "<eos>", "<unk>"
+# The files of a Hugging Face tokenizer directory: copied with a run and into exports.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "added_tokens.json", "vocab.json", "merges.txt", "chat_template.jinja")
+# Next to a recorded tokenizer's files: {"data.tokenizer", "data.task", "fingerprint"}.
+RECORD_FILE = "recorded_from.json"
 
 
 class TokenizerError(ValueError):
@@ -43,6 +54,14 @@ class Tokenizer(ABC):
     @abstractmethod
     def decode(self, ids: Sequence[int]) -> str:
         """Text of `ids`, skipping PAD and EOS."""
+
+    @abstractmethod
+    def fingerprint(self) -> str:
+        """sha256 of what decides the ids: equal fingerprints, the same tokenizer."""
+
+    @abstractmethod
+    def save_hf(self, directory: str | os.PathLike[str]) -> Path:
+        """This tokenizer as Hugging Face tokenizer files in `directory` (created)."""
 
     def _check_special_ids(self, source: str) -> None:
         # pad_id == eos_id is allowed: nothing derives lengths or masks from the pad id.
@@ -93,6 +112,10 @@ class WordTokenizer(Tokenizer):
                 )
             words.append(self.vocab[token])
         return " ".join(words)
+
+    def fingerprint(self) -> str:
+        """Of the vocabulary in id order (not of save_hf's JSON, which a tokenizers release may reformat)."""
+        return hashlib.sha256("\n".join(["builtin", *self.vocab]).encode()).hexdigest()
 
     def save_hf(self, directory: str | os.PathLike[str]) -> Path:
         """Write this vocabulary as a Hugging Face fast tokenizer (tokenizer.json with a
@@ -173,6 +196,23 @@ class HFTokenizer(Tokenizer):
         kept = [int(i) for i in ids if int(i) not in (self.pad_id, self.eos_id)]
         return self._tokenizer.decode(kept, skip_special_tokens=True)
 
+    def fingerprint(self) -> str:
+        """Of its tokenizer files, so a copy of the directory has the fingerprint of the original."""
+        digest = hashlib.sha256()
+        for name in TOKENIZER_FILES:
+            if (self.directory / name).is_file():
+                digest.update(name.encode() + b"\0" + (self.directory / name).read_bytes() + b"\0")
+        return digest.hexdigest()
+
+    def save_hf(self, directory: str | os.PathLike[str]) -> Path:
+        """Its tokenizer files, copied."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        for name in TOKENIZER_FILES:
+            if (self.directory / name).is_file():
+                shutil.copy2(self.directory / name, directory / name)
+        return directory
+
     def _special_token(self, directory: Path, key: str) -> str | None:
         """The token `key` names (a null value counts as unset), or None when neither file
         sets it."""
@@ -213,6 +253,32 @@ def load_tokenizer(spec: str, task_words: Sequence[str] | None) -> Tokenizer:
             "the path of a local Hugging Face tokenizer directory"
         )
     return HFTokenizer(spec)
+
+
+def record_tokenizer(tokenizer: Tokenizer, spec: str, task: str | None, directory: str | os.PathLike[str]) -> Path:
+    """Write `tokenizer` (loaded from data.tokenizer=`spec`, data.task=`task`) into `directory`
+    as Hugging Face files plus RECORD_FILE; all at once (a temporary directory renamed), and
+    only if `directory` holds no record yet: the first record is the one kept."""
+    directory = Path(directory)
+    if (directory / RECORD_FILE).is_file():
+        return directory
+    tmp = directory.with_name(f"{directory.name}.tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tokenizer.save_hf(tmp)
+    record = {"data.tokenizer": spec, "data.task": task if spec == "builtin" else None,
+              "fingerprint": tokenizer.fingerprint()}
+    (tmp / RECORD_FILE).write_text(json.dumps(record, indent=1) + "\n")
+    try:
+        tmp.rename(directory)
+    except OSError:  # another process recorded it first (rename onto a non-empty directory)
+        shutil.rmtree(tmp, ignore_errors=True)
+    return directory
+
+
+def read_tokenizer_record(directory: str | os.PathLike[str]) -> dict[str, Any] | None:
+    """RECORD_FILE of a recorded tokenizer directory, or None when there is none."""
+    path = Path(directory) / RECORD_FILE
+    return _read_config(path) if path.is_file() else None
 
 
 def _read_config(path: Path) -> dict[str, Any]:

@@ -37,16 +37,18 @@ CONSOLE = {
     "rm": {"loss": "loss", "accuracy": "acc", "eval_accuracy": "eval acc", "eval_margin_raw": "eval margin(raw)"},
     "dpo": {"loss": "loss", "reward_accuracy": "acc", "margin": "margin", "eval_reward_accuracy": "eval acc",
             "eval_margin": "eval margin", "eval_gold_score": "eval gold", "eval_win_rate_gold": "win(gold)"},
-    "rl": {"rm_score": "reward", "gold_score": "gold", "holdout_rm_score": "holdout rm", "kl_mean": "kl",
-           "response_length": "len", "eval_rm_score": "eval reward", "eval_gold_score": "eval gold",
-           "eval_win_rate_gold": "win(gold)", "eval_win_rate_rm": "win(rm)",
+    "rl": {"reward": "reward", "gold_score": "gold", "holdout_rm_score": "holdout rm", "kl_mean": "kl",
+           "response_length": "len", "eval_reward": "eval reward", "eval_gold_score": "eval gold",
+           "eval_win_rate_gold": "win(gold)", "eval_win_rate_reward": "win(reward)",
            "reward_hacking": "REWARD-HACKING ALARM"},  # shown only while on
 }
 
 
 def console_kind(stage: str) -> str:
-    """sft | rm (also rm_holdout) | dpo | rl (every algorithm's directory)."""
-    return "rm" if stage.startswith("rm") else stage if stage in CONSOLE else "rl"
+    """sft | rm (also rm_holdout) | dpo | rl (every algorithm's directory), from the stage's
+    directory name, with or without the _lora suffix of a stage that trains adapters."""
+    name = stage.removesuffix("_lora")
+    return "rm" if name == "rm" or name.startswith("rm_") else name if name in CONSOLE else "rl"
 
 
 class MetricsLogger:

@@ -3,9 +3,10 @@ generations before and after RL (any algorithm). Reads only what the stages wrot
 summary.json), so it can be rebuilt for any finished or partial run.
 
 For each RL stage it also shows what a user needs to judge the run: the proxy reward (the
-reward model's score) against the independent signals (gold score, holdout RM score) with the
-reward-hacking alarms shaded, the KL-vs-reward trade-off, the alarms and the final win rates
-against the SFT policy; and, for the run, the time each RL stage spent in each phase.
+combined reward of rl.rewards being optimised) against the independent signals (gold score,
+holdout RM score) with the reward-hacking alarms shaded, the KL-vs-reward trade-off, the alarms
+and the final win rates against the SFT policy; and, for the run, the time each RL stage spent
+in each phase.
 Figures are drawn on matplotlib's Agg canvas directly (no pyplot, no global backend switch).
 """
 
@@ -21,20 +22,31 @@ CURVES = {
             "eval_margin", "eval_gold_score"],
     # every RL algorithm (<run>/ppo, <run>/grpo, ...); a curve a run did not log is left out;
     # a tuple shares one panel
-    "rl": ["rm_score", "gold_score", "holdout_rm_score", "kl_mean", "response_length", "entropy", "value_loss",
+    "rl": ["reward", "gold_score", "holdout_rm_score", "kl_mean", "response_length", "entropy", "value_loss",
            "clip_fraction", "sampling_shortfall", "sampling_rounds", "eval_gold_score", "eval_holdout_rm_score",
-           ("eval_win_rate_rm", "eval_win_rate_gold", "eval_win_rate_holdout_rm")],
+           ("eval_win_rate_reward", "eval_win_rate_gold", "eval_win_rate_holdout_rm")],
 }
-PROXY, INDEPENDENT = "rm_score", ("gold_score", "holdout_rm_score")
+PROXY, INDEPENDENT = "reward", ("gold_score", "holdout_rm_score")
+# The combined reward's names before it was called `reward` (they said rm even without a reward
+# model): runs written by earlier versions are read under the current names.
+LEGACY_NAMES = {"rm_score": "reward", "eval_rm_score": "eval_reward", "eval_win_rate_rm": "eval_win_rate_reward",
+                "rm_score_eval_before": "reward_eval_before", "rm_score_eval_after": "reward_eval_after",
+                "win_rate_rm_final": "win_rate_reward_final"}
 PHASES = ("sync", "generate", "score", "train", "eval")  # sync: only with a separate rollout engine
 ALARM = "reward-hacking alarm"
 
 
 def _kind(stage: str) -> str:
-    """sft, dpo, rm (rm, rm_holdout) or rl (a directory per RL algorithm)."""
-    if stage in ("sft", "dpo"):
-        return stage
-    return "rm" if stage == "rm" or stage.startswith("rm_") else "rl"
+    """sft, dpo, rm (rm, rm_holdout) or rl (a directory per RL algorithm), with or without the
+    _lora suffix of a stage that trains adapters (sft_lora, dpo_lora, ppo_lora)."""
+    name = stage.removesuffix("_lora")
+    if name in ("sft", "dpo"):
+        return name
+    return "rm" if name == "rm" or name.startswith("rm_") else "rl"
+
+
+def _current_names(record: dict) -> dict:
+    return {LEGACY_NAMES.get(k, k): v for k, v in record.items()}
 
 
 def _read_metrics(stage_dir: Path) -> list[dict]:
@@ -42,7 +54,7 @@ def _read_metrics(stage_dir: Path) -> list[dict]:
     rows = []
     for line in path.read_text().splitlines() if path.exists() else []:
         try:
-            rows.append(json.loads(line))
+            rows.append(_current_names(json.loads(line)))
         except json.JSONDecodeError:
             pass  # a line torn by a killed process
     return sorted(rows, key=lambda r: r["step"])
@@ -127,7 +139,7 @@ def gold_vs_proxy_figure(rows: list[dict], title: str):
         if _points(rows, f"eval_{name}")[0]:
             axes[name].plot(*_points(rows, f"eval_{name}"), color=color, linestyle="none", marker="o",
                             label=f"eval_{name}")
-        axes[name].set_ylabel("gold score" if name == "gold_score" else "reward-model score")
+        axes[name].set_ylabel("gold score" if name == "gold_score" else "reward")  # the proxy need not be an RM
     for i, (start, end) in enumerate(alarm_spans(rows)):
         ax.axvspan(start - 0.5, end + 0.5, color="red", alpha=0.15, label=ALARM if i == 0 else "_nolegend_")
     ax.set_xlabel("step")
@@ -208,15 +220,15 @@ def reward_hacking_lines(summary: dict, rows: list[dict]) -> list[str]:
 
 
 def win_rate_line(summary: dict) -> str:
-    rm, gold, holdout = (_num(summary.get(f"win_rate_{s}_final"), ".1%") for s in ("rm", "gold", "holdout_rm"))
-    return (f"**Final win rate vs the SFT policy** (held-out prompts): by the RM {rm}, by the gold score {gold}"
+    reward, gold, holdout = (_num(summary.get(f"win_rate_{s}_final"), ".1%") for s in ("reward", "gold", "holdout_rm"))
+    return (f"**Final win rate vs the SFT policy** (held-out prompts): by the reward {reward}, by the gold score {gold}"
             + (f", by the holdout RM {holdout}" if summary.get("win_rate_holdout_rm_final") is not None else ""))
 
 
 def stage_section(run_dir: Path, stage: str) -> list[str]:
     stage_dir, lines = run_dir / stage, [f"## {stage}", ""]
     rows, summary_path = _read_metrics(stage_dir), stage_dir / "summary.json"
-    summary = json.loads(summary_path.read_text()) if summary_path.exists() else None
+    summary = _current_names(json.loads(summary_path.read_text())) if summary_path.exists() else None
     if summary is None:
         lines += ["not finished", ""]
     plots = [_save(curves_figure(rows, CURVES[_kind(stage)], stage), run_dir / f"report_{stage}.png")]

@@ -1,5 +1,5 @@
-"""Reward-hacking alarm: the proxy reward (the reward model the policy is trained on) rises
-while an independent judge of the same responses falls.
+"""Reward-hacking alarm: the proxy reward (the combined reward of rl.rewards the policy is
+trained on) rises while an independent judge of the same responses falls.
 
 The independent signal is the built-in task's gold scorer when there is one, else the
 holdout reward model (rm.holdout_fraction: trained on pairs the proxy never saw). Both
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 
-PROXY = "rm_score"
+PROXY = "reward"
 INDEPENDENT = ("gold_score", "holdout_rm_score")  # the first one a run measures
 # |t| of each slope; ~2% one-sided at 8 dof. Over six healthy 40-iteration runs on the built-in
 # task (PPO, GRPO, RLOO, REINFORCE++) it never fired; against a label-swapped RM it did by step 10.
@@ -63,7 +63,7 @@ class RewardHackingAlarm:
             warning = (f"warning: possible reward hacking at step {step}: {PROXY} rising {proxy_slope:+.4f}/iteration "
                        f"while {self.independent} falls {indep_slope:+.4f}/iteration over the last {self.window} "
                        f"iterations; read the samples, and consider a larger rl.kl_coef, a smaller "
-                       f"rl.actor_optimizer.lr, or a better reward model")
+                       f"rl.actor_optimizer.lr, or a better reward (rl.rewards)")
         self.active = hacking
         return warning
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 import zlib
+from collections.abc import Mapping
 from contextlib import contextmanager
 
 import torch
@@ -226,19 +227,39 @@ def adapters_disabled(model: torch.nn.Module):
             layer.lora_enabled = True
 
 
-@torch.no_grad()
-def merged_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """named_parameters() without the adapters, each adapted weight replaced by W + (alpha/rank) B A
+class MergedParameters(Mapping):
+    """named_parameters() without the adapters, each adapted weight read as W + (alpha/rank) B A
     (this shard's; TP attributes kept), the base weights untouched: what a rollout engine's refit
-    sends. (Export merges from checkpoints: convert/lora_export.py.)"""
-    params = {n: p for n, p in model.named_parameters() if not is_adapter(n)}
-    for name, module in model.named_modules():
-        if isinstance(module, LoRAMixin) and module.lora_enabled:
-            w = module.weight
-            merged = w.detach() + module.lora_delta()
-            for attr in ("tensor_model_parallel", "partition_dim", "partition_stride"):
-                if hasattr(w, attr):
-                    setattr(merged, attr, getattr(w, attr))
-            params[f"{name}.weight"] = merged
-    return params
+    sends. Merged on each lookup, so the caller holds only the merged weights it is using (a refit
+    one group at a time, not every adapted weight of the stage at once). (Export merges from
+    checkpoints: convert/lora_export.py.)"""
 
+    def __init__(self, model: torch.nn.Module):
+        self._params = {n: p for n, p in model.named_parameters() if not is_adapter(n)}
+        self._adapted = {f"{n}.weight": m for n, m in model.named_modules() if isinstance(m, LoRAMixin)}
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        layer = self._adapted.get(name)
+        return merged_weight(layer) if layer is not None and layer.lora_enabled else self._params[name]
+
+    def __iter__(self):
+        return iter(self._params)
+
+    def __len__(self) -> int:
+        return len(self._params)
+
+
+def merged_parameters(model: torch.nn.Module) -> MergedParameters:
+    """The model's weights with its adapters merged, each when it is looked up (MergedParameters)."""
+    return MergedParameters(model)
+
+
+@torch.no_grad()
+def merged_weight(layer: LoRAMixin) -> torch.Tensor:
+    """A new tensor W + (alpha/rank) B A of this shard, with the weight's TP attributes."""
+    w = layer.weight
+    merged = w.detach() + layer.lora_delta()
+    for attr in ("tensor_model_parallel", "partition_dim", "partition_stride"):
+        if hasattr(w, attr):
+            setattr(merged, attr, getattr(w, attr))
+    return merged

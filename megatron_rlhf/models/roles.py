@@ -43,7 +43,9 @@ from megatron_rlhf.resilience.nonfinite import NonFiniteGuard
 
 Batch = dict[str, torch.Tensor]
 # loss_fn(outputs, microbatch) -> (loss summed over the microbatch's units, number of units as
-# an integer tensor, {statistic: its sum over the same units}); see the module docstring.
+# an integer tensor, {statistic: its sum over the same units}); see the module docstring. Stats
+# that hold "tokens" (the microbatch's token count) are token sums instead: the RL diagnostics
+# stay token means whatever unit the loss averages over (algorithms/stats.py: token_sums).
 LossFn = Callable[[dict[str, torch.Tensor], Batch], tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]]
 
 
@@ -120,7 +122,7 @@ def summed(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def global_means(store: list[dict[str, torch.Tensor]]) -> dict[str, float]:
     """Each statistic summed over microbatches and data-parallel ranks, divided by the summed
-    units: the global-batch means, on every rank. One host read per step."""
+    units or tokens (`stat_means`): the global-batch means, on every rank. One host read per step."""
     keys = [sorted(store[0])] if store else [None]  # only the last pipeline stage computed losses
     pp_group = parallel_state.get_pipeline_model_parallel_group()
     last = parallel_state.get_pipeline_model_parallel_last_rank()
@@ -133,9 +135,16 @@ def global_means(store: list[dict[str, torch.Tensor]]) -> dict[str, float]:
         totals = torch.empty(len(keys), dtype=torch.float64, device=device())
     if parallel_state.get_pipeline_model_parallel_world_size() > 1:
         torch.distributed.broadcast(totals, src=last, group=pp_group)
-    totals = dp_sum(totals)
-    means = (totals / totals[keys.index("units")].clamp(min=1)).tolist()
-    return {k: v for k, v in zip(keys, means) if k != "units"}
+    return stat_means(dict(zip(keys, dp_sum(totals).tolist())))
+
+
+def stat_means(totals: dict[str, float]) -> dict[str, float]:
+    """The global-batch means from each statistic's sum over every microbatch (see LossFn): the
+    loss over its units, the other statistics over "tokens" when the loss function counted them,
+    else over the units too."""
+    units = max(totals["units"], 1)
+    per_statistic = max(totals.get("tokens", units), 1)
+    return {k: v / (units if k == "loss" else per_statistic) for k, v in totals.items() if k not in ("units", "tokens")}
 
 
 def set_training(model: torch.nn.Module, training: bool) -> None:

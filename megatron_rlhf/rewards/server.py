@@ -325,15 +325,16 @@ class RewardModelScorer:
 
 
 def find_reward_checkpoint(ckpt: str | None) -> Path:
-    """--ckpt (an RM stage or iter_* directory) -> the complete iter_* directory holding a reward role."""
+    """--ckpt (an RM stage or iter_* directory, or STAGE_DIR@iter_N) -> the complete iter_* directory
+    holding a reward role."""
     from megatron_rlhf.checkpoint.validate import find_checkpoint
     from megatron_rlhf.config import ConfigError
 
     if not ckpt:
         raise ConfigError("serve-reward: missing --ckpt: give the RM stage directory (e.g. checkpoints/tiny_cpu/rm) "
                           "or one of its iter_* directories")
-    try:
-        iter_dir, warnings = find_checkpoint(ckpt)
+    try:  # a damaged newest checkpoint is refused (DamagedNewestCheckpoint): an older one only when named
+        iter_dir, warnings = find_checkpoint(ckpt, allow_fallback=False)
     except FileNotFoundError as err:
         if type(err) is not FileNotFoundError:  # CheckpointError: damaged checkpoints, reported as such
             raise

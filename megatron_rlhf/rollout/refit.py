@@ -8,7 +8,9 @@ TP1 layout), names it with the mapping `convert/hf_weights.py` uses for export, 
 0 sends the tensors to the engine's rank (the first rank of the model-parallel group) with
 point-to-point sends. The engine rank packs them into buckets of at most `bucket_bytes` and
 yields each. So the trainer never holds more than one group and one bucket beyond the model: no
-second copy of it. Every rank of the model-parallel group must call `stream_hf_weights`.
+second copy of it. A LoRA actor's weights are merged (W + (alpha/r) B A) as their group is
+gathered, so the only merged copies are the group's being sent, not the whole stage's. Every
+rank of the model-parallel group must call `stream_hf_weights`.
 """
 
 from __future__ import annotations
@@ -53,18 +55,18 @@ def _full(param: torch.Tensor, swiglu: bool) -> torch.Tensor:
 
 def _local_groups(module, d: Dims) -> dict[int, Callable[[], dict[str, torch.Tensor]]]:
     """The groups this pipeline stage holds: key -> a function gathering them (collective over TP)."""
-    params = merged_parameters(module)  # a LoRA actor's weights with its adapters merged in
+    params = merged_parameters(module)  # a LoRA actor's: merged on lookup, i.e. when a group is gathered
     groups: dict[int, Callable[[], dict[str, torch.Tensor]]] = {}
     if "embedding.word_embeddings.weight" in params:
         groups[EMBEDDING] = lambda: {"model.embed_tokens.weight": _full(params["embedding.word_embeddings.weight"],
                                                                          False)[: d.vocab]}
     for local, layer in enumerate(module.decoder.layers):
         prefix = f"decoder.layers.{local}."
-        kinds = {LAYER_PARAMS[n.removeprefix(prefix)]: p for n, p in params.items()
+        kinds = {LAYER_PARAMS[n.removeprefix(prefix)]: n for n in params
                  if n.startswith(prefix) and n.removeprefix(prefix) in LAYER_PARAMS}
 
         def gather(kinds=kinds, number=layer.layer_number - 1):
-            full = {kind: _full(p, swiglu=kind == "fc1") for kind, p in kinds.items()}
+            full = {kind: _full(params[name], swiglu=kind == "fc1") for kind, name in kinds.items()}
             return hf_layer_tensors(number, full.__getitem__, d)
 
         groups[layer.layer_number - 1] = gather

@@ -107,10 +107,10 @@ def start_checkpoint(cfg: Config) -> tuple[str, str]:
     """("ckpt", dir) or ("hf", dir): where actor and reference start (module docstring)."""
     d = cfg.dpo
     if d.init_from:
-        return "ckpt", str(resolve_checkpoint(d.init_from))
+        return "ckpt", str(resolve_checkpoint(d.init_from, "dpo.init_from"))
     sft = stage_dir(cfg, "sft")
     if (sft / "latest").exists():
-        return "ckpt", str(resolve_checkpoint(sft))
+        return "ckpt", str(resolve_checkpoint(sft, "dpo.init_from"))
     if cfg.model.init_from_hf:
         return "hf", cfg.model.init_from_hf
     raise CheckpointError(f"dpo: no SFT checkpoint at {sft} to start from; run the sft stage first, or set "
@@ -148,7 +148,7 @@ def train(cfg: Config) -> dict:
     d = cfg.dpo
     runner = StageRunner(cfg, "dpo", d.steps, d.log_interval, d.save_interval)
     data = load_stage_data(cfg, ("preference_train", "preference_eval"),
-                           optional=("prompts_eval",) if cfg.data.task else ())
+                           optional=("prompts_eval",) if cfg.data.task else (), stage="dpo")
     pad = data.tokenizer.pad_id
     fit = {"tokenizer": data.tokenizer, "max_len": d.seq_length, "overflow": cfg.data.overflow,
            "max_len_field": "dpo.seq_length"}

@@ -21,9 +21,9 @@ import torch
 
 from megatron_rlhf import parallel
 from megatron_rlhf.algorithms.advantages import ESTIMATORS, Settings, group_view
-from megatron_rlhf.algorithms.kl import kl_estimate, make_kl_controller
+from megatron_rlhf.algorithms.kl import kl_estimate, kl_loss_estimate, make_kl_controller
 from megatron_rlhf.algorithms.losses import aggregate, log_importance_ratio, policy_loss, rollout_correction, value_loss
-from megatron_rlhf.algorithms.stats import explained_variance, response_repetition_rate
+from megatron_rlhf.algorithms.stats import explained_variance, response_repetition_rate, token_sums
 from megatron_rlhf.checkpoint.dist import load_extra_state, load_model_weights, load_role
 from megatron_rlhf.checkpoint.manager import resolve_checkpoint
 from megatron_rlhf.colocation import ColocationScheduler, phases_for
@@ -149,7 +149,7 @@ def add_advantages(batch: RolloutBatch, rl: RLConfig, kl_coef: float) -> dict[st
     width = rl.max_new_tokens  # the longest response possible: no host sync for the real one
     mask = batch.response_mask(width)
     resp = partial(batch.response, width=width)
-    kl = kl_estimate(resp(batch.old_logprobs), resp(batch.ref_logprobs), rl.kl_estimator, rl.kl_clip) * mask
+    kl = kl_estimate(resp(batch.old_logprobs), resp(batch.ref_logprobs), rl.kl_estimator, rl.kl_clip, mask)
     kl_penalty = -kl_coef * (kl if rl.kl_in_reward else torch.zeros_like(kl))
     values = resp(batch.values) if batch.values is not None else None
     settings = Settings(gamma=rl.gamma, lam=rl.lam, whiten=rl.whiten_advantages, group_size=rl.n_samples_per_prompt,
@@ -168,52 +168,64 @@ def add_advantages(batch: RolloutBatch, rl: RLConfig, kl_coef: float) -> dict[st
 # ----------------------------------------------------------------------------- train
 def actor_loss(outputs: dict, microbatch: dict, rl: RLConfig, kl_coef: float):
     """Clipped policy loss - c2 * entropy (+ kl_coef * KL when the KL is in the loss), as
-    (sum, units, stats) over rl.loss_aggregation's unit (see models/roles.py: LossFn)."""
+    (sum, units, stats) over rl.loss_aggregation's unit (see models/roles.py: LossFn); the stats
+    are token sums whatever the unit (the logged diagnostics are token means)."""
     mb, logprobs = RolloutBatch.of(microbatch), outputs["logprobs"]
-    agg = partial(aggregate, mask=mb.mask, mode=rl.loss_aggregation)
     log_ratio = log_importance_ratio(logprobs, mb.old_logprobs, mb.mask, rl.importance_ratio)
     policy, clipped = policy_loss(log_ratio, mb.advantages, rl.clip_eps, rl.clip_eps_high, rl.dual_clip)
     correction = {}
     if mb.rollout_logprobs is not None:  # the rollout engine's distribution differs from pi_old
         weights = rollout_correction(mb.old_logprobs, mb.rollout_logprobs, mb.mask, rl.tis_cap, rl.mismatch_mask_threshold)
         policy = policy * weights
-        correction = {"tis_weight_mean": agg(weights)[0], "mismatch_masked_fraction": agg((weights == 0).float())[0]}
+        correction = {"tis_weight_mean": weights, "mismatch_masked_fraction": (weights == 0).float()}
     objective = policy - rl.entropy_coef * outputs["entropy"]
     if not rl.kl_in_reward:
-        objective = objective + kl_coef * kl_estimate(logprobs, mb.ref_logprobs, rl.kl_estimator, rl.kl_clip)
-    loss, units = agg(objective)
+        objective = objective + kl_coef * kl_loss_estimate(logprobs, mb.ref_logprobs, rl.kl_estimator, rl.kl_clip,
+                                                           mb.mask)
+    loss, units = aggregate(objective, mb.mask, rl.loss_aggregation)
     token_log_ratio = (logprobs - mb.old_logprobs).detach()
-    stats = {"policy_loss": agg(policy.detach())[0], "entropy": agg(outputs["entropy"].detach())[0],
-             "clip_fraction": agg(clipped.float())[0], "approx_kl": agg(0.5 * token_log_ratio**2)[0],
-             "ratio_mean": agg(log_ratio.detach().exp())[0], **correction}
-    return loss, units, stats
+    return loss, units, token_sums(mb.mask, policy_loss=policy.detach(), entropy=outputs["entropy"].detach(),
+                                   clip_fraction=clipped.float(), approx_kl=0.5 * token_log_ratio**2,
+                                   ratio_mean=log_ratio.detach().exp(), old_logprob_mismatch=token_log_ratio.abs(),
+                                   **correction)
 
 
 def critic_loss(outputs: dict, microbatch: dict, rl: RLConfig):
     mb = RolloutBatch.of(microbatch)
     per_token, clipped = value_loss(outputs["values"], mb.values, mb.returns, rl.value_clip)
-    agg = partial(aggregate, mask=mb.mask, mode=rl.loss_aggregation)
-    loss, units = agg(rl.vf_coef * per_token)
-    return loss, units, {"value_loss": agg(per_token.detach())[0], "value_clip_fraction": agg(clipped.float())[0]}
+    loss, units = aggregate(rl.vf_coef * per_token, mb.mask, rl.loss_aggregation)
+    return loss, units, token_sums(mb.mask, value_loss=per_token.detach(), value_clip_fraction=clipped.float())
 
 
 def train_on_rollout(trained: dict, batch: RolloutBatch, rl: RLConfig, kl_coef: float, seed: int) -> dict[str, float]:
     """rl.epochs x minibatches, reshuffled every epoch, for each role in `trained` (actor
-    and/or critic); returns the mean of each statistic."""
+    and/or critic); returns each statistic over the steps (`step_means`)."""
     losses = {"actor": partial(actor_loss, rl=rl, kl_coef=kl_coef), "critic": partial(critic_loss, rl=rl)}
     rows, mini = len(batch), rl.mini_batch_size // data_parallel()[1]
     generator = torch.Generator().manual_seed(seed)
-    means: dict[str, list[float]] = {}
+    steps: list[dict[str, float]] = []
     for _ in range(rl.epochs):
         order = torch.randperm(rows, generator=generator).to(batch.tokens.device)
         for start in range(0, rows, mini):
             minibatch = order[start : start + mini]
             mb = batch.select(minibatch[by_length(batch.lengths[minibatch])]).tensors()  # less padding per microbatch
             for role, model in trained.items():
-                for k, v in model.train_step(mb, rl.micro_batch_size, losses[role], rl.micro_batch_tokens).items():
-                    if k not in ("update_ok", "skipped"):
-                        means.setdefault(f"{role}_{k}" if k in ("loss", "grad_norm", "lr") else k, []).append(float(v))
-    return {k: sum(v) / len(v) for k, v in means.items()}
+                stats = model.train_step(mb, rl.micro_batch_size, losses[role], rl.micro_batch_tokens)
+                steps.append({f"{role}_{k}" if k in ("loss", "grad_norm", "lr") else k: float(v)
+                              for k, v in stats.items() if k not in ("update_ok", "skipped")})
+    return step_means(steps)
+
+
+def step_means(steps: list[dict[str, float]]) -> dict[str, float]:
+    """Each statistic's mean over the train steps that report it, except old_logprob_mismatch
+    (mean |log pi - log pi_old| per token), the first step's: only its forward runs at the
+    weights pi_old came from, so only there it measures how far the old log-probs the loss uses
+    (recomputed, or the engine's with rl.reuse_rollout_logprobs) are from the trainer's own."""
+    values: dict[str, list[float]] = {}
+    for step in steps:
+        for k, v in step.items():
+            values.setdefault(k, []).append(v)
+    return {k: v[0] if k == "old_logprob_mismatch" else sum(v) / len(v) for k, v in values.items()}
 
 
 # ----------------------------------------------------------------------------- metrics and eval
@@ -224,7 +236,7 @@ def iteration_sums(rollout: Rollout, batch: RolloutBatch, kl_stats: dict, gold: 
     text-based ones); `dp_sums` adds them over data-parallel ranks."""
     n = len(rollout)
     return {
-        "responses": n, "rm_score": batch.scores.sum(), "gold_score": gold,
+        "responses": n, "reward": batch.scores.sum(), "gold_score": gold,
         "response_length": rollout.response_lengths().sum(), "kl": kl_stats["kl"], "kl_tokens": kl_stats["kl_tokens"],
         **padding_sums(rollout.lengths, rollout.tokens.size(1), micro_batch_size, token_budget),
         **({"logprob_mismatch": ((rollout.logprobs - batch.old_logprobs).abs() * batch.mask).sum()}
@@ -239,16 +251,17 @@ def iteration_metrics(rollout, batch, kl_stats, texts, task, sampling: dict, kl_
                       holdout: torch.Tensor | None = None, per_source: dict | None = None,
                       micro_batch_size: int = 1, mismatch_measured: bool = True, token_budget: int = 0) -> dict[str, float]:
     """The per-iteration means over every data-parallel rank (one collective); the dynamic
-    sampling shortfall summed over ranks. rm_score: the combined reward (rl.rewards, clipped);
-    reward_<name>: each source's own mean score. The rollout-vs-trainer mismatch only when
-    the old log-probs were recomputed (`mismatch_measured`)."""
+    sampling shortfall summed over ranks. reward: the combined reward (rl.rewards, clipped),
+    whatever its sources; reward_<name>: each source's own mean score (reward_rm: the reward
+    model's). The rollout-vs-trainer mismatch only when the old log-probs were recomputed
+    (`mismatch_measured`)."""
     gold = sum(task.gold_score(p, r) for p, r in texts) if task else 0.0
     repetition = response_repetition_rate(rollout.response_ids())
     sums = dp_sums(iteration_sums(rollout, batch, kl_stats, gold, repetition, sampling, holdout, per_source,
                                   micro_batch_size, mismatch_measured, token_budget), parallel.device())
     n = sums["responses"]
     return {
-        "responses": n, "rm_score": sums["rm_score"] / n, **({"gold_score": sums["gold_score"] / n} if task else {}),
+        "responses": n, "reward": sums["reward"] / n, **({"gold_score": sums["gold_score"] / n} if task else {}),
         **{name: sums[name] / n for name in sorted(sums) if name.startswith("reward_")},
         **({"holdout_rm_score": sums["holdout_rm_score"] / n} if holdout is not None else {}),
         "kl_mean": sums["kl"] / n, "kl_per_token": sums["kl"] / max(sums["kl_tokens"], 1.0),
@@ -288,13 +301,19 @@ def evaluate(engine, judges: dict, tokenizer, task, prompts: list[EncodedPrompt]
         full = torch.zeros(len(prompts), device=device, dtype=torch.float64)
         full[rank::size] = scores.to(torch.float64)
         per_prompt[name] = dp_sum(full)
-    metrics = {f"eval_{name}_score": float(v.mean()) for name, v in per_prompt.items()}
+    metrics = {f"eval_{judge_metric(name)}": float(v.mean()) for name, v in per_prompt.items()}
     for name, v in per_prompt.items():
         if sft and name in sft:
             before = torch.tensor(sft[name], device=device, dtype=torch.float64)
             metrics[f"eval_win_rate_{name}"] = float(((v > before).double() + 0.5 * (v == before).double()).mean())
     samples = [f"{p} || {r}" for p, r in texts]
     return metrics, samples, int(rollout.response_lengths().sum()), {k: v.tolist() for k, v in per_prompt.items()}
+
+
+def judge_metric(judge: str) -> str:
+    """The per-iteration metric whose eval_ version holds a judge's mean score: `reward` for the
+    combined reward of rl.rewards (whatever its sources), <judge>_score for a single scorer."""
+    return "reward" if judge == "reward" else f"{judge}_score"
 
 
 def decode_responses(rollout: Rollout, tokenizer) -> list[tuple[str, str]]:
@@ -330,8 +349,8 @@ def load_inputs(cfg: Config, roles: dict, fresh_start: bool) -> str:
     (from SFT) and the critic (rl.critic_from); a resumed run has them from its own checkpoint."""
     rl = cfg.rl
     policy_stage, given = policy_start(cfg)  # sft, or dpo when the pipeline runs it before rl
-    sft = resolve_checkpoint(given or stage_dir(cfg, policy_stage))
-    rm = resolve_checkpoint(rl.rm_from or stage_dir(cfg, "rm")) if rl.needs_rm_checkpoint else None
+    sft = resolve_checkpoint(given or stage_dir(cfg, policy_stage), "rl.sft_from")
+    rm = resolve_checkpoint(rl.rm_from or stage_dir(cfg, "rm"), "rl.rm_from") if rl.needs_rm_checkpoint else None
     if roles["reference"].shares_weights_of:  # LoRA: the actor's base, also on resume (the checkpoint holds adapters)
         load_model_weights(roles["actor"], sft / "actor")
     else:
@@ -366,7 +385,7 @@ def load_critic(rl: RLConfig, roles: dict, sft, rm, base_only: bool = False) -> 
     if start == "sft":
         load_model_weights(critic, sft / "actor", skip_prefixes=("output_layer.",), base_only=base_only)
         return f"{what} from {sft}" + ("" if base_only else " (fresh value head)")
-    source = resolve_checkpoint(start)
+    source = resolve_checkpoint(start, "rl.critic_from")
     if not (source / "critic").is_dir():
         raise ConfigError(f"rl.critic_from={start}: {source} has no critic role (a ppo stage checkpoint has one); "
                           "for a reward model use rl.critic_from=rm (with rl.rm_from), for the SFT actor rl.critic_from=sft")
@@ -389,7 +408,7 @@ def fold_reward_normalization(critic, reward_mean: float = 0.0, reward_std: floa
 def train(cfg: Config) -> dict:
     rl = cfg.rl
     runner = StageRunner(cfg, "rl", rl.steps, rl.log_interval, rl.save_interval)
-    data = load_stage_data(cfg, ("prompts_train", "prompts_eval"))
+    data = load_stage_data(cfg, ("prompts_train", "prompts_eval"), stage="rl")
     tok, max_prompt = data.tokenizer, cfg.model.max_seq_length - rl.max_new_tokens
     train_prompts, train_report = encode_prompt_records(data.splits["prompts_train"], tok, max_prompt)
     eval_prompts, _ = encode_prompt_records(data.splits["prompts_eval"], tok, max_prompt)
@@ -450,7 +469,7 @@ def run_iterations(cfg: Config, runner, data, roles, engine, sched, rewards: Rew
     dp_rank, dp = data_parallel()
     draw_prompts = lambda: [train_prompts[i] for i in dp_slice(sampler.next_indices(rl.rollout_batch_size), dp_rank, dp)]  # noqa: E731
     score_fn = partial(sequence_rewards, rewards, tokenizer=tok, rl=rl)  # (rollout, rows) -> (rewards, per source)
-    judges = {"rm": lambda rollout, rows: rewards.score(rollout, lambda: reward_inputs(rollout, rows, tok))[0]}
+    judges = {"reward": lambda rollout, rows: rewards.score(rollout, lambda: reward_inputs(rollout, rows, tok))[0]}
     if "holdout_reward" in roles:
         judges["holdout_rm"] = lambda rollout, rows: rm_scores(roles["holdout_reward"], rollout, rl.micro_batch_size, rl.micro_batch_tokens)
     run_eval = partial(evaluate, engine, judges, tok, data.task, eval_prompts, sampling, cfg.seed + EVAL_SEED_OFFSET)
@@ -458,7 +477,8 @@ def run_iterations(cfg: Config, runner, data, roles, engine, sched, rewards: Rew
     with sched.phase("eval") as phase:
         eval_metrics, samples, phase.tokens, per_prompt = run_eval()
     # "before" means the SFT policy: a resumed run keeps the numbers its first start measured
-    before = state["before"] if runner.resumed else {"eval": eval_metrics, "samples": samples, "per_prompt": per_prompt}
+    before = (with_reward_names(state["before"]) if runner.resumed
+              else {"eval": eval_metrics, "samples": samples, "per_prompt": per_prompt})
     start = policy_start(cfg)[0].upper()  # SFT, or DPO when the pipeline runs it first
     log.info(f"eval of the {start if not runner.resumed else 'resumed'} policy: {format_scores(eval_metrics)}; "
              f"e.g. {samples[: rl.eval_samples_logged]}")
@@ -518,6 +538,17 @@ def run_iterations(cfg: Config, runner, data, roles, engine, sched, rewards: Rew
     return runner.finish(summary, done_message(before["eval"], eval_metrics), roles=roles)
 
 
+# Names of the combined reward before it was called `reward` (it was the RM's name even
+# without a reward model), as checkpoints of earlier versions hold them.
+LEGACY_REWARD_NAMES = {"eval_rm_score": "eval_reward", "eval_win_rate_rm": "eval_win_rate_reward"}
+
+
+def with_reward_names(before: dict) -> dict:
+    """A resumed checkpoint's SFT-policy evaluation under the current names."""
+    return {**before, "eval": {LEGACY_REWARD_NAMES.get(k, k): v for k, v in before["eval"].items()},
+            "per_prompt": {"reward" if k == "rm" else k: v for k, v in (before.get("per_prompt") or {}).items()}}
+
+
 def format_scores(metrics: dict) -> str:
     return ", ".join(f"{k.removeprefix('eval_')} {v:.3f}" for k, v in metrics.items())
 
@@ -534,12 +565,14 @@ def rl_summary(rl, before, eval_metrics, metrics, kl_ctl, sched, samples_seen, s
                             "source": {"model": rl.rm_from or "<run>/rm", "function": src.function, "http": src.url}[src.type],
                             "score_final": metrics.get(f"reward_{src.label}")} for src in rl.rewards],
         # the final policy against the SFT policy on the held-out prompts (null: not measured)
-        **{f"win_rate_{judge}_final": eval_metrics.get(f"eval_win_rate_{judge}") for judge in ("rm", "gold", "holdout_rm")},
+        **{f"win_rate_{judge}_final": eval_metrics.get(f"eval_win_rate_{judge}")
+           for judge in ("reward", "gold", "holdout_rm")},
         "reward_hacking_alarms": alarm.alarms,
         # null without a gold scorer (data.task: null)
         "gold_score_eval_before": before["eval"].get("eval_gold_score"),
         "gold_score_eval_after": eval_metrics.get("eval_gold_score"),
-        "rm_score_eval_before": before["eval"]["eval_rm_score"], "rm_score_eval_after": eval_metrics["eval_rm_score"],
+        # the combined reward of rl.rewards (rm_* names are the reward model's alone)
+        "reward_eval_before": before["eval"]["eval_reward"], "reward_eval_after": eval_metrics["eval_reward"],
         "kl_mean_final": metrics.get("kl_mean"), "kl_coef_final": kl_ctl.value,
         "samples_per_second": samples_seen / max(sum(v["seconds"] for p, v in phases.items() if p != "eval"), 1e-9),
         # the rollout engine: in place (megatron) or separate (vllm: refit each iteration, "sync" phase)
@@ -560,5 +593,5 @@ def done_message(before: dict, after: dict) -> str:
     gold = ("no gold scorer" if after.get("eval_gold_score") is None else
             f"gold {before['eval_gold_score']:.3f} -> {after['eval_gold_score']:.3f}")
     wins = ", ".join(f"{k.removeprefix('eval_win_rate_')} {v:.2f}" for k, v in after.items() if k.startswith("eval_win_rate_"))
-    return (f"done: {gold}, RM {before['eval_rm_score']:.3f} -> {after['eval_rm_score']:.3f}"
+    return (f"done: {gold}, reward {before['eval_reward']:.3f} -> {after['eval_reward']:.3f}"
             + (f"; win rate against the SFT policy: {wins}" if wins else ""))

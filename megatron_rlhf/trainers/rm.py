@@ -70,7 +70,7 @@ def train(cfg: Config) -> dict:
     """The reward model (<run>/rm); with rm.holdout_fraction > 0, first an independent one on
     the held-out pairs (<run>/rm_holdout), so that <run>/rm/summary.json marks both done."""
     parallel.initialize(cfg)  # the data is read once for both: before the first stage runner
-    data = load_stage_data(cfg, ("preference_train", "preference_eval"), optional=("sft_eval",))
+    data = load_stage_data(cfg, ("preference_train", "preference_eval"), optional=("sft_eval",), stage="rm")
     pairs, fraction = data.splits["preference_train"], cfg.rm.holdout_fraction
     if fraction == 0:
         return train_reward_model(cfg, "rm", data, pairs)
@@ -104,7 +104,7 @@ def train_reward_model(cfg: Config, name: str, data, train_pairs: list) -> dict:
     runner.resume(roles, sampler)
     init_note = runner.resumed
     if init_note is None:
-        sft_ckpt = resolve_checkpoint(st.init_from or stage_dir(cfg, "sft"))
+        sft_ckpt = resolve_checkpoint(st.init_from or stage_dir(cfg, "sft"), "rm.init_from")
         load_model_weights(rm, sft_ckpt / "actor", skip_prefixes=("output_layer.",))
         init_note = f"initialised from {sft_ckpt} (fresh value head)"
     runner.log.info(init_note)

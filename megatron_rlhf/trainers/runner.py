@@ -36,6 +36,9 @@ from megatron_rlhf.resilience.faults import FAULTS
 from megatron_rlhf.resilience.heartbeat import Heartbeat
 from megatron_rlhf.resilience.preemption import Preempted, PreemptionHandler
 from megatron_rlhf.trainers.stage_data import stage_dir
+from megatron_rlhf.trainers.stage_inputs import stage_inputs
+
+STAGE_OF = {"rm_holdout": "rm"}  # runners that are part of a pipeline stage
 
 
 def periodic(step: int, interval: int, total: int) -> bool:
@@ -54,7 +57,10 @@ class StageRunner:
         self.cfg, self.stage, self.total = cfg, stage, total_steps
         self.log_interval, self.save_interval = log_interval, save_interval
         self.out = stage_dir(cfg, stage)
+        # At the start: what the stage trains on, for summary.json (pipeline reuses it only on the same).
+        self.inputs = stage_inputs(cfg, STAGE_OF.get(stage, stage))
         self.step, self.resumed, self.trained, self.sampler = 0, None, {}, None
+        self.checkpoint_warnings: list[str] = []  # of this run's resume, e.g. a damaged checkpoint skipped
         self.ckpt: CheckpointManager | None = None
         self.log: MetricsLogger | None = None
 
@@ -65,6 +71,7 @@ class StageRunner:
         self.trained, self.sampler = trained, sampler
         self.ckpt = CheckpointManager(self.out, self.cfg.checkpoint.keep_last, self.cfg.checkpoint.async_save)
         self.step, self.resumed, state = resume(self.cfg, self.ckpt, trained, sampler)
+        self.checkpoint_warnings = state.get("checkpoint_warnings", [])
         self.log = MetricsLogger(self.out, self.stage_name, self.total, resume_step=self.step,
                                  tensorboard=self.cfg.logging.tensorboard, verbose=self.cfg.logging.verbose)
         return state
@@ -122,7 +129,8 @@ class StageRunner:
                    "wall_seconds": time.perf_counter() - self.start_time, "peak_memory_bytes": peak,
                    "memory_account": memory_account(roles or self.trained, peak, self.memory_at_start,
                                                     checkpoint_save_bytes=self.ckpt.last_save_bytes),
-                   "checkpoint": str(self.ckpt.latest())}
+                   "checkpoint": str(self.ckpt.latest()), "checkpoint_warnings": self.checkpoint_warnings,
+                   "inputs": self.inputs}
         write_summary(self.out, summary)
         self.log.info(message)
         self.heartbeat.close()

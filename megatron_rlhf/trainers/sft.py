@@ -58,14 +58,14 @@ def evaluate(actor: Actor, examples: list, pad_id: int, seq_len: int, micro_batc
 def start_checkpoint(cfg: Config) -> tuple[str, str] | None:
     """("ckpt", dir) for sft.init_from, ("hf", dir) for model.init_from_hf, None: fresh."""
     if cfg.sft.init_from:
-        return "ckpt", str(resolve_checkpoint(cfg.sft.init_from))
+        return "ckpt", str(resolve_checkpoint(cfg.sft.init_from, "sft.init_from"))
     return ("hf", cfg.model.init_from_hf) if cfg.model.init_from_hf else None
 
 
 def train(cfg: Config) -> dict:
     st = cfg.sft
     runner = StageRunner(cfg, "sft", st.steps, st.log_interval, st.save_interval)
-    data = load_stage_data(cfg, ("sft_train", "sft_eval"))
+    data = load_stage_data(cfg, ("sft_train", "sft_eval"), stage="sft")
     pad = data.tokenizer.pad_id
     encode = partial(encode_sft, tokenizer=data.tokenizer, max_len=st.seq_length, overflow=cfg.data.overflow,
                      max_len_field="sft.seq_length")

@@ -21,11 +21,15 @@ runs are comparable step by step. --mode:
             load it (RNG streams restored exactly); copies of it with an object whose unpickling
             creates <root>/payload_ran in the trainer state, in the role's .metadata, and in the
             role's common state (inside the .distcp file) must each be refused without running it.
+            Then saves into <root>/links with symlinks to <root>/outside planted at the tmp, iter
+            and file (latest.tmp) level and as retention debris, and commits of a tmp directory
+            holding a symlinked role directory or file: nothing may be written outside.
 Results go to <root>/results_<mode>.pt (global rank 0).
 """
 
 import argparse
 import json
+import os
 import pickle
 import random
 import shutil
@@ -40,6 +44,7 @@ import torch.distributed as dist
 from megatron_rlhf import parallel
 from megatron_rlhf.checkpoint.dist import save_role
 from megatron_rlhf.checkpoint.manager import CheckpointManager
+from megatron_rlhf.checkpoint.validate import validate
 from megatron_rlhf.config import load_config
 from megatron_rlhf.models.roles import Actor, summed
 
@@ -242,6 +247,45 @@ def tampered_copy(root: Path, name: str, marker: Path) -> None:
     recommit(iter_dir)
 
 
+def planted_symlinks(actor, root: Path) -> dict:
+    """Saves and commits into <root>/links past symlinks to <root>/outside (see the docstring)."""
+    stage, outside = root / "links", root / "outside"
+    outside.mkdir()
+    (outside / "keep.txt").write_text("not the checkpoint's")
+    mgr, roles, res = CheckpointManager(stage, keep_last=1), {"actor": actor}, {}
+    stage.mkdir()
+    os.symlink(outside, stage / "iter_0000001.tmp")  # a save's tmp dir: written through before
+    os.symlink(outside, stage / "iter_0000000.tmp")  # debris retention removes after the commit
+    res["save_1"] = catch(lambda: mgr.save(1, roles, state(1)))[0]
+    os.symlink(outside, stage / "iter_0000002")  # the step saved next: replaced by the commit
+    os.symlink(outside / "keep.txt", stage / "latest.tmp")  # the `latest` update writes it first
+    res["save_2"] = catch(lambda: mgr.save(2, roles, state(2)))[0]
+
+    # role and file level: a tmp dir made to hold a symlink when it is committed
+    record = {"step": 3, "roles": ["actor"], "world_size": 1, "layout": {"tp": 1, "pp": 1, "dp": 1}}
+    shutil.copytree(stage / "iter_0000002", outside / "actor_copy")
+    for name, rel in (("role", "actor"), ("file", "trainer_state/rank_00000.pt")):
+        tmp = stage / "iter_0000003.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.copytree(stage / "iter_0000002", tmp)
+        (tmp / "commit.json").unlink()
+        if (tmp / rel).is_dir():
+            shutil.rmtree(tmp / rel)
+        else:
+            (tmp / rel).unlink()
+        os.symlink(outside / "actor_copy" / rel, tmp / rel)
+        res[f"commit_{name}"] = catch(lambda: mgr._commit(tmp, stage / "iter_0000003", record))[0]
+        res[f"committed_{name}"] = os.path.lexists(stage / "iter_0000003")
+    res["save_3"] = catch(lambda: mgr.save(3, roles, state(3)))[0]  # over the refused tmp dir
+    res["stage"] = sorted(p.name + ("@" if p.is_symlink() else "") for p in stage.iterdir())
+    res["latest"] = (stage / "latest").read_text().strip()
+    res["complete"] = [p.name for p in sorted(stage.glob("iter_*")) if not validate(p)]
+    res["outside"] = sorted(p.relative_to(outside).as_posix() for p in outside.rglob("*")
+                            if not p.is_relative_to(outside / "actor_copy"))
+    res["keep.txt"] = (outside / "keep.txt").read_text()
+    return res
+
+
 def next_random() -> list:
     return [random.random(), float(np.random.rand()), torch.rand(2), tracker_rand()]
 
@@ -266,6 +310,8 @@ def mode_payloads(cfg, root: Path, write) -> None:
     for name in ("trainer_state", "metadata", "common_state"):
         res[name] = {"error": catch(lambda: CheckpointManager(root / name).load({"actor": Actor(cfg)}))[0],
                      "payload_ran": marker.exists()}
+    actor.extra_state = extra_state
+    res["symlinks"] = planted_symlinks(actor, root)
     write(res)
 
 
