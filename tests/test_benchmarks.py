@@ -74,7 +74,7 @@ def check_rl_algorithms(res: dict) -> None:
     assert res["quick"] and res["rows"]
     for row in res["rows"]:
         positive(row, "wall_seconds", "peak_rss_mib", "train_phase_peak_mib")
-        finite(row, "gold_before", "gold_after", "gold_gain", "rm_before", "rm_after", "kl_final")
+        finite(row, "gold_before", "gold_after", "gold_gain", "reward_before", "reward_after", "kl_final")
         assert row["roles"], row
 
 
