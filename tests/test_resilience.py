@@ -154,13 +154,14 @@ def test_ppo_saved_at_tp2_resumes_at_another_layout(ppo_root, layout):
     # rounding differs (measured: final weights and Adam moments within 1.2e-7). Clip
     # fractions count values at a threshold, so rounding can move a few across it; so can win
     # rates over the 100 held-out prompts: another layout's rounding flips near-ties (a tie
-    # counts 0.5) and, through sampling, a few responses (measured: 0.025, TP2 -> TP1). The
-    # computed padding depends on the layout by design (microbatches are trimmed only at PP 1).
+    # counts 0.5) and, through sampling, a few responses (measured TP2 -> TP1: 0.025 on the CI
+    # machine, 0.04 on an AMD EPYC; the weights below stay within 1e-5 on both). The computed
+    # padding depends on the layout by design (microbatches are trimmed only at PP 1).
     for step in (3, 4):
         for key, value in want[step].items():
             if not key.endswith(TIMING) and key != "padding_fraction_computed":
-                thresholded = key.endswith("clip_fraction") or key.startswith("eval_win_rate")
-                tolerance = {"abs": 0.03} if thresholded else {"rel": 1e-3, "abs": 1e-4}
+                tolerance = ({"abs": 0.03} if key.endswith("clip_fraction") else
+                             {"abs": 0.06} if key.startswith("eval_win_rate") else {"rel": 1e-3, "abs": 1e-4})
                 assert got[step][key] == pytest.approx(value, **tolerance), (step, key)
     for role in ("actor", "critic"):
         ref = read_global_tensors(iter_dir(root, "ppo_reference", "ppo", PPO_STEPS) / role)

@@ -76,7 +76,10 @@ def test_a_mis_specified_reward_model_raises_the_alarm(sft_rm_root):
               f"data.preference_eval={root / 'swapped_preference_eval.jsonl'}", "rm.holdout_fraction=0.5"]
     stage(1, "rm", root, "swapped", f"rm.steps={RM_STEPS // 2}", f"rm.eval_interval={RM_STEPS // 2}",
           f"rm.init_from={root / 'main' / 'sft'}", *inputs)
-    stage(1, "rl", root, "swapped", "rl.steps=14", "rl.eval_interval=7",  # the default 10-iteration window
+    # 20 iterations: the default 10-iteration window twice. The gold trend is noisy (one sampled
+    # batch can dip and recover), so the step the alarm turns on varies with the CPU's float
+    # rounding: measured by step 14 on the CI machine, at 16 on an AMD EPYC.
+    stage(1, "rl", root, "swapped", "rl.steps=20", "rl.eval_interval=10",
           f"rl.sft_from={root / 'main' / 'sft'}", "rl.actor_optimizer.lr=5.0e-4", *inputs)
     s = summary(root, "swapped", "ppo")
     assert s["reward_hacking_alarms"], s
