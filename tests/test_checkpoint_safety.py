@@ -328,6 +328,16 @@ def test_nonfinite_weights_are_never_saved(runs):
 
 
 @pytest.mark.slow
+def test_an_error_on_one_rank_is_raised_on_every_rank(runs):
+    """parallel.collectives.errors_agreed: the failed rank raises its own error (or its wrapped
+    form), the others the error saying it happened elsewhere; without one every rank goes on."""
+    own, elsewhere = "ValueError: rank 1's own error", "RuntimeError: failed on another rank"
+    assert runs["train"]["agreed"] == [(elsewhere, None), (own, None)]
+    assert runs["train"]["agreed_as"] == [(elsewhere, None), ("LookupError: wrapped: rank 1's own error", None)]
+    assert runs["train"]["agreed_none"] == [(None, "went on"), (None, "went on")]
+
+
+@pytest.mark.slow
 def test_load_falls_back_from_a_damaged_newest_checkpoint(runs):
     res, (size, cut) = runs["relayout"], runs["truncated"]
     assert res["damaged"]["checkpoint"].endswith("damaged/iter_0000003")

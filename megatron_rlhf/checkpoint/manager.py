@@ -67,7 +67,7 @@ from megatron_rlhf.checkpoint.validate import (  # noqa: F401  (re-exported API)
 )
 from megatron_rlhf.logging.memory import MemoryGrowth
 from megatron_rlhf.resilience.faults import FAULTS
-from megatron_rlhf.parallel import any_rank
+from megatron_rlhf.parallel.collectives import errors_agreed
 from megatron_rlhf.resilience.nonfinite import ensure_finite_weights
 
 log = logging.getLogger(__name__)
@@ -212,13 +212,9 @@ def _agreed_trainer_state(path: Path) -> dict[str, Any]:
     or the refusal (safe_load.load_pt) raised on every rank: the ranks that could read
     theirs would otherwise go on to train and wait for the refused one forever."""
     rank_file = path / "trainer_state" / f"rank_{dist.get_rank():05d}.pt"
-    error = None
-    try:
+    with errors_agreed(lambda: CheckpointError(f"{path}/trainer_state: a file was refused on another rank "
+                                               "(see its error)"), catch=CheckpointError):
         state = load_pt(rank_file if rank_file.exists() else path / "trainer_state" / "rank_00000.pt")
-    except CheckpointError as e:
-        error = e
-    if any_rank(error is not None):
-        raise error or CheckpointError(f"{path}/trainer_state: a file was refused on another rank (see its error)")
     return state
 
 
@@ -288,15 +284,10 @@ class CheckpointManager:
         rank = dist.get_rank()
         final = self.stage_dir / iter_name(step)
         tmp = final.with_name(final.name + ".tmp")
-        error = None
-        if rank == 0:
-            try:
+        with errors_agreed(lambda: RuntimeError(f"rank 0 could not create {tmp}"), catch=OSError):
+            if rank == 0:
                 _remove(tmp)  # an earlier attempt at this step crashed
                 (tmp / "trainer_state").mkdir(parents=True)
-            except OSError as e:
-                error = e
-        if any_rank(error is not None):  # instead of the other ranks waiting for rank 0 forever
-            raise error or RuntimeError(f"rank 0 could not create {tmp}")
         with MemoryGrowth() as growth:
             requests = [save_role(role, tmp / name, async_save=self.async_save) for name, role in roles.items()]
             # The model config goes with the weights: export-hf and later stages read it from here.
@@ -329,9 +320,9 @@ class CheckpointManager:
         """Collective: every rank's files are written; rank 0 makes them the checkpoint."""
         FAULTS.at("save", record["step"])  # tests: a rank dies with its files written, uncommitted
         dist.barrier()
-        error = None
-        if dist.get_rank() == 0:
-            try:
+        # Every rank learns whether rank 0 committed, instead of waiting for it forever.
+        with errors_agreed(lambda: RuntimeError(f"rank 0 failed to commit checkpoint {final.name}"), catch=OSError):
+            if dist.get_rank() == 0:
                 if links := symlinks_in(tmp):
                     raise CheckpointError(f"{tmp}: not committed, it holds a symlink ({'; '.join(links)}); "
                                           "a checkpoint is never written or read through one")
@@ -344,11 +335,6 @@ class CheckpointManager:
                 _write_atomic(self.stage_dir / LATEST, final.name + "\n")
                 _fsync_dir(self.stage_dir)
                 self._apply_retention(record["step"])
-            except OSError as e:
-                error = e
-        # Every rank learns whether rank 0 committed, instead of waiting for it forever.
-        if any_rank(error is not None):
-            raise error or RuntimeError(f"rank 0 failed to commit checkpoint {final.name}")
 
     def _apply_retention(self, committed: int) -> None:
         done, unfinished = checkpoint_dirs(self.stage_dir)

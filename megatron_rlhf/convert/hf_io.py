@@ -120,17 +120,10 @@ def load_hf_weights(role, hf_dir: str | os.PathLike) -> None:
     everything but the value head, which is loaded (bias 0) only from a
     *ForSequenceClassification checkpoint's `score.weight`. A trainable role's optimizer
     copies the new weights into its main params. An error on any rank raises on all."""
-    from megatron_rlhf.parallel import any_rank
+    from megatron_rlhf.parallel.collectives import errors_agreed
 
-    error: Exception | None = None
-    try:
+    with errors_agreed(lambda: ConvertError(f"loading {hf_dir} failed on another rank (see its error)")):
         _load_shards(role, Path(hf_dir))
-    except Exception as e:  # noqa: BLE001  (re-raised below, after every rank knows)
-        error = e
-    if any_rank(error is not None):
-        if error is not None:
-            raise error
-        raise ConvertError(f"loading {hf_dir} failed on another rank (see its error)")
     if getattr(role, "optimizer", None) is not None:
         role.optimizer.reload_model_params()
 

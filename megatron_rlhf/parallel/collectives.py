@@ -9,6 +9,9 @@ identity on its inputs, so the same code runs under all three.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -88,3 +91,33 @@ def any_rank(flag: bool) -> bool:
 
     t = torch.tensor([1.0 if flag else 0.0], device=device())
     return bool(all_reduce(t, op=dist.ReduceOp.MAX).item())
+
+
+@contextmanager
+def errors_agreed(elsewhere: Callable[[], BaseException], catch: type[BaseException] | tuple = Exception,
+                  raise_as: Callable[[BaseException], BaseException] | None = None) -> Iterator[None]:
+    """Collective over the whole world, entered by every rank: an error of type `catch` raised in
+    the block on any rank is raised on every rank once the block has ended everywhere, instead of
+    the other ranks going on to a later collective and waiting for the failed one forever.
+
+    The failed rank raises its own error (or `raise_as(error)`, chained to it); the others raise
+    `elsewhere()`, which should say to look for the error in the failed rank's log. Errors of
+    other types leave the block at once, unagreed."""
+    error: BaseException | None = None
+    try:
+        yield
+    except catch as e:  # re-raised below, after every rank knows
+        error = e
+    raise_on_every_rank(error, elsewhere, raise_as)
+
+
+def raise_on_every_rank(error: BaseException | None, elsewhere: Callable[[], BaseException],
+                        raise_as: Callable[[BaseException], BaseException] | None = None) -> None:
+    """Collective over the whole world: `errors_agreed` for an error this rank has already
+    caught (e.g. one kept while it went on taking part in the collectives of a weight stream)."""
+    if any_rank(error is not None):
+        if error is None:
+            raise elsewhere()
+        if raise_as is None:
+            raise error
+        raise raise_as(error) from error

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rlhf.config import RLConfig
-from megatron_rlhf.parallel.collectives import any_rank
+from megatron_rlhf.parallel.collectives import errors_agreed
 from megatron_rlhf.rewards.base import RewardInputs, RewardSourceError
 
 __all__ = ["RewardInputs", "RewardSourceError", "RewardSources"]
@@ -103,14 +103,12 @@ def on_replica_leader(score_fn, inputs: RewardInputs, device: torch.device) -> t
     """score_fn(inputs) on the replica's first rank, broadcast to the replica as a float32
     device tensor. A RewardSourceError on any rank is raised on every rank."""
     leader, group = replica_leader_and_group()
-    error, scores = None, torch.zeros(len(inputs), dtype=torch.float64, device=device)
-    if dist.get_rank() == leader:
-        try:
+    scores = torch.zeros(len(inputs), dtype=torch.float64, device=device)
+    # every rank stops, none waits in a later collective
+    with errors_agreed(lambda: RewardSourceError("a reward source failed on another rank (its error is in that "
+                                                 "rank's log)"), catch=RewardSourceError):
+        if dist.get_rank() == leader:
             scores = torch.tensor(score_fn(inputs), dtype=torch.float64, device=device)
-        except RewardSourceError as err:
-            error = err
-    if any_rank(error is not None):  # every rank stops, none waits in a later collective
-        raise error or RewardSourceError("a reward source failed on another rank (its error is in that rank's log)")
     if dist.get_world_size(group) > 1:
         dist.broadcast(scores, src=leader, group=group)
     return scores.float()

@@ -439,7 +439,7 @@ def serve_reward(cfg, *, ckpt: str | None, host: str, port: int, max_batch: int,
     info = {"checkpoint": str(iter_dir), "tensor_parallel": cfg.parallel.tensor_parallel,
             "pipeline_parallel": cfg.parallel.pipeline_parallel, "max_seq_length": cfg.model.max_seq_length,
             "vocab_size": tokenizer.vocab_size}  # what a client sending ids must stay within
-    http = start_front(queue, scorer.prepare, info, host, port, exchange)
+    http = start_front(queue, scorer.prepare, info, host, port)
     if http is not None:
         print(f"[serve-reward] listening on {http.url} (reward model of {iter_dir}, TP{cfg.parallel.tensor_parallel} "
               f"PP{cfg.parallel.pipeline_parallel}, --max-batch {max_batch}, --max-wait-ms {max_wait_ms:g}; {note}; "
@@ -454,19 +454,15 @@ def serve_reward(cfg, *, ckpt: str | None, host: str, port: int, max_batch: int,
         print(f"[serve-reward] stopped ({stop.signal_name})", flush=True)
 
 
-def start_front(queue: BatchQueue | None, prepare: Prepare, info: dict, host: str, port: int,
-                exchange: Callable[[Any], Any]) -> HttpThread | None:
-    """The HTTP front on rank 0 (None elsewhere). Its failure (e.g. the port is taken) is
-    raised on every rank: the others must not wait for batches that will never come."""
-    http, error = None, None
-    if queue is not None:
-        try:
+def start_front(queue: BatchQueue | None, prepare: Prepare, info: dict, host: str, port: int) -> HttpThread | None:
+    """Collective. The HTTP front on rank 0 (None elsewhere). Its failure (e.g. the port is
+    taken) is raised on every rank: the others must not wait for batches that will never come."""
+    from megatron_rlhf.parallel.collectives import errors_agreed
+
+    http = None
+    with errors_agreed(lambda: RuntimeError("the reward server's HTTP front did not start on rank 0 (see its error)")):
+        if queue is not None:
             http = HttpThread(build_app(queue, prepare, info), host, port).start()
-        except Exception as err:  # noqa: BLE001  (re-raised on every rank below)
-            error = err
-    error = exchange(error)
-    if error is not None:
-        raise error
     return http
 
 

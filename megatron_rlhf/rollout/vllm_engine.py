@@ -37,7 +37,8 @@ from megatron.core import parallel_state as ps
 
 from megatron_rlhf.config import Config, ConfigError, check_vllm_cpu_model
 from megatron_rlhf.convert.hf_config import hf_config_dict
-from megatron_rlhf.parallel import any_rank, device
+from megatron_rlhf.parallel import device
+from megatron_rlhf.parallel.collectives import errors_agreed, raise_on_every_rank
 from megatron_rlhf.resilience.faults import FAULTS
 from megatron_rlhf.rollout.base import Rollout, RolloutEngine, SamplingParams
 from megatron_rlhf.rollout.refit import RefitPlan, expected_hf_shapes, stream_hf_weights
@@ -193,18 +194,12 @@ class VLLMRolloutEngine(RolloutEngine):
         self.expected = expected_hf_shapes(cfg.model)
         self.is_engine_rank = dist.get_rank() == self.plan.engine_rank
         self.llm, self.stale, self.asleep, self.last_refit, self.last_sleep = None, True, False, {}, {}
-        error = None
-        if self.is_engine_rank:
-            try:
+        with errors_agreed(lambda: EngineError("the vLLM engine of another replica did not start (see its error)")):
+            if self.is_engine_rank:
                 model_dir = write_model_dir(cfg, Path(workdir) / f"vllm_model_rank{dist.get_rank()}", eos_id, pad_id)
                 before = {p.pid for p in child_processes()}  # e.g. async checkpoint writers: not the engine's
                 self.llm = start_engine(cfg, model_dir)
                 self.watch = EngineWatch(self.llm, [p for p in child_processes() if p.pid not in before])
-            except Exception as e:  # noqa: BLE001  (re-raised below, after every rank knows)
-                error = e
-        if any_rank(error is not None):
-            raise error if error is not None else EngineError("the vLLM engine of another replica did not start "
-                                                              "(see its error)")
 
     # ----------------------------------------------------------------- refit
     def update_weights(self) -> None:
@@ -240,9 +235,9 @@ class VLLMRolloutEngine(RolloutEngine):
         seconds = time.perf_counter() - start
         self.last_refit = {"refit_seconds": seconds, "refit_bytes": float(sent),
                            "refit_bytes_per_s": sent / max(seconds, 1e-9)} if self.is_engine_rank else {}
-        if any_rank(error is not None):
-            raise EngineError(f"weight refit of the vLLM engine failed: {self.watch.explain(error)}" if error is not None else
-                              "weight refit of the vLLM engine failed on another rank (see its error)") from error
+        raise_on_every_rank(error, lambda: EngineError("weight refit of the vLLM engine failed on another rank "
+                                                       "(see its error)"),
+                            lambda e: EngineError(f"weight refit of the vLLM engine failed: {self.watch.explain(e)}"))
 
     def metrics(self) -> dict[str, float]:
         return {**self.last_refit, **self.last_sleep}
@@ -270,17 +265,13 @@ class VLLMRolloutEngine(RolloutEngine):
         if total > self.cfg.model.max_seq_length:
             raise ValueError(f"longest prompt + max_new_tokens = {total} exceeds model.max_seq_length="
                              f"{self.cfg.model.max_seq_length}")
-        dev, batch, error, rollout = device(), len(prompts), None, None
-        if self.is_engine_rank:
-            if FAULTS.engine_crash_due():  # fire drill: the engine dies mid-generation, as a real crash would
-                threading.Timer(0.1, kill_processes, args=(self.watch.processes,)).start()
-            try:
+        dev, batch, rollout = device(), len(prompts), None
+        with errors_agreed(lambda: EngineError("the vLLM engine of another replica failed to generate (see its error)"),
+                           raise_as=lambda e: EngineError(f"the vLLM engine failed to generate: {self.watch.explain(e)}")):
+            if self.is_engine_rank:
+                if FAULTS.engine_crash_due():  # fire drill: the engine dies mid-generation, as a real crash would
+                    threading.Timer(0.1, kill_processes, args=(self.watch.processes,)).start()
                 rollout = self._generate_here(prompts, sampling, seed, dev)
-            except Exception as e:  # noqa: BLE001
-                error = e
-        if any_rank(error is not None):
-            raise EngineError(f"the vLLM engine failed to generate: {self.watch.explain(error)}" if error is not None else
-                              "the vLLM engine of another replica failed to generate (see its error)") from error
         return self._broadcast(rollout, batch, dev)
 
     def _generate_here(self, prompts, sampling: SamplingParams, seed: int, dev) -> Rollout:

@@ -8,7 +8,8 @@ runs are comparable step by step. --mode:
             the actor at step 4 saved by megatron's own code into <root>/megatron_own;
             a load at the same layout (RNG streams restored); async vs sync save with a plain
             (non-distributed) optimizer into <root>/plain_{sync,async}; a NaN weight on rank 1
-            -> save() must raise on every rank (sync and async). Results are written, then:
+            -> save() must raise on every rank (sync and async); errors_agreed with an error on
+            rank 1 only, plain, wrapped (raise_as) and absent. Results are written, then:
             save step 4 into <root>/kill_sync, train steps 5..6 and save step 6 there (run with
             MEGATRON_RLHF_FAULT=kill@save:6:1: rank 1 dies in that save).
   kill      steps 1..6 with async saves at 4 and 6 into <root>/kill_async (rank 1 dies in the
@@ -47,6 +48,7 @@ from megatron_rlhf.checkpoint.manager import CheckpointManager
 from megatron_rlhf.checkpoint.validate import validate
 from megatron_rlhf.config import load_config
 from megatron_rlhf.models.roles import Actor, summed
+from megatron_rlhf.parallel.collectives import errors_agreed
 
 BATCH, SEQ, MBS, VOCAB = 4, 16, 2, 100
 
@@ -166,6 +168,16 @@ def mode_train(cfg, overrides: list[str], root: Path, write) -> None:
         mgr.wait()
     with torch.no_grad():
         weight.copy_(kept)
+
+    def fail_on_rank_1(fails=True, raise_as=None):  # the helper every "error on one rank" site uses
+        with errors_agreed(lambda: RuntimeError("failed on another rank"), catch=ValueError, raise_as=raise_as):
+            if fails and dist.get_rank() == 1:
+                raise ValueError("rank 1's own error")
+        return "went on"
+
+    res["agreed"] = gather(catch(fail_on_rank_1))
+    res["agreed_as"] = gather(catch(lambda: fail_on_rank_1(raise_as=lambda e: LookupError(f"wrapped: {e}"))))
+    res["agreed_none"] = gather(catch(lambda: fail_on_rank_1(fails=False)))
     write(res)
 
     kill = CheckpointManager(root / "kill_sync", keep_last=2)
