@@ -127,7 +127,7 @@ def ppo_minibatch(roles, cfg, batch: int, new_tokens: int):
     from megatron_rlhf.rewards import RewardSources
     from megatron_rlhf.rollout import MegatronRolloutEngine, SamplingParams
     from megatron_rlhf.trainers import rl as stage
-    from megatron_rlhf.trainers.batching import by_length
+    from megatron_rlhf.models.batching import by_length
     from megatron_rlhf.trainers.stage_data import tokenizer_for
 
     g = torch.Generator().manual_seed(0)

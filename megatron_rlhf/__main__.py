@@ -132,7 +132,7 @@ def run_command(command: str, cfg) -> None:
 
 
 def serve_reward_command(args, cfg) -> None:
-    from megatron_rlhf.rewards.server import serve_reward
+    from megatron_rlhf.trainers.serve_reward import serve_reward
 
     typed = {o.split("=", 1)[0].strip() for o in args.overrides}  # checked against the checkpoint's model
     serve_reward(cfg, ckpt=args.ckpt, host=args.host, port=args.port, max_batch=args.max_batch,

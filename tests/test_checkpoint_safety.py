@@ -116,7 +116,7 @@ def test_a_damaged_newest_checkpoint_is_refused_unless_an_older_one_is_named(tmp
     """Starting another stage from (or exporting) a stage whose newest checkpoint is damaged
     must not silently use an older one; resuming does, loudly (the crash-safety fallback)."""
     from megatron_rlhf.checkpoint.manager import _resume_choice, resolve_checkpoint
-    from megatron_rlhf.rewards.server import find_reward_checkpoint
+    from megatron_rlhf.trainers.serve_reward import find_reward_checkpoint
 
     older = fake_checkpoint(tmp_path, 4)
     fake_checkpoint(tmp_path, 2)

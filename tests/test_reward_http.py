@@ -279,7 +279,7 @@ def test_constructor_names_the_bad_argument(bad, name):
 
 def test_serve_reward_runs_one_replica_only():
     from megatron_rlhf.config import ConfigError, load_config
-    from megatron_rlhf.rewards.server import check_one_replica
+    from megatron_rlhf.trainers.serve_reward import check_one_replica
 
     cfg = load_config("pipelines/tiny_cpu.yaml", ["parallel.tensor_parallel=2"])
     check_one_replica(cfg, 2)

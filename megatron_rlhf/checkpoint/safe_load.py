@@ -33,7 +33,7 @@ import torch
 from torch.distributed.checkpoint import filesystem, metadata, planner
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, set_element
 
-from megatron_rlhf.checkpoint.validate import CheckpointError
+from megatron_rlhf.checkpoint.errors import CheckpointError
 
 try:
     from numpy._core.multiarray import _reconstruct

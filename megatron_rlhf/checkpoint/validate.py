@@ -22,16 +22,13 @@ import os
 import re
 from pathlib import Path
 
+from megatron_rlhf.checkpoint.errors import CheckpointError
+
 COMMIT = "commit.json"
 LATEST = "latest"
 _ITER = re.compile(r"^iter_(\d{7})$")
 _TMP = re.compile(r"^iter_(\d{7})\.tmp$")
 _EXPLICIT = re.compile(r"^(.+)@iter_(\d+)$")  # STAGE_DIR@iter_3 or STAGE_DIR@iter_0000003
-
-
-class CheckpointError(FileNotFoundError):
-    """No usable checkpoint where one was asked for (a FileNotFoundError, so callers that
-    treat 'nothing to load' as missing keep working; the message says what is wrong)."""
 
 
 class DamagedNewestCheckpoint(CheckpointError):

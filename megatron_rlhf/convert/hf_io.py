@@ -40,6 +40,7 @@ from megatron_rlhf.checkpoint.safe_load import load_pt, restricted_dcp_unpicklin
 from megatron_rlhf.convert.hf_config import (
     RECORDED_SAMPLING, RECORDED_TOKENIZER, ConvertError, check_model_matches_hf, hf_config_dict, read_hf_config,
 )
+from megatron_rlhf.convert.checkpoint_roles import POLICY_ROLES, VALUE_ROLES, model_config_for, resolve_role_dir
 from megatron_rlhf.convert.hf_weights import (
     CKPT_LAYER_KEYS, Dims, hf_expected_shapes, hf_layer_tensors, layer_kinds, shard_for_param,
 )
@@ -52,8 +53,6 @@ from megatron_rlhf.data.tokenizers import TOKENIZER_FILES, read_tokenizer_record
 
 log = logging.getLogger(__name__)
 
-VALUE_ROLES = ("reward", "critic")
-POLICY_ROLES = ("actor", "reference")
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # transformers' classic max_shard_size="5GB"
 SPECIAL_TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 # HF tensors that carry no weights of ours (old checkpoints saved the RoPE buffer).
@@ -201,29 +200,6 @@ def import_hf(cfg, hf_dir: str | os.PathLike, out_dir: str | os.PathLike, role: 
 # ----------------------------------------------------------------------------- export
 
 
-def _resolve_role_dir(checkpoint: Path, role: str) -> tuple[Path, Path | None]:
-    """(role directory holding .metadata, its iter_* directory or None)."""
-    from megatron_rlhf.checkpoint.validate import COMMIT, DamagedNewestCheckpoint, find_checkpoint, read_commit
-
-    if (checkpoint / ".metadata").is_file():  # a role directory itself
-        return checkpoint, checkpoint.parent if (checkpoint.parent / "trainer_state").is_dir() else None
-    try:  # a damaged newest checkpoint is refused: an older one is exported only when named
-        iter_dir, warnings = find_checkpoint(checkpoint, allow_fallback=False)
-    except DamagedNewestCheckpoint as e:
-        raise ConvertError(f"{e} (export-hf: --iter {int(e.older.name[5:])})") from None
-    except FileNotFoundError as e:  # CheckpointError too
-        raise ConvertError(f"{checkpoint}: {e}; give a stage directory (with export-hf --iter N: its iter_N), an "
-                           "iter_* directory or a role directory of one of our checkpoints") from None
-    for line in warnings:
-        log.warning(line)
-    role_dir = iter_dir / role
-    if not (role_dir / ".metadata").is_file():
-        roles = read_commit(iter_dir).get("roles", []) if (iter_dir / COMMIT).is_file() else []
-        raise ConvertError(f"{iter_dir}: no role {role!r} in this checkpoint (it holds {roles}); "
-                           f"choose --role from {roles}")
-    return role_dir, iter_dir
-
-
 def checkpoint_model_config(checkpoint: str | os.PathLike, role: str, overrides=None, keys: set[str] = frozenset()):
     """The ModelConfig role `role` of `checkpoint` recorded (None: it records none). The
     architecture fields named in `keys` (dotted model.* override keys) must agree with it in
@@ -232,7 +208,7 @@ def checkpoint_model_config(checkpoint: str | os.PathLike, role: str, overrides=
 
     from megatron_rlhf.checkpoint.validate import recorded_model_config
 
-    _, iter_dir = _resolve_role_dir(Path(checkpoint), role)
+    _, iter_dir = resolve_role_dir(Path(checkpoint), role)
     if (recorded := recorded_model_config(iter_dir)) is None:
         return None
     fields = [f for f in ARCHITECTURE_FIELDS if any(k == f"model.{f}" or k.startswith(f"model.{f}.") for k in keys)]
@@ -241,22 +217,6 @@ def checkpoint_model_config(checkpoint: str | os.PathLike, role: str, overrides=
         raise ConvertError(f"{checkpoint}: the overrides differ from the model config the checkpoint recorded:\n  "
                            + "\n  ".join(lines) + "\n(export-hf needs no model.* overrides for it)")
     return recorded
-
-
-def _model_cfg(model_cfg, iter_dir: Path | None):
-    from megatron_rlhf.checkpoint.validate import recorded_model_config
-    from megatron_rlhf.config import ModelConfig, from_dict
-
-    if isinstance(model_cfg, dict):
-        known = {f.name for f in dataclasses.fields(ModelConfig)}
-        return from_dict(ModelConfig, {k: v for k, v in model_cfg.items() if k in known}, prefix="model.")
-    if model_cfg is not None:
-        return model_cfg
-    if (saved := recorded_model_config(iter_dir)) is not None:
-        return saved
-    raise ConvertError("this checkpoint does not record its model config (checkpoints written before model configs "
-                       "were recorded): pass model_cfg, the cfg.model of the run that wrote it (export-hf --config "
-                       "<the run's recipe> and the same model.* overrides)")
 
 
 class _Layers:
@@ -433,8 +393,8 @@ def export_hf(checkpoint: str | os.PathLike, role: str, out_dir: str | os.PathLi
     if role not in POLICY_ROLES + VALUE_ROLES:
         raise ConvertError(f"role={role!r}: choose one of {POLICY_ROLES + VALUE_ROLES}")
     check_export_dir(out_dir)
-    role_dir, iter_dir = _resolve_role_dir(checkpoint, role)
-    m = _model_cfg(model_cfg, iter_dir)
+    role_dir, iter_dir = resolve_role_dir(checkpoint, role)
+    m = model_config_for(model_cfg, iter_dir)
     with restricted_dcp_unpickling(role_dir):
         ck = merged_view(TorchDistCheckpoint(role_dir), lora_base)
     value_model = role in VALUE_ROLES

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from megatron_rlhf.checkpoint.safe_load import restricted_dcp_unpickling
+from megatron_rlhf.convert.checkpoint_roles import POLICY_ROLES, VALUE_ROLES, model_config_for, resolve_role_dir
 from megatron_rlhf.convert.hf_config import ConvertError
 from megatron_rlhf.convert.hf_weights import Dims, hf_layer
 from megatron_rlhf.convert.safetensors_io import check_export_dir, written_atomically
@@ -196,7 +197,6 @@ def export_peft_adapter(checkpoint: str | os.PathLike, role: str, out_dir: str |
     q/k/v_proj and FC1's into gate/up_proj, each with the shared A; tensors keep the
     checkpoint's dtype. Policies (actor, reference) only: PEFT's LoRA on a value model
     would also need the value head, which export_hf of the merged model carries."""
-    from megatron_rlhf.convert.hf_io import POLICY_ROLES, VALUE_ROLES, _model_cfg, _resolve_role_dir
     from safetensors.torch import save_file
 
     checkpoint, out_dir = Path(checkpoint), Path(out_dir)
@@ -206,8 +206,8 @@ def export_peft_adapter(checkpoint: str | os.PathLike, role: str, out_dir: str |
     if role not in POLICY_ROLES:
         raise ConvertError(f"role={role!r}: choose one of {POLICY_ROLES}")
     check_export_dir(out_dir)
-    role_dir, iter_dir = _resolve_role_dir(checkpoint, role)
-    m = _model_cfg(model_cfg, iter_dir)
+    role_dir, iter_dir = resolve_role_dir(checkpoint, role)
+    m = model_config_for(model_cfg, iter_dir)
     with restricted_dcp_unpickling(role_dir):
         ck = TorchDistCheckpoint(role_dir)
     info = lora_info(ck)

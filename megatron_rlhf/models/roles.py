@@ -52,7 +52,7 @@ LossFn = Callable[[dict[str, torch.Tensor], Batch], tuple[torch.Tensor, torch.Te
 def microbatch_rows(lengths: list[int], micro_batch_size: int, token_budget: int = 0) -> list[int]:
     """Rows per microbatch, in order: `micro_batch_size` each, or with a `token_budget` as many
     consecutive rows as fit in it (rows x their longest length, at least one row). Rows sorted
-    longest first (trainers.batching.by_length) waste the least."""
+    longest first (models.batching.by_length) waste the least."""
     if not token_budget:
         return [micro_batch_size] * (len(lengths) // micro_batch_size)
     rows, count, longest = [], 0, 0

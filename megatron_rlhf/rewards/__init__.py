@@ -76,7 +76,7 @@ class RewardSources:
 
 def rm_scores(reward_model, rollout, micro_batch_size: int, token_budget: int = 0) -> torch.Tensor:
     """[B] a reward model's (normalised, unclipped) scores of the rollout's sequences."""
-    from megatron_rlhf.trainers.batching import padded_forward
+    from megatron_rlhf.models.batching import padded_forward
 
     seqs = {"tokens": rollout.tokens, "lengths": rollout.lengths}
     return padded_forward(reward_model, seqs, micro_batch_size, token_budget)["rewards"]

@@ -32,11 +32,11 @@ from megatron_rlhf.checkpoint.validate import CheckpointError
 from megatron_rlhf.config import Config, DPOConfig
 from megatron_rlhf.data.encode import collate_preferences, encode_preferences, encode_prompt_records
 from megatron_rlhf.data.sampler import EpochSampler
+from megatron_rlhf.models.batching import data_parallel, dp_slice, padded_forward
 from megatron_rlhf.models.roles import Actor, AdapterFreeReference, Reference, lora_base_warnings, lora_summary
 from megatron_rlhf.parallel.collectives import dp_sum, dp_sums
 from megatron_rlhf.rollout import SamplingParams
 from megatron_rlhf.rollout.megatron_engine import MegatronRolloutEngine
-from megatron_rlhf.trainers.batching import data_parallel, dp_slice, padded_forward
 from megatron_rlhf.trainers.rl import EVAL_SEED_OFFSET
 from megatron_rlhf.trainers.rl import evaluate as sample_and_score
 from megatron_rlhf.trainers.runner import StageRunner, skipped_steps

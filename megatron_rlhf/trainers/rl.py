@@ -31,6 +31,7 @@ from megatron_rlhf.config import Config, ConfigError, RLConfig, policy_start, wa
 from megatron_rlhf.data.encode import EncodedPrompt, encode_prompt_records
 from megatron_rlhf.data.sampler import EpochSampler
 from megatron_rlhf.logging.reward_hacking import RewardHackingAlarm
+from megatron_rlhf.models.batching import by_length, data_parallel, dp_slice, padded_forward, padding_sums
 from megatron_rlhf.models.roles import (
     Actor, AdapterFreeReference, Critic, Reference, RewardModel, lora_base_warnings, lora_summary,
 )
@@ -38,7 +39,6 @@ from megatron_rlhf.parallel.collectives import all_reduce, any_rank, dp_group, d
 from megatron_rlhf.rewards import RewardInputs, RewardSourceError, RewardSources, rm_scores
 from megatron_rlhf.rollout import Rollout, SamplingParams, make_engine
 from megatron_rlhf.rollout.batch import RolloutBatch
-from megatron_rlhf.trainers.batching import by_length, data_parallel, dp_slice, padded_forward, padding_sums
 from megatron_rlhf.trainers.runner import StageRunner, skipped_steps
 from megatron_rlhf.trainers.stage_data import load_stage_data, stage_dir
 

@@ -22,9 +22,9 @@ from megatron_rlhf.config import Config
 from megatron_rlhf.data.encode import collate_preferences, collate_sft, encode_preferences, encode_sft
 from megatron_rlhf.data.jsonl import SFTExample
 from megatron_rlhf.data.sampler import EpochSampler
+from megatron_rlhf.models.batching import data_parallel, dp_slice, padded_forward
 from megatron_rlhf.models.roles import RewardModel, summed
 from megatron_rlhf.parallel.collectives import dp_sums, masked_moments
-from megatron_rlhf.trainers.batching import data_parallel, dp_slice, padded_forward
 from megatron_rlhf.trainers.runner import StageRunner, skipped_steps
 from megatron_rlhf.trainers.stage_data import held_out, load_stage_data, stage_dir
 

@@ -20,9 +20,9 @@ from megatron_rlhf.checkpoint.manager import resolve_checkpoint
 from megatron_rlhf.config import Config
 from megatron_rlhf.data.encode import collate_sft, encode_sft
 from megatron_rlhf.data.sampler import EpochSampler
+from megatron_rlhf.models.batching import data_parallel, dp_slice, padded_forward
 from megatron_rlhf.models.roles import Actor, lora_base_warnings, lora_summary
 from megatron_rlhf.parallel.collectives import dp_sums
-from megatron_rlhf.trainers.batching import data_parallel, dp_slice, padded_forward
 from megatron_rlhf.trainers.runner import StageRunner, skipped_steps
 from megatron_rlhf.trainers.stage_data import load_stage_data
 from megatron_rlhf.trainers.start_weights import load_start

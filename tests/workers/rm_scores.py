@@ -15,8 +15,8 @@ from megatron_rlhf import parallel  # first: it adapts megatron-core before its 
 from megatron_rlhf.checkpoint.dist import load_role
 from megatron_rlhf.checkpoint.manager import resolve_checkpoint
 from megatron_rlhf.config import load_config
+from megatron_rlhf.models.batching import padded_forward
 from megatron_rlhf.models.roles import RewardModel
-from megatron_rlhf.trainers.batching import padded_forward
 from megatron_rlhf.trainers.stage_data import resolve_vocab_size, tokenizer_for
 
 
