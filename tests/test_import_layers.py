@@ -4,6 +4,7 @@ Function-local imports count: they are circles deferred, not removed. Read from 
 (ast), so it takes no imports and no torch."""
 
 import ast
+import graphlib
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "megatron_rlhf"
@@ -48,49 +49,19 @@ def room(module: str) -> str:
     return parts[1] if len(parts) > 1 else ""
 
 
-def circles(graph: dict[str, set[str]]) -> list[list[str]]:
-    """The strongly connected components of more than one node (Tarjan, iterative)."""
-    index, low, on_stack, stack, found, counter = {}, {}, set(), [], [], 0
-    for start in sorted(graph):
-        if start in index:
-            continue
-        work = [(start, iter(sorted(graph.get(start, ()))))]
-        index[start] = low[start] = counter
-        counter += 1
-        stack.append(start)
-        on_stack.add(start)
-        while work:
-            node, successors = work[-1]
-            for nxt in successors:
-                if nxt not in index:
-                    index[nxt] = low[nxt] = counter
-                    counter += 1
-                    stack.append(nxt)
-                    on_stack.add(nxt)
-                    work.append((nxt, iter(sorted(graph.get(nxt, ())))))
-                    break
-                if nxt in on_stack:
-                    low[node] = min(low[node], index[nxt])
-            else:
-                work.pop()
-                if work:
-                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
-                if low[node] == index[node]:
-                    component = []
-                    while True:
-                        member = stack.pop()
-                        on_stack.discard(member)
-                        component.append(member)
-                        if member == node:
-                            break
-                    if len(component) > 1:
-                        found.append(sorted(component))
-    return found
+def circle(graph: dict[str, set[str]]) -> list[str]:
+    """One import circle of `graph` (a path back to its start), or [] when there is none."""
+    try:
+        graphlib.TopologicalSorter(graph).prepare()
+    except graphlib.CycleError as found:
+        return found.args[1]
+    return []
 
 
 def test_circles_are_found():
-    assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
-    assert circles({"a": {"b"}, "b": set()}) == []
+    found = circle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}})
+    assert found[0] == found[-1] and sorted(set(found)) == ["a", "b", "c"]
+    assert circle({"a": {"b"}, "b": set()}) == []
 
 
 def test_no_import_circle_between_rooms_or_inside_one():
@@ -100,12 +71,12 @@ def test_no_import_circle_between_rooms_or_inside_one():
         for target in targets:
             if room(module) and room(target) and room(module) != room(target):
                 between.setdefault(room(module), set()).add(room(target))
-    assert circles(between) == [], "rooms that import each other, directly or round about"
+    assert circle(between) == [], "rooms that import each other, directly or round about"
     for name in {room(m) for m in imports if room(m)}:
         # a package's __init__ re-exports its modules: only the modules' imports of each other count
         inside = {m: {t for t in targets if room(t) == name and t != f"megatron_rlhf.{name}"}
                   for m, targets in imports.items() if room(m) == name and m != f"megatron_rlhf.{name}"}
-        assert circles(inside) == [], f"modules of {name}/ that import each other"
+        assert circle(inside) == [], f"modules of {name}/ that import each other"
 
 
 def test_known_back_edges_are_still_there():
