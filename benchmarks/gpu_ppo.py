@@ -53,6 +53,7 @@ trainer's peak. Prints a table and writes JSON (--out).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import resource
@@ -129,7 +130,7 @@ def child(args, offload: bool) -> dict:
     cfg = load_config(REPO / "pipelines/tiny_cpu.yaml", overrides)
     tokenizer = tokenizer_for(cfg)
     if cfg.model.vocab_size is None:
-        resolve_vocab_size(cfg, tokenizer)  # tiny: the built-in task's vocabulary, as a stage would
+        cfg, _ = resolve_vocab_size(cfg, tokenizer)  # tiny: the built-in task's vocabulary, as a stage would
     # 1b: 32000 synthetic ids, all sampleable (no tokenizer_vocab_size): the reward is the reward
     # model's alone, so nothing is ever decoded
     refit_note = None
@@ -140,7 +141,7 @@ def child(args, offload: bool) -> dict:
             check_can_run(cfg)
         except ConfigError as err:
             refit_note = str(err)
-            cfg.rollout.engine = "megatron"
+            cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, engine="megatron"))
     else:
         refit_note = "rollout.engine=megatron (in place: no weight copy); --engine vllm measures it"
     parallel.initialize(cfg)

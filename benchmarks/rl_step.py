@@ -51,7 +51,7 @@ def run(algorithm: str, iterations: int, quick: bool = False) -> dict:
         f"rl.rollout_batch_size={size['sequences'] // n}", f"rl.mini_batch_size={size['mini']}",
         f"rl.micro_batch_size={size['micro']}", f"rl.epochs={size['epochs']}",
         f"rl.max_new_tokens={size['new_tokens']}", "rl.steps=100"])
-    resolve_vocab_size(cfg, tokenizer_for(cfg))  # the built-in task's, as a stage would
+    cfg, _ = resolve_vocab_size(cfg, tokenizer_for(cfg))  # the built-in task's, as a stage would
     parallel.initialize(cfg)
     roles = stage.build_roles(cfg)
     trained = {k: roles[k] for k in ("actor", "critic") if k in roles}

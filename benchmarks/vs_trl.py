@@ -259,7 +259,7 @@ def run_ours(batch: int, iterations: int, new_tokens: int, seed: int, reuse_logp
         f"rl.rollout_batch_size={batch}", f"rl.mini_batch_size={batch}", f"rl.micro_batch_size={batch}",
         f"rl.epochs={EPOCHS}", f"rl.max_new_tokens={new_tokens}", "rl.steps=100"])
     tokenizer = tokenizer_for(cfg)
-    resolve_vocab_size(cfg, tokenizer)  # the built-in task's, as a stage would
+    cfg, _ = resolve_vocab_size(cfg, tokenizer)  # the built-in task's, as a stage would
     parallel.initialize(cfg)
     roles = stage.build_roles(cfg)
     trained = {k: roles[k] for k in ("actor", "critic") if k in roles}

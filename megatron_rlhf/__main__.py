@@ -9,6 +9,7 @@ error, 3 non-finite training, 4 reward source failed: fix it and rerun to resume
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -80,7 +81,7 @@ def convert_command(args, cfg) -> None:
             from megatron_rlhf.trainers.stage_data import resolve_vocab_size, tokenizer_for
 
             if cfg.model.vocab_size is None:  # the recipe's tokenizer's size, as in training
-                resolve_vocab_size(cfg, tokenizer_for(cfg))
+                cfg, _ = resolve_vocab_size(cfg, tokenizer_for(cfg))
             model_cfg = cfg.model
         if args.command == "export-peft":
             from megatron_rlhf.convert.lora_export import export_peft_adapter
@@ -195,7 +196,9 @@ def main(argv: list[str] | None = None) -> int:
             return 0
     except ConfigError as err:
         return report_error(f"config error: {err}", 2)
-    verbose = cfg.logging.verbose = args.verbose or cfg.logging.verbose  # also: every metric on the console
+    if args.verbose and not cfg.logging.verbose:  # also: every metric on the console
+        cfg = dataclasses.replace(cfg, logging=dataclasses.replace(cfg.logging, verbose=True))
+    verbose = cfg.logging.verbose
     quiet.install(verbose)  # before torch and megatron-core are imported
 
     from megatron_rlhf.checkpoint.validate import CheckpointError

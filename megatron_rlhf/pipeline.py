@@ -88,13 +88,13 @@ def export_actor(cfg: Config, stage: str = "rl") -> Path:
 
     out = export_dir(cfg, stage)
     if (not dist.is_initialized() or dist.get_rank() == 0) and not out.is_dir():
-        tokenizer, _ = run_tokenizer(cfg)
+        cfg, tokenizer, _ = run_tokenizer(cfg)
         record_run(cfg, tokenizer, only_missing=True)  # a run whose stages all ran before runs recorded theirs
         checkpoint = stage_dir(cfg, stage)
         model_cfg = None  # the checkpoint's own
         if checkpoint_model_config(checkpoint, "actor") is None:  # older checkpoints: the run's config describes them
             if cfg.model.vocab_size is None:
-                resolve_vocab_size(cfg, tokenizer)
+                cfg, _ = resolve_vocab_size(cfg, tokenizer)
             model_cfg = cfg.model
         tmp = out.with_name(out.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)

@@ -22,7 +22,7 @@ def run(cfg: Config, batch_size: int = 8, micro_batch_size: int = 2, seq_len: in
     if cfg.model.vocab_size is None:  # the tokenizer's size, as in the stages
         from megatron_rlhf.trainers.stage_data import resolve_vocab_size, tokenizer_for
 
-        resolve_vocab_size(cfg, tokenizer_for(cfg))
+        cfg, _ = resolve_vocab_size(cfg, tokenizer_for(cfg))
     g = torch.Generator().manual_seed(cfg.seed)
     seq_len = min(seq_len, cfg.model.max_seq_length)
     batch = {

@@ -5,6 +5,7 @@ weights, a rank SIGKILLed in the middle of a save, and a resume at another layou
 tests check validation and the choice of checkpoint on directories built here; the slow ones
 run real 2-process jobs (tests/workers/checkpoint_safety.py)."""
 
+import dataclasses
 import json
 import os
 import pickle
@@ -204,8 +205,7 @@ def test_a_stage_whose_checkpoints_are_all_damaged_stops_instead_of_starting_ove
     with pytest.raises(CheckpointError, match="iter_0000004 is damaged.*checkpoint.resume=false to start over"):
         resume_source(cfg, manager)
     assert damaged.is_dir()
-    cfg.checkpoint.resume = False
-    assert resume_source(cfg, manager) is None
+    assert resume_source(dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, resume=False)), manager) is None
 
 
 # ------------------------------------------------------------------ slow: real jobs
@@ -399,7 +399,6 @@ def test_checkpoints_record_their_model_config_and_refuse_another_architecture(r
     """Every stage checkpoint records its model config (export-hf reads it); loading it into a
     role of another architecture stops with each differing field named, before megatron's
     shape errors."""
-    import dataclasses
     from types import SimpleNamespace
 
     from megatron_rlhf.checkpoint.dist import check_architecture

@@ -11,6 +11,8 @@ checks that the vector a collective would reduce is on the device; losses are ch
 a gradient graph (the backward ops follow the forward ones' devices).
 """
 
+import dataclasses
+
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorDeviceMismatchError, FakeTensorMode
@@ -80,8 +82,8 @@ def test_rl_glue_and_math_stay_on_the_device(fake, algorithm, kl_in_reward):
     outputs = {"logprobs": torch.randn(B, S, device=CUDA, requires_grad=True),
                "entropy": torch.rand(B, S, device=CUDA), "values": torch.randn(B, S, device=CUDA, requires_grad=True)}
     for mode in LOSS_AGGREGATIONS:
-        cfg.loss_aggregation = mode
-        loss, units, stats = rl_stage.actor_loss(outputs, batch.tensors(), cfg, kl_coef=0.05)
+        loss, units, stats = rl_stage.actor_loss(outputs, batch.tensors(),
+                                                 dataclasses.replace(cfg, loss_aggregation=mode), kl_coef=0.05)
         on_cuda(loss=loss, units=units, **stats)
         assert loss.requires_grad
         if cfg.has_critic:

@@ -134,7 +134,7 @@ def test_sliding_window_limits_max_seq_length(tmp_path):
     mistral = write_config(tmp_path, model_type="mistral", architectures=["MistralForCausalLM"], sliding_window=32)
     cfg = load_config(None, hf_overrides(mistral))
     check_model_matches_hf(cfg, mistral)
-    cfg.model.max_seq_length = 64
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, max_seq_length=64))
     with pytest.raises(ConvertError, match=r"model.max_seq_length=64.*sliding_window=32"):
         check_model_matches_hf(cfg, mistral)
 
@@ -390,7 +390,7 @@ def test_import_refuses_before_starting_anything(tmp_path):
     (tmp_path / "out" / "iter_0000000").mkdir(parents=True)
     with pytest.raises(ConvertError, match="already holds checkpoints"):
         import_hf(cfg, hf, tmp_path / "out")
-    cfg.model.hidden_size = 128
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, hidden_size=128))
     with pytest.raises(ConvertError, match="set model.hidden_size=64"):
         import_hf(cfg, hf, tmp_path / "new")
 
@@ -725,7 +725,7 @@ def test_export_refuses_clearly(runs, tmp_path):
     with pytest.raises(ConvertError, match=r"no role 'critic'.*\['actor'\]"):
         export_hf(root / "import" / "untied", "critic", tmp_path / "a")
     wrong = trained_model_cfg(root, "untied")
-    wrong.ffn_hidden_size = 256
+    wrong = dataclasses.replace(wrong, ffn_hidden_size=256)
     with pytest.raises(ConvertError, match="model.ffn_hidden_size"):
         export_hf(root / "trained", "actor", tmp_path / "b", model_cfg=wrong)
     # every checkpoint records its model config; one written before that needs model_cfg

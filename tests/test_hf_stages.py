@@ -121,11 +121,12 @@ def check_later_stages_read_the_recorded_model(root, run):
     that contradicts the checkpoint is refused. The pipeline's export uses the checkpoint's too."""
     from megatron_rlhf.config import ConfigError, load_config
     from megatron_rlhf.pipeline import export_actor
-    from megatron_rlhf.trainers.stage_data import preflight
+    from megatron_rlhf.trainers.stage_data import preflight, resolve_run
 
     where = [f"checkpoint.root={root}", f"checkpoint.run_name={run}"]
     cfg = load_config(REPO / RECIPE[1], where)
     notes = preflight(cfg, "rm")
+    cfg = resolve_run(cfg, "rm").config  # as the rm stage resolves it (the loaded config is never changed)
     model = dataclasses.asdict(cfg.model)
     assert {k: model[k] for k in ("family", "num_layers", "hidden_size", "qkv_bias", "vocab_size")} == {
         "family": "qwen2", "num_layers": 2, "hidden_size": 48, "qkv_bias": True, "vocab_size": 96}

@@ -11,13 +11,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "megatron_rlhf"
 # What may import trainers/: the entry points above the stages.
 ABOVE_STAGES = {"trainers", "pipeline", "__main__", "torchrun", "launch", "smoke"}
 # Imports that still close a circle, each with where it goes next; the list only shrinks.
-KNOWN_BACK_EDGES = {
-    # config <-> convert: the HF-architecture mapping moves into the config package (issue 34, item 1)
-    ("megatron_rlhf.config", "megatron_rlhf.convert.hf_config"),
-    # parallel <-> models: the CPU stand-ins for megatron's mask builders call the SDPA attention's one
-    # mask builder (models/attention.py visible_keys), added with the SDPA spec
-    ("megatron_rlhf.parallel.cpu", "megatron_rlhf.models.attention"),
-}
+KNOWN_BACK_EDGES: set[tuple[str, str]] = set()
 
 
 def module_imports() -> dict[str, set[str]]:

@@ -1,13 +1,14 @@
 """Settings a run infers instead of asking for: the model vocabulary from the tokenizer, and
 a held-out eval split from a single training file. Checked before workers start (preflight)."""
 
+import dataclasses
 import json
 
 import pytest
 
 from megatron_rlhf.config import ConfigError, load_config, validate
 from megatron_rlhf.data.jsonl import DataError
-from megatron_rlhf.trainers.stage_data import load_stage_data, preflight, resolve_vocab_size, tokenizer_for
+from megatron_rlhf.trainers.stage_data import load_stage_data, preflight, resolve_run, resolve_vocab_size, tokenizer_for
 from test_data import make_hf_dir
 
 
@@ -26,14 +27,13 @@ def test_vocab_size_defaults_to_the_tokenizers_size(tmp_path):
     assert cfg.model.vocab_size is None
     with pytest.raises(ConfigError, match="model.vocab_size is not known yet"):
         cfg.model.padded_vocab_size
-    note = resolve_vocab_size(cfg, tokenizer_for(cfg))
+    cfg, note = resolve_vocab_size(cfg, tokenizer_for(cfg))
     assert cfg.model.vocab_size == 6 and cfg.model.token_vocab_size == 6 and cfg.model.padded_vocab_size == 128
     assert "tokenizer's size" in note
 
 
 def test_a_larger_model_vocabulary_masks_the_ids_the_tokenizer_lacks(tmp_path):
-    cfg = user_config(tmp_path, "model.vocab_size=10")
-    load_stage_data(cfg, ())
+    cfg = load_stage_data(user_config(tmp_path, "model.vocab_size=10"), ()).config
     # the embedding keeps its 10 rows (checkpoint shapes); sampling and log-probs use 6
     assert (cfg.model.vocab_size, cfg.model.token_vocab_size) == (10, 6)
 
@@ -90,3 +90,15 @@ def test_the_vocabulary_divisor_error_suggests_a_value():
                              "model.num_attention_heads=8", "model.hidden_size=64"])
     with pytest.raises(ConfigError, match="set model.make_vocab_size_divisible_by=200"):
         validate(cfg, world_size=8)
+
+
+def test_a_stage_derives_its_settings_beside_the_loaded_config_which_stays_as_loaded(tmp_path):
+    cfg = user_config(tmp_path, "model.vocab_size=10")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.model.vocab_size = 6
+    run = resolve_run(cfg)
+    assert (run.config.model.vocab_size, run.config.model.token_vocab_size) == (10, 6)
+    assert cfg.model.token_vocab_size == 10 and cfg.recipe is run.config.recipe  # the loaded one untouched
+    assert any("6 tokens, 4 ids the tokenizer lacks are masked" in note for note in run.notes)
+    with pytest.raises(ConfigError, match="recipe: unknown key"):  # what loading learned is not a recipe key
+        load_config(None, ["recipe.notes=[x]"])

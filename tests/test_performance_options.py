@@ -2,6 +2,8 @@
 what the padding metrics count, how a token budget splits microbatches, and the recipes
 that reusing must refuse."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -15,9 +17,9 @@ def test_reused_log_probs_are_recomputed_on_the_interval():
     validate(load_config(None, ["rl.reuse_rollout_logprobs=true"]), world_size=1)  # the in-place engine: allowed
     rl = load_config(None, ["rl.reuse_rollout_logprobs=true", "rl.logprob_recompute_interval=3"]).rl
     assert [s for s in range(1, 11) if recomputes_old_logprobs(rl, "megatron", s)] == [1, 3, 6, 9]
-    rl.logprob_recompute_interval = 0  # only the first iteration
+    rl = dataclasses.replace(rl, logprob_recompute_interval=0)  # only the first iteration
     assert [s for s in range(1, 11) if recomputes_old_logprobs(rl, "megatron", s)] == [1]
-    rl.reuse_rollout_logprobs = False  # the default: every iteration
+    rl = dataclasses.replace(rl, reuse_rollout_logprobs=False)  # the default: every iteration
     assert all(recomputes_old_logprobs(rl, "megatron", s) for s in range(1, 11))
 
 

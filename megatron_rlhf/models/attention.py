@@ -14,7 +14,7 @@ What it matches, per call (`attention_mask` is megatron's bool mask, True = mask
 - scale: megatron's (config.softmax_scale, else 1/sqrt(kv_channels)); query-key layer
   scaling divides the scores by the layer number and multiplies them back inside the fp32
   softmax, so it does not change the math and is not applied here.
-- which keys a query sees: `visible_keys` below. With an explicit `attention_mask` that mask
+- which keys a query sees: `visible_keys` (attention_masks.py). With an explicit `attention_mask` that mask
   alone (as megatron's local softmax does: the caller's mask carries its own causality); else
   causal for a causal module (bottom-right aligned when queries are a chunk after cached keys,
   sq < skv, which megatron's local softmax cannot do: it asserts sq == skv); and a sliding
@@ -46,31 +46,11 @@ from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.utils import is_layer_window_attention
 
+from megatron_rlhf.attention_masks import visible_keys
+
 _CAUSAL_TYPES = (AttnMaskType.causal, AttnMaskType.causal_bottom_right)
 # Module mask types whose only masking is the caller's explicit mask (or none).
 _EXPLICIT_ONLY_TYPES = (AttnMaskType.no_mask, AttnMaskType.padding, AttnMaskType.arbitrary)
-
-
-def visible_keys(sq: int, skv: int, window: tuple[int, int] | None = None,
-                 device: torch.device | str | None = None) -> torch.Tensor:
-    """[sq, skv] bool, True where query i may attend to key j (SDPA's convention; megatron's
-    masks are its negation). The queries are the LAST sq of the skv positions (bottom-right
-    alignment: a chunk of queries after cached keys), so query i sits at position
-    skv - sq + i. Causal: keys at or before the query. `window` = (left, right), megatron's
-    convention: keys from left before the query to right after it; a negative side is
-    unbounded. (left, 0) is causal sliding-window attention.
-
-    The one place masks are built (the SDPA core attention and the CPU adaptations' stand-ins
-    for megatron's mask builders both call it). Packed sequences (THD) will add a
-    same-document condition here, from per-token document ids and positions."""
-    query_positions = torch.arange(skv - sq, skv, device=device).unsqueeze(1)
-    key_positions = torch.arange(skv, device=device).unsqueeze(0)
-    offset = key_positions - query_positions  # < 0: a key in the query's past
-    left, right = window if window is not None else (-1, 0)
-    visible = offset <= right if right >= 0 else torch.ones(sq, skv, dtype=torch.bool, device=device)
-    if left >= 0:
-        visible = visible & (offset >= -left)
-    return visible
 
 
 class SDPADotProductAttention(DotProductAttention):

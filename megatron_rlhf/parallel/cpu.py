@@ -14,6 +14,8 @@ import torch
 import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
+from megatron_rlhf.attention_masks import visible_keys
+
 _applied = False
 _mode: TorchFunctionMode | None = None
 _CPU = torch.device("cpu")
@@ -156,17 +158,12 @@ def _without_mode(fn):
 
 
 # Stand-ins for megatron's mask builders (transformer/utils.py), on CPU and True = masked as
-# theirs; the mask itself comes from the one builder the SDPA core attention uses (imported
-# when called: models/attention.py imports megatron-core, which this module must not).
+# theirs; the mask itself comes from the one builder the SDPA core attention uses.
 def _causal_mask(sq: int) -> torch.Tensor:
-    from megatron_rlhf.models.attention import visible_keys
-
     return ~visible_keys(sq, sq)
 
 
 def _sliding_window_causal_mask(sq: int, skv: int, window_size) -> torch.Tensor:
-    from megatron_rlhf.models.attention import visible_keys
-
     return ~visible_keys(sq, skv, tuple(window_size))
 
 

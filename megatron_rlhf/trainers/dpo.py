@@ -149,6 +149,7 @@ def train(cfg: Config) -> dict:
     runner = StageRunner(cfg, "dpo", d.steps, d.log_interval, d.save_interval)
     data = load_stage_data(cfg, ("preference_train", "preference_eval"),
                            optional=("prompts_eval",) if cfg.data.task else (), stage="dpo")
+    cfg = data.config  # the run's vocabulary and start architecture resolved (stage_data.RunContext)
     pad = data.tokenizer.pad_id
     fit = {"tokenizer": data.tokenizer, "max_len": d.seq_length, "overflow": cfg.data.overflow,
            "max_len_field": "dpo.seq_length"}

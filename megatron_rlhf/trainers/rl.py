@@ -409,6 +409,7 @@ def train(cfg: Config) -> dict:
     rl = cfg.rl
     runner = StageRunner(cfg, "rl", rl.steps, rl.log_interval, rl.save_interval)
     data = load_stage_data(cfg, ("prompts_train", "prompts_eval"), stage="rl")
+    cfg = data.config  # the run's vocabulary and start architecture resolved (stage_data.RunContext)
     tok, max_prompt = data.tokenizer, cfg.model.max_seq_length - rl.max_new_tokens
     train_prompts, train_report = encode_prompt_records(data.splits["prompts_train"], tok, max_prompt)
     eval_prompts, _ = encode_prompt_records(data.splits["prompts_eval"], tok, max_prompt)

@@ -71,6 +71,7 @@ def train(cfg: Config) -> dict:
     the held-out pairs (<run>/rm_holdout), so that <run>/rm/summary.json marks both done."""
     parallel.initialize(cfg)  # the data is read once for both: before the first stage runner
     data = load_stage_data(cfg, ("preference_train", "preference_eval"), optional=("sft_eval",), stage="rm")
+    cfg = data.config  # the run's vocabulary and start architecture resolved (stage_data.RunContext)
     pairs, fraction = data.splits["preference_train"], cfg.rm.holdout_fraction
     if fraction == 0:
         return train_reward_model(cfg, "rm", data, pairs)

@@ -7,6 +7,7 @@ its loop on every rank until SIGTERM or SIGINT.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import sys
@@ -42,25 +43,23 @@ def find_reward_checkpoint(ckpt: str | None) -> Path:
     return iter_dir
 
 
-def use_checkpoint_model_config(cfg, iter_dir: Path, typed_keys: set[str]) -> str:
-    """cfg.model := the model config the checkpoint recorded (the recipe's, for checkpoints
-    that record none). Architecture fields given as overrides must agree with it; other
-    model.* overrides (e.g. params_dtype) apply. Returns a note for the console."""
+def use_checkpoint_model_config(cfg, iter_dir: Path, typed_keys: set[str]):
+    """(the config with the model section the checkpoint recorded (the recipe's, for checkpoints
+    that record none), a note for the console). Architecture fields given as overrides must
+    agree with it; other model.* overrides (e.g. params_dtype) apply."""
     from megatron_rlhf.checkpoint.validate import recorded_model_config
     from megatron_rlhf.config import ARCHITECTURE_FIELDS, ConfigError
 
     recorded = recorded_model_config(iter_dir)
     if recorded is None:
-        return "model config: the recipe's (the checkpoint records none)"
+        return cfg, "model config: the recipe's (the checkpoint records none)"
     typed = {key.split(".")[1] for key in typed_keys if key.startswith("model.")}
     if wrong := [f"model.{f}={getattr(cfg.model, f)!r}: the checkpoint recorded {getattr(recorded, f)!r}"
                  for f in ARCHITECTURE_FIELDS if f in typed and getattr(cfg.model, f) != getattr(recorded, f)]:
         raise ConfigError(f"{iter_dir}: the overrides differ from the model the checkpoint recorded:\n  "
                           + "\n  ".join(wrong) + "\nremove them: serve-reward reads the architecture from the checkpoint")
-    for name in typed - set(ARCHITECTURE_FIELDS):
-        setattr(recorded, name, getattr(cfg.model, name))
-    cfg.model = recorded
-    return f"model config: recorded by {iter_dir}"
+    model = dataclasses.replace(recorded, **{name: getattr(cfg.model, name) for name in typed - set(ARCHITECTURE_FIELDS)})
+    return dataclasses.replace(cfg, model=model), f"model config: recorded by {iter_dir}"
 
 
 def check_one_replica(cfg, world_size: int) -> None:
@@ -115,9 +114,9 @@ def serve_reward(cfg, *, ckpt: str | None, host: str, port: int, max_batch: int,
         raise ConfigError(f"--max-batch {max_batch} --max-wait-ms {max_wait_ms}: need --max-batch >= 1 and "
                           "--max-wait-ms >= 0")
     iter_dir = find_reward_checkpoint(ckpt)
-    note = use_checkpoint_model_config(cfg, iter_dir, typed_keys)
+    cfg, note = use_checkpoint_model_config(cfg, iter_dir, typed_keys)
     tokenizer = tokenizer_for(cfg)
-    resolve_vocab_size(cfg, tokenizer)
+    cfg, _ = resolve_vocab_size(cfg, tokenizer)
     check_one_replica(cfg, parallel.read_dist_env().world_size)
     stop = stop_on_signals()  # before the slow part: a signal while loading still stops cleanly
     env = parallel.initialize(cfg)

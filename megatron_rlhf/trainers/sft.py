@@ -66,6 +66,7 @@ def train(cfg: Config) -> dict:
     st = cfg.sft
     runner = StageRunner(cfg, "sft", st.steps, st.log_interval, st.save_interval)
     data = load_stage_data(cfg, ("sft_train", "sft_eval"), stage="sft")
+    cfg = data.config  # the run's vocabulary and start architecture resolved (stage_data.RunContext)
     pad = data.tokenizer.pad_id
     encode = partial(encode_sft, tokenizer=data.tokenizer, max_len=st.seq_length, overflow=cfg.data.overflow,
                      max_len_field="sft.seq_length")

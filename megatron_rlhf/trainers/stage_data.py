@@ -48,8 +48,32 @@ def stage_dir(cfg: Config, stage: str) -> Path:
     return run_dir(cfg) / (name + ("_lora" if cfg.lora.applies_to(stage) else ""))
 
 
+@dataclass(frozen=True)
+class RunContext:
+    """What a stage derives from the run at start-up, beside the Config it was given (which is
+    never changed): the config as the stage uses it (data.tokenizer the run recorded, the model
+    architecture of the checkpoint it starts from, model.vocab_size from the tokenizer), the
+    tokenizer, and notes on what was filled in or replaced."""
+
+    config: Config
+    tokenizer: Tokenizer
+    notes: tuple[str, ...] = ()
+
+
+def resolve_run(cfg: Config, stage: str | None = None, world_size: int | None = None) -> RunContext:
+    """The run context of `stage` (sft, rm, dpo, rl; None: no start checkpoint), validated at
+    `world_size` when the architecture changes."""
+    cfg, tokenizer, notes = run_tokenizer(cfg)
+    if stage is not None:
+        cfg, more = architecture_from_start(cfg, stage, world_size)
+        notes += more
+    cfg, note = resolve_vocab_size(cfg, tokenizer)
+    return RunContext(cfg, tokenizer, (*notes, note))
+
+
 @dataclass
 class StageData:
+    config: Config  # the run's config as the stage uses it (RunContext.config)
     tokenizer: Tokenizer
     task: Task | None
     splits: dict[str, list]  # split name -> records (only the splits that were asked for)
@@ -101,11 +125,9 @@ def load_stage_data(cfg: Config, needed: tuple[str, ...], optional: tuple[str, .
     to <run>/data/ for the user to inspect). Uses the run's tokenizer (run_tokenizer) and the
     architecture of the checkpoint `stage` (sft, rm, dpo, rl; None: neither) starts from; sets
     model.vocab_size from the tokenizer and records the run (record_run)."""
-    tokenizer, _ = run_tokenizer(cfg)
     launched = dist.is_initialized()  # a stage's workers are; a unit test reading data is not
-    if stage is not None:
-        architecture_from_start(cfg, stage, dist.get_world_size() if launched else None)
-    resolve_vocab_size(cfg, tokenizer)
+    run = resolve_run(cfg, stage, dist.get_world_size() if launched else None)
+    cfg, tokenizer = run.config, run.tokenizer
     if launched and dist.get_rank() == 0:
         record_run(cfg, tokenizer)
     d = cfg.data
@@ -132,7 +154,7 @@ def load_stage_data(cfg: Config, needed: tuple[str, ...], optional: tuple[str, .
         else:
             splits[name] = getattr(generated, _TASK_SPLIT.get(name, name))
             origins[name] = f"built-in task {where} (seed {cfg.seed})"
-    return StageData(tokenizer, task, splits, origins)
+    return StageData(cfg, tokenizer, task, splits, origins)
 
 
 def _has_source(cfg: Config, name: str) -> bool:
@@ -152,15 +174,15 @@ def _overridden(cfg: Config, key: str) -> bool:
     return key in cfg.override_keys or any(k.startswith(f"{key}.") for k in cfg.override_keys)
 
 
-def run_tokenizer(cfg: Config) -> tuple[Tokenizer, list[str]]:
-    """(the tokenizer a stage of this run uses, notes). Before the run has recorded one:
-    data.tokenizer's. After: the recorded one; a recipe's data.tokenizer naming another is
-    replaced (cfg.data.tokenizer is set to the recorded copy, with a note), a command-line one
-    is refused, and so is a tokenizer whose files changed since the run recorded them."""
+def run_tokenizer(cfg: Config) -> tuple[Config, Tokenizer, list[str]]:
+    """(the config with the run's data.tokenizer, the tokenizer a stage of this run uses, notes).
+    Before the run has recorded one: data.tokenizer's. After: the recorded one; a recipe's
+    data.tokenizer naming another is replaced (by the recorded copy, with a note), a command-line
+    one is refused, and so is a tokenizer whose files changed since the run recorded them."""
     recorded_dir = run_dir(cfg) / RECORDED_TOKENIZER
     record = read_tokenizer_record(recorded_dir)
     if record is None:
-        return tokenizer_for(cfg), []
+        return cfg, tokenizer_for(cfg), []
     d, source = cfg.data, record["data.tokenizer"]
     named = f"data.tokenizer={source}" + (f" with data.task={record['data.task']}" if source == "builtin" else "")
     recorded = "builtin" if source == "builtin" else str(recorded_dir)  # the copy: its source may move
@@ -168,7 +190,8 @@ def run_tokenizer(cfg: Config) -> tuple[Tokenizer, list[str]]:
     if d.tokenizer not in (source, recorded) and not _overridden(cfg, "data.tokenizer"):
         notes.append(f"data.tokenizer={d.tokenizer} (recipe) replaced by the tokenizer this run recorded "
                      f"({named}, {recorded_dir})")
-        d.tokenizer = recorded
+        cfg = dataclasses.replace(cfg, data=dataclasses.replace(d, tokenizer=recorded))
+        d = cfg.data
     tokenizer = tokenizer_for(cfg)
     if tokenizer.fingerprint() != record.get("fingerprint"):
         # The run's checkpoints were trained with the recorded ids: others would be silently wrong.
@@ -178,7 +201,7 @@ def run_tokenizer(cfg: Config) -> tuple[Tokenizer, list[str]]:
         use = named if source == "builtin" else f"data.tokenizer={recorded}"
         raise ConfigError(f"{given}: not the tokenizer this run's checkpoints were trained with, which it recorded in "
                           f"{recorded_dir} ({named}); {fix}, set {use}, or start another run (checkpoint.run_name)")
-    return tokenizer, notes
+    return cfg, tokenizer, notes
 
 
 def start_checkpoint(cfg: Config, stage: str) -> tuple[str | Path | None, str]:
@@ -192,22 +215,22 @@ def start_checkpoint(cfg: Config, stage: str) -> tuple[str | Path | None, str]:
     return given or stage_dir(cfg, policy_stage), "rl.sft_from"
 
 
-def architecture_from_start(cfg: Config, stage: str, world_size: int | None = None) -> list[str]:
-    """Take the model architecture (ARCHITECTURE_FIELDS but max_seq_length, the run's choice)
-    the checkpoint `stage` starts from recorded; returns notes. Nothing to do for a run whose
+def architecture_from_start(cfg: Config, stage: str, world_size: int | None = None) -> tuple[Config, list[str]]:
+    """(the config with the model architecture (ARCHITECTURE_FIELDS but max_seq_length, the
+    run's choice) the checkpoint `stage` starts from recorded, notes). Nothing to do for a run whose
     model.from_hf_config / init_from_hf gives it, or a start that does not exist (yet) or
     records none. Architecture fields of the command-line overrides that differ are refused,
     the recipe's replaced (with a note); the result is validated at `world_size`."""
     where, field_name = start_checkpoint(cfg, stage)
     if where is None or cfg.model.hf_source:
-        return []
+        return cfg, []
     try:
         iter_dir, _ = find_checkpoint(where)
     except FileNotFoundError:  # the stage says what is missing when it loads
-        return []
+        return cfg, []
     recorded = recorded_model_config(iter_dir)
     if recorded is None:
-        return []
+        return cfg, []
     m = cfg.model
     differ = [f for f in ARCHITECTURE_FIELDS if f != "max_seq_length" and getattr(recorded, f) != getattr(m, f)]
     if refused := [f"model.{f}={getattr(m, f)!r}: the checkpoint recorded {getattr(recorded, f)!r}"
@@ -216,15 +239,15 @@ def architecture_from_start(cfg: Config, stage: str, world_size: int | None = No
                           + "\n  ".join(refused) + "\n(remove them: a stage takes the architecture of the checkpoint "
                           "it starts from)")
     if not differ:
-        return []
-    cfg.model = dataclasses.replace(m, **{f: getattr(recorded, f) for f in differ})
+        return cfg, []
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(m, **{f: getattr(recorded, f) for f in differ}))
     validate(cfg, world_size)
     # unset fields (vocab_size: the tokenizer's, max_position_embeddings) are filled without a note
     if replaced := [f"model.{f}={getattr(m, f)!r} by {getattr(recorded, f)!r}"
                     for f in differ if getattr(m, f) is not None]:
-        return [f"{stage}: the model architecture of {iter_dir}, the checkpoint it starts from, replaces the "
-                f"recipe's: {', '.join(replaced)}"]
-    return []
+        return cfg, [f"{stage}: the model architecture of {iter_dir}, the checkpoint it starts from, replaces "
+                      f"the recipe's: {', '.join(replaced)}"]
+    return cfg, []
 
 
 def record_run(cfg: Config, tokenizer: Tokenizer, only_missing: bool = False) -> None:
@@ -244,21 +267,21 @@ def record_run(cfg: Config, tokenizer: Tokenizer, only_missing: bool = False) ->
     tmp.replace(directory / RECORDED_SAMPLING)
 
 
-def resolve_vocab_size(cfg: Config, tokenizer: Tokenizer) -> str:
-    """model.vocab_size from the tokenizer when unset; the rule is tokenizer size <= model
-    vocabulary (ids beyond the tokenizer are masked like padding rows). Returns a note."""
+def resolve_vocab_size(cfg: Config, tokenizer: Tokenizer) -> tuple[Config, str]:
+    """(the config with model.vocab_size from the tokenizer when unset, a note); the rule is
+    tokenizer size <= model vocabulary (ids beyond the tokenizer are masked like padding rows)."""
     m, size = cfg.model, tokenizer.vocab_size
     if m.vocab_size is None:
-        m.vocab_size = size
-        return f"model.vocab_size={size} (the tokenizer's size, data.tokenizer={cfg.data.tokenizer})"
+        resolved = dataclasses.replace(cfg, model=m.with_vocabulary(size, None))
+        return resolved, f"model.vocab_size={size} (the tokenizer's size, data.tokenizer={cfg.data.tokenizer})"
     if size > m.vocab_size:
         # Ids beyond the embedding would index out of range.
         raise ConfigError(f"model.vocab_size={m.vocab_size}: the tokenizer (data.tokenizer={cfg.data.tokenizer}) has "
                           f"{size} tokens, more than the model's embedding rows; remove model.vocab_size (it "
                           f"defaults to the tokenizer's size) or set model.vocab_size={size}")
-    m.tokenizer_vocab_size = size if size < m.vocab_size else None
+    resolved = dataclasses.replace(cfg, model=m.with_vocabulary(m.vocab_size, size if size < m.vocab_size else None))
     spare = f", {m.vocab_size - size} ids the tokenizer lacks are masked" if size < m.vocab_size else ""
-    return f"model.vocab_size={m.vocab_size} (tokenizer: {size} tokens{spare})"
+    return resolved, f"model.vocab_size={m.vocab_size} (tokenizer: {size} tokens{spare})"
 
 
 def preflight(cfg: Config, command: str) -> list[str]:
@@ -284,10 +307,12 @@ def preflight(cfg: Config, command: str) -> list[str]:
         from megatron_rlhf.rollout.vllm_engine import check_can_run  # imports vLLM: only when asked for
 
         check_can_run(cfg)
-    tokenizer, notes = run_tokenizer(cfg)
+    cfg, tokenizer, notes = run_tokenizer(cfg)
     for stage in (s for s in stages if s in STAGE_SPLITS):
-        notes += architecture_from_start(cfg, stage)
-    notes = [*cfg.hf_notes, *notes, resolve_vocab_size(cfg, tokenizer)]
+        cfg, more = architecture_from_start(cfg, stage)
+        notes += more
+    cfg, vocab_note = resolve_vocab_size(cfg, tokenizer)
+    notes = [*cfg.hf_notes, *notes, vocab_note]
     if tokenizer.pad_defaulted:
         notes.append(f"data.tokenizer={cfg.data.tokenizer} names no pad token: padding uses its eos token "
                      f"(id {tokenizer.eos_id}); lengths and masks never read the pad id")

@@ -27,7 +27,6 @@ tokenizer needs another run directory in any case: the run records its tokenizer
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import hashlib
 import json
@@ -40,7 +39,7 @@ from typing import Any
 from megatron_rlhf.checkpoint.validate import CheckpointError, find_checkpoint
 from megatron_rlhf.config import Config, ConfigError, policy_start
 from megatron_rlhf.trainers.stage_data import (
-    STAGE_SPLITS, architecture_from_start, resolve_vocab_size, run_dir, run_tokenizer, split_source, stage_dir,
+    STAGE_SPLITS, resolve_run, run_dir, split_source, stage_dir,
 )
 
 # Fields of a stage's section that do not change what it trains (steps: see plan).
@@ -59,10 +58,8 @@ REPLACED = ".replaced-"  # <stage>.replaced-<time>: a directory pipeline.rerun m
 
 def stage_inputs(cfg: Config, stage: str) -> dict[str, Any]:
     """The fingerprint of `stage` (sft, rm, dpo, rl) under `cfg`, as summary.json records it."""
-    cfg = copy.deepcopy(cfg)  # resolved as the stage resolves it (load_stage_data), the caller's left alone
-    tokenizer, _ = run_tokenizer(cfg)
-    architecture_from_start(cfg, stage)
-    resolve_vocab_size(cfg, tokenizer)
+    run = resolve_run(cfg, stage)  # as the stage resolves it (load_stage_data)
+    cfg, tokenizer = run.config, run.tokenizer
     inputs: dict[str, Any] = {"seed": cfg.seed}
     model = dataclasses.asdict(cfg.model)
     inputs.update(_flat({k: v for k, v in model.items() if k not in MODEL_NOT_INPUTS}, "model."))

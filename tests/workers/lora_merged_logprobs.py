@@ -6,6 +6,7 @@ bases on load), with the model config the checkpoint recorded.
 """
 
 import argparse
+import dataclasses
 from pathlib import Path
 
 import torch
@@ -23,7 +24,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     cfg = load_config(None, [])
-    cfg.model = recorded_model_config(args.ckpt)
+    cfg = dataclasses.replace(cfg, model=recorded_model_config(args.ckpt))
     parallel.initialize(cfg)
     reference = Reference(cfg)
     load_role(reference, args.ckpt / "actor", with_optimizer=False)

@@ -30,7 +30,7 @@ def main() -> None:
     args = ap.parse_args()
     cfg = load_config(args.config, args.overrides)
     tokenizer = tokenizer_for(cfg)
-    resolve_vocab_size(cfg, tokenizer)
+    cfg, _ = resolve_vocab_size(cfg, tokenizer)
     parallel.initialize(cfg)
     reward_model = RewardModel(cfg)
     load_role(reward_model, resolve_checkpoint(args.ckpt) / "reward", with_optimizer=False)

@@ -98,7 +98,7 @@ def main() -> None:
     res["optimizer_sections"] = {}
     for stage_says in (False, True):
         stage_optimizer = dataclasses.replace(cfg.optimizer, use_distributed_optimizer=stage_says)
-        cfg.optimizer.use_distributed_optimizer = not stage_says
+        cfg = dataclasses.replace(cfg, optimizer=dataclasses.replace(cfg.optimizer, use_distributed_optimizer=not stage_says))
         role = Actor(cfg, optimizer=stage_optimizer)
         res["optimizer_sections"][stage_says] = (role.model.ddp_config.use_distributed_optimizer,
                                                  all(isinstance(o, DistributedOptimizer) for o in

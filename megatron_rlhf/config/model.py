@@ -1,0 +1,186 @@
+"""The model section: a Llama-style decoder's architecture and its rules (no torch here, so a
+config error is reported before anything heavy is imported)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+
+from megatron_rlhf.config.errors import ConfigError
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+# Hugging Face model families our GPTModel computes exactly (megatron_rlhf/convert maps them).
+MODEL_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+ROPE_SCALING_TYPES = ("llama3", "linear")
+# ModelConfig fields that describe the network (what config.json of an HF model fixes);
+# params_dtype, init_method_std and make_vocab_size_divisible_by stay the run's choice.
+ARCHITECTURE_FIELDS = ("family", "num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "head_dim",
+                       "ffn_hidden_size", "vocab_size", "max_seq_length", "max_position_embeddings", "rotary_base",
+                       "rope_scaling",
+                       "norm_epsilon", "qkv_bias", "qk_layernorm", "share_embeddings_and_output_weights")
+
+@dataclass(frozen=True)
+class RopeScalingConfig:
+    """RoPE frequency scaling, as Hugging Face's rope_scaling / rope_parameters. We compute
+    the scaled frequencies ourselves (models/gpt.py) because megatron-core 0.19.2 hard-codes
+    Llama 3's low/high frequency factors and original window."""
+
+    # null: plain RoPE. llama3: Llama 3.1-3.3's frequency-dependent scaling. linear: positions / factor.
+    type: str | None = None
+    factor: float = 1.0
+    low_freq_factor: float = 1.0            # llama3 only
+    high_freq_factor: float = 4.0           # llama3 only
+    original_max_position_embeddings: int = 8192  # llama3 only: the pre-training context
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """A Llama-style decoder: RMSNorm, SwiGLU MLP, RoPE, no biases except Qwen2's q/k/v."""
+
+    # The Hugging Face architecture export-hf writes (and import-hf read): llama (Llama 2, 3.x,
+    # and models trained from scratch), mistral, qwen2 (Qwen2, Qwen2.5; needs qkv_bias), qwen3
+    # (dense Qwen3; needs qk_layernorm).
+    family: str = "llama"
+    num_layers: int = 2
+    hidden_size: int = 64
+    num_attention_heads: int = 4
+    # Grouped-query attention: number of key/value heads. None means one per query head.
+    num_query_groups: int | None = None
+    # Channels per attention head. null: hidden_size / num_attention_heads (Qwen3 and
+    # Mistral-Nemo-style models set it explicitly).
+    head_dim: int | None = None
+    ffn_hidden_size: int = 256
+    # Embedding rows before padding. null: the tokenizer's size (set when a stage loads its
+    # tokenizer). It may exceed the tokenizer's (Hugging Face models often have spare rows):
+    # ids the tokenizer lacks are masked like padding rows. Padded up to a multiple of
+    # make_vocab_size_divisible_by (independent of TP, so checkpoints reshard freely).
+    vocab_size: int | None = None
+    make_vocab_size_divisible_by: int = 128
+    max_seq_length: int = 128
+    # The longest context the weights are meant for (an HF model's max_position_embeddings,
+    # capped by a sliding window): export-hf writes it, so a deployed model keeps its context
+    # (e.g. 131072 for Llama 3.1+ trained at 4096). null: max_seq_length.
+    max_position_embeddings: int | None = None
+    rotary_base: float = 10000.0
+    rope_scaling: RopeScalingConfig = field(default_factory=RopeScalingConfig)
+    norm_epsilon: float = 1e-5
+    qkv_bias: bool = False       # Qwen2: biases on the q, k, v projections (none on the output projection)
+    qk_layernorm: bool = False   # Qwen3: RMSNorm over each head's queries and keys, before RoPE
+    share_embeddings_and_output_weights: bool = False
+    init_method_std: float = 0.02
+    params_dtype: str = "float32"
+    # megatron-core activation recomputation of trained roles (memory for compute): null |
+    # selective (each layer's core attention, whose [b, heads, s, s] scores dominate activations
+    # without flash attention) | full (whole layers: recompute_method uniform | block, and
+    # recompute_num_layers, as megatron's --recompute-* flags).
+    recompute_granularity: str | None = None
+    recompute_method: str | None = None
+    recompute_num_layers: int | None = None
+    # A local Hugging Face directory (config.json + safetensors): a fresh SFT run starts from
+    # these weights. Implies from_hf_config (unless that is set).
+    init_from_hf: str | None = None
+    # A local Hugging Face directory whose config.json gives the architecture fields above:
+    # fields set in the same place as this one (or later: recipe < overrides) are checked
+    # against it, every difference reported at once; fields set earlier (a base recipe, or the
+    # recipe when this is an override) are replaced, with a note.
+    from_hf_config: str | None = None
+
+    # The tokenizer's size when it is smaller than vocab_size (with_vocabulary sets it; not a
+    # field: a recipe cannot set it, and neither the checkpoint's recorded model nor a stage's
+    # fingerprint holds it): sampling and log-probs never give mass to ids it cannot decode.
+    tokenizer_vocab_size = None
+
+    def with_vocabulary(self, vocab_size: int, tokenizer_vocab_size: int | None) -> ModelConfig:
+        """This section with the vocabulary a stage resolved from its tokenizer (a new one: the
+        config is never changed after loading)."""
+        resolved = dataclasses.replace(self, vocab_size=vocab_size)
+        object.__setattr__(resolved, "tokenizer_vocab_size", tokenizer_vocab_size)  # see above: not a field
+        return resolved
+
+    @property
+    def token_vocab_size(self) -> int:
+        """Ids that are real tokens: the tokenizer's size, else vocab_size."""
+        return self.tokenizer_vocab_size or self.vocab_size
+
+    @property
+    def padded_vocab_size(self) -> int:
+        if self.vocab_size is None:
+            raise ConfigError("model.vocab_size is not known yet: a stage sets it from its tokenizer (data.tokenizer); "
+                              "set model.vocab_size=N to build a model without one")
+        multiple = self.make_vocab_size_divisible_by
+        return -(-self.vocab_size // multiple) * multiple
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_query_groups or self.num_attention_heads
+
+    @property
+    def kv_channels(self) -> int:
+        return self.head_dim or self.hidden_size // self.num_attention_heads
+
+    @property
+    def hf_source(self) -> str | None:
+        """The HF directory whose config.json fixes the architecture, if any."""
+        return self.from_hf_config or self.init_from_hf
+
+    def check(self) -> None:
+        """The rules of the model section alone (the layout's are ParallelConfig.check's)."""
+        m = self
+        positive = {
+            "model.num_layers": m.num_layers, "model.hidden_size": m.hidden_size,
+            "model.num_attention_heads": m.num_attention_heads, "model.ffn_hidden_size": m.ffn_hidden_size,
+            "model.vocab_size": 1 if m.vocab_size is None else m.vocab_size, "model.max_seq_length": m.max_seq_length,
+            "model.make_vocab_size_divisible_by": m.make_vocab_size_divisible_by,
+        }
+        for name, value in positive.items():
+            if value < 1:
+                raise ConfigError(f"{name}={value}: must be >= 1")
+        if m.params_dtype not in DTYPES:
+            raise ConfigError(f"model.params_dtype={m.params_dtype!r}: choose one of {DTYPES}")
+        if m.head_dim is None and m.hidden_size % m.num_attention_heads:
+            raise ConfigError(f"model.hidden_size={m.hidden_size}: not divisible by model.num_attention_heads="
+                              f"{m.num_attention_heads}; set model.head_dim if the heads are not hidden_size / heads wide")
+        if m.head_dim is not None and (m.head_dim < 2 or m.head_dim % 2):
+            raise ConfigError(f"model.head_dim={m.head_dim}: must be an even number >= 2 (RoPE rotates channel pairs)")
+        if m.max_position_embeddings is not None and m.max_seq_length > m.max_position_embeddings:
+            raise ConfigError(f"model.max_seq_length={m.max_seq_length}: longer than model.max_position_embeddings="
+                              f"{m.max_position_embeddings} (the context the weights are meant for); lower max_seq_length")
+        if m.recompute_granularity not in (None, "selective", "full"):
+            raise ConfigError(f"model.recompute_granularity={m.recompute_granularity!r}: choose null, selective or full")
+        if m.recompute_granularity == "full" and (m.recompute_method not in ("uniform", "block")
+                                                   or not m.recompute_num_layers or m.recompute_num_layers < 1):
+            raise ConfigError(f"model.recompute_granularity=full: set model.recompute_method (uniform | block, got "
+                              f"{m.recompute_method!r}) and model.recompute_num_layers >= 1 (got {m.recompute_num_layers})")
+        if m.recompute_granularity != "full" and (m.recompute_method or m.recompute_num_layers):
+            raise ConfigError(f"model.recompute_method={m.recompute_method!r}, model.recompute_num_layers="
+                              f"{m.recompute_num_layers}: only for model.recompute_granularity=full; unset them")
+        if m.family not in MODEL_FAMILIES:
+            raise ConfigError(f"model.family={m.family!r}: choose one of {MODEL_FAMILIES}")
+        # Each family's attention is fixed by transformers: Qwen2 always has q/k/v biases, Qwen3
+        # always normalises q and k, Llama and Mistral do neither.
+        if m.qkv_bias != (m.family == "qwen2"):
+            raise ConfigError(f"model.qkv_bias={m.qkv_bias} with model.family={m.family!r}: q/k/v biases are Qwen2's "
+                              f"(and only Qwen2's); set model.family=qwen2 with model.qkv_bias=true, or model.qkv_bias=false")
+        if m.qk_layernorm != (m.family == "qwen3"):
+            raise ConfigError(f"model.qk_layernorm={m.qk_layernorm} with model.family={m.family!r}: per-head q/k RMSNorm "
+                              "is Qwen3's (and only Qwen3's); set model.family=qwen3 with model.qk_layernorm=true, or "
+                              "model.qk_layernorm=false")
+        r = m.rope_scaling
+        if r.type is not None and r.type not in ROPE_SCALING_TYPES:
+            raise ConfigError(f"model.rope_scaling.type={r.type!r}: choose null (plain RoPE) or one of {ROPE_SCALING_TYPES}")
+        if r.type is not None and not r.factor >= 1.0:
+            raise ConfigError(f"model.rope_scaling.factor={r.factor}: must be >= 1 (how much longer than the "
+                              "pre-training context the model reads)")
+        if r.type == "llama3" and not (0 < r.low_freq_factor < r.high_freq_factor and r.original_max_position_embeddings > 0):
+            raise ConfigError(f"model.rope_scaling: low_freq_factor={r.low_freq_factor}, high_freq_factor="
+                              f"{r.high_freq_factor}, original_max_position_embeddings={r.original_max_position_embeddings}"
+                              ": need 0 < low_freq_factor < high_freq_factor and a positive original window (Llama 3.1: 1, 4, 8192)")
+        if m.num_query_groups is not None and (
+            m.num_query_groups < 1 or m.num_attention_heads % m.num_query_groups
+        ):
+            raise ConfigError(
+                f"model.num_query_groups={m.num_query_groups}: must divide "
+                f"model.num_attention_heads={m.num_attention_heads}"
+            )

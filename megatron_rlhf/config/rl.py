@@ -1,0 +1,326 @@
+"""The RL stage's section (PPO and the critic-free algorithms) and its reward sources, each
+with its rules."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from megatron_rlhf.config.errors import ConfigError
+from megatron_rlhf.config.model import ModelConfig
+from megatron_rlhf.config.training import OptimizerConfig
+
+# The choices of the rl section (algorithms/ implements each).
+RL_ALGORITHMS = ("ppo", "grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "batch_mean")
+CRITIC_FREE = tuple(a for a in RL_ALGORITHMS if a != "ppo")
+GROUP_BASELINES = ("grpo", "rloo", "reinforce_pp_baseline")  # need n_samples_per_prompt >= 2
+# Fields only a critic uses: refused when set with a critic-free algorithm.
+CRITIC_FIELDS = ("critic_optimizer", "vf_coef", "value_clip", "critic_warmup_steps", "lam", "whiten_advantages",
+                 "critic_from")
+IMPORTANCE_RATIOS = ("token", "sequence")
+KL_ESTIMATORS = ("k1", "k2", "k3")
+KL_CONTROLLERS = ("fixed", "adaptive")
+LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum")
+
+
+REWARD_SOURCE_TYPES = ("model", "function", "http")
+# Fields each reward source type reads (beyond type, weight, name); others must stay unset.
+REWARD_SOURCE_FIELDS = {"model": (), "function": ("function",),
+                        "http": ("url", "timeout_s", "max_retries", "backoff_s", "max_backoff_s", "batch_size",
+                                 "max_concurrency")}
+
+
+@dataclass(frozen=True)
+class RewardSourceConfig:
+    """One term of the RL reward: weight x this source's score for each response
+    (megatron_rlhf/rewards/; README "Reward sources")."""
+
+    # model: the reward model of the RM stage (the `reward` role, rl.rm_from); function: a
+    # rule function in a Python file; http: a reward service (python -m megatron_rlhf serve-reward).
+    type: str = "model"
+    weight: float = 1.0
+    # Logged as reward_<name>; default: rm, the function's name, or http.
+    name: str | None = None
+    # function: "path/to/file.py:function_name" (a relative path from the working directory,
+    # else from the project root); signature in rewards/arithmetic.py and the README.
+    function: str | None = None
+    # http: the scoring endpoint, e.g. http://rm-host:8000/score (schema: docs/reward_service.md).
+    url: str | None = None
+    timeout_s: float = 30.0          # per request
+    max_retries: int = 4             # after the first attempt; exponential backoff with jitter
+    backoff_s: float = 0.5
+    max_backoff_s: float = 8.0
+    batch_size: int = 64             # responses per request
+    max_concurrency: int = 4         # requests in flight per data-parallel replica
+
+    @property
+    def label(self) -> str:
+        if self.name:
+            return self.name
+        if self.type == "function" and self.function:
+            return self.function.rsplit(":", 1)[-1]
+        return {"model": "rm"}.get(self.type, self.type)
+
+    def check(self, where: str) -> None:
+        src = self
+        if src.type not in REWARD_SOURCE_TYPES:
+            raise ConfigError(f"{where}.type={src.type!r}: choose one of {REWARD_SOURCE_TYPES}")
+        defaults = RewardSourceConfig()
+        for other, fields in REWARD_SOURCE_FIELDS.items():
+            stray = [f for f in fields if other != src.type and f not in REWARD_SOURCE_FIELDS[src.type]
+                     and getattr(src, f) != getattr(defaults, f)]
+            if stray:
+                raise ConfigError(f"{where}.{stray[0]}: only a reward source of type {other} reads it "
+                                  f"({where}.type={src.type}); remove it")
+        if not math.isfinite(src.weight) or src.weight == 0:
+            raise ConfigError(f"{where}.weight={src.weight}: must be a finite non-zero number")
+        if src.type == "function" and (not src.function or ":" not in src.function
+                                       or not src.function.rsplit(":", 1)[0].endswith(".py")):
+            raise ConfigError(f"{where}.function={src.function!r}: give the file and the function, e.g. "
+                              "rewards/arithmetic.py:score")
+        if src.type == "http":
+            if not src.url or not src.url.startswith(("http://", "https://")):
+                raise ConfigError(f"{where}.url={src.url!r}: give the scoring endpoint, e.g. "
+                                  "http://127.0.0.1:8000/score (python -m megatron_rlhf serve-reward)")
+            if src.timeout_s <= 0 or src.backoff_s < 0 or src.max_backoff_s < src.backoff_s:
+                raise ConfigError(f"{where}: timeout_s={src.timeout_s}, backoff_s={src.backoff_s}, max_backoff_s="
+                                  f"{src.max_backoff_s}: need timeout_s > 0 and 0 <= backoff_s <= max_backoff_s")
+            if src.max_retries < 0 or src.batch_size < 1 or src.max_concurrency < 1:
+                raise ConfigError(f"{where}: max_retries={src.max_retries}, batch_size={src.batch_size}, "
+                                  f"max_concurrency={src.max_concurrency}: need >= 0, >= 1, >= 1")
+
+
+@dataclass(frozen=True)
+class RLConfig:
+    """The RL stage (python -m megatron_rlhf rl): PPO or a critic-free algorithm. Writes
+    <run>/<algorithm>/. The old section name `ppo` is still read (with a note)."""
+
+    # ppo (actor + critic, GAE) | grpo | rloo | reinforce_pp | reinforce_pp_baseline | batch_mean
+    # (critic-free: no critic is built; algorithms/advantages.py has each estimator).
+    algorithm: str = "ppo"
+    steps: int = 40                  # iterations: generate -> score -> train
+    rollout_batch_size: int = 32     # prompts per iteration, over all data-parallel ranks
+    n_samples_per_prompt: int = 1    # responses per prompt (the group of grpo/rloo)
+    # Drop groups whose rewards are all equal (no learning signal; DAPO) and generate more
+    # groups, at most max_sampling_rounds generation rounds per iteration; a shortfall is
+    # filled with dropped groups (logged as sampling_shortfall) so batch shapes stay fixed.
+    dynamic_sampling: bool = False
+    max_sampling_rounds: int = 3
+    mini_batch_size: int = 16        # sequences per optimizer step, over all data-parallel ranks
+    micro_batch_size: int = 8
+    # > 0: score and train microbatches hold as many length-sorted sequences as fit in this many
+    # token slots (rows x longest row) instead of micro_batch_size rows; >= model.max_seq_length.
+    micro_batch_tokens: int = 0
+    epochs: int = 2                  # passes over each rollout batch, reshuffled every epoch
+    # Sampling (also the temperature of the recomputed log-probs).
+    max_new_tokens: int = 12
+    temperature: float = 1.0
+    # Must stay 0 / 1.0: every log-prob (rollout, old, new, reference) is computed under the
+    # full softmax, so a filtered sampler would make the rollout off-policy.
+    top_k: int = 0
+    top_p: float = 1.0
+    # Reward: r_t = -kl_coef * KL_t (kl_in_reward), the combined reward of rl.rewards added at
+    # the last response token.
+    kl_coef: float = 0.05
+    kl_controller: str = "fixed"     # fixed | adaptive (Ziegler et al.)
+    kl_target: float = 6.0
+    kl_horizon: float = 10000.0
+    # k1 | k2 | k3 (algorithms/kl.py: kl_estimate). In the reward only k1 gives an unbiased
+    # policy gradient (k2, k3 are biased there: a warning says so); in the loss k1 has zero
+    # expected gradient and is refused, k2 is the gradient of KL(pi||ref), k3 of KL(ref||pi) (GRPO).
+    kl_estimator: str = "k1"
+    kl_in_reward: bool = True        # False: the KL penalty goes into the actor loss instead
+    # Bound on each token's KL estimate (null: none). In the reward and metrics the estimate is
+    # clamped; in the loss the log ratio is, with its gradient passed through, so the tokens that
+    # drifted furthest keep a bounded, non-zero KL gradient (algorithms/kl.py: kl_loss_estimate).
+    kl_clip: float | None = 10.0
+    # How the actor and critic losses average over the global batch (every microbatch and
+    # data-parallel rank): token_mean | seq_mean_token_mean | seq_mean_token_sum.
+    loss_aggregation: str = "token_mean"
+    missing_eos_penalty: float | None = None  # score given to responses without EOS
+    reward_clip: float = 10.0        # clip the combined reward to [-reward_clip, reward_clip]
+    gamma: float = 1.0
+    # Policy loss: ratio clipped to [1 - clip_eps, 1 + clip_eps_high] (null: clip_eps;
+    # "clip-higher" sets it above clip_eps); dual_clip c > 1 bounds the loss of a negative
+    # advantage at c * |A|; importance_ratio: token | sequence (GSPO, use small clip ranges).
+    clip_eps: float = 0.2
+    clip_eps_high: float | None = None
+    dual_clip: float | None = None
+    importance_ratio: str = "token"
+    # Train/rollout mismatch correction (off by default): the rollout engine's per-token
+    # log-probs pi_rollout can differ from the trainer's pi_old (another engine, other kernels).
+    # tis_cap: each token's policy loss weighted by min(pi_old / pi_rollout, tis_cap) (truncated
+    # importance sampling); mismatch_mask_threshold t: rows whose geometric-mean ratio
+    # exp(mean_t log(pi_old / pi_rollout)) lies outside [1/t, t] get no policy gradient.
+    tis_cap: float | None = None
+    mismatch_mask_threshold: float | None = None
+    # Old log-probs: the in-place engine (rollout.engine=megatron) samples with the actor's
+    # current weights under the same softmax, so its per-token log-probs are pi_old up to float
+    # rounding (~1e-7 in CPU fp32; larger in bf16: make gpu-check reports it); reusing them skips
+    # the actor's forward in the score phase. Every logprob_recompute_interval-th iteration (and
+    # the first) still recomputes them and logs the mismatch (0: only the first).
+    reuse_rollout_logprobs: bool = False
+    logprob_recompute_interval: int = 10
+    group_std_normalization: bool = True  # grpo: divide by the group's std (false: Dr.GRPO)
+    entropy_coef: float = 0.0
+    # Critic (ppo only; setting one with a critic-free algorithm is an error).
+    lam: float = 0.95
+    whiten_advantages: bool = True
+    value_clip: float = 0.2
+    vf_coef: float = 1.0
+    critic_warmup_steps: int = 0     # iterations that train only the critic
+    eval_interval: int = 10
+    eval_samples_logged: int = 3
+    log_interval: int = 1
+    save_interval: int = 0           # 0: save only at the end
+    # Reward-hacking alarm: the proxy (RM) score's trend over this many iterations against an
+    # independent one (gold scorer, or the holdout RM of rm.holdout_fraction); 0: off.
+    reward_hacking_window: int = 10
+    actor_optimizer: OptimizerConfig = field(default_factory=lambda: OptimizerConfig(lr=1e-5))
+    critic_optimizer: OptimizerConfig = field(default_factory=lambda: OptimizerConfig(lr=1e-5))
+    # The reward: the weighted sum of these sources' scores (missing_eos_penalty and
+    # reward_clip then apply to the sum). Without a `model` source no reward model is built
+    # or loaded and the pipeline needs no rm stage.
+    rewards: list[RewardSourceConfig] = field(default_factory=lambda: [RewardSourceConfig()])
+    # Where PPO's critic starts: rm (the reward model, its normalisation folded into the value
+    # head), sft (the SFT actor with a fresh value head) or a checkpoint directory (its critic
+    # role, else its reward role). Default: rm with a model reward source, else sft.
+    critic_from: str | None = None
+    # Stage (or iter_*) directories of the inputs; default <run>/sft (<run>/dpo when
+    # pipeline.stages runs dpo before rl: the actor and reference start from the DPO policy) and <run>/rm.
+    sft_from: str | None = None
+    rm_from: str | None = None
+
+    @property
+    def has_critic(self) -> bool:
+        return self.algorithm not in CRITIC_FREE
+
+    @property
+    def has_reward_model(self) -> bool:
+        return any(source.type == "model" for source in self.rewards)
+
+    @property
+    def critic_start(self) -> str:
+        """rm | sft | a checkpoint directory: where the critic starts (with a critic)."""
+        return self.critic_from or ("rm" if self.has_reward_model else "sft")
+
+    @property
+    def needs_rm_checkpoint(self) -> bool:
+        return self.has_reward_model or (self.has_critic and self.critic_start == "rm")
+
+    @property
+    def corrects_mismatch(self) -> bool:
+        return self.tis_cap is not None or self.mismatch_mask_threshold is not None
+
+    @property
+    def samples_per_iteration(self) -> int:
+        return self.rollout_batch_size * self.n_samples_per_prompt
+
+    def check(self, m: ModelConfig, dp: int, given: frozenset = frozenset()) -> None:
+        """The section's rules; `given`: the dotted keys the recipe and the overrides set."""
+        p = self
+        for key in ("steps", "rollout_batch_size", "mini_batch_size", "micro_batch_size", "epochs", "n_samples_per_prompt", "max_sampling_rounds",
+                    "max_new_tokens", "eval_interval", "log_interval"):
+            if getattr(p, key) < 1:
+                raise ConfigError(f"rl.{key}={getattr(p, key)}: must be >= 1")
+        if p.reward_hacking_window != 0 and p.reward_hacking_window < 5:
+            raise ConfigError(f"rl.reward_hacking_window={p.reward_hacking_window}: a trend needs >= 5 iterations "
+                              "(e.g. 10), or 0 to turn the alarm off")
+        if p.algorithm not in RL_ALGORITHMS:
+            raise ConfigError(f"rl.algorithm={p.algorithm!r}: choose one of {RL_ALGORITHMS}")
+        if p.samples_per_iteration % p.mini_batch_size:
+            raise ConfigError(f"rl.rollout_batch_size={p.rollout_batch_size} x rl.n_samples_per_prompt="
+                              f"{p.n_samples_per_prompt}: must be a multiple of rl.mini_batch_size={p.mini_batch_size}")
+        if p.rollout_batch_size % dp:  # a prompt's group stays on one data-parallel rank
+            raise ConfigError(f"rl.rollout_batch_size={p.rollout_batch_size}: must be a multiple of the "
+                              f"data-parallel size {dp} (each rank samples whole groups)")
+        if p.mini_batch_size % (p.micro_batch_size * dp):
+            raise ConfigError(f"rl.mini_batch_size={p.mini_batch_size}: must be a multiple of "
+                              f"rl.micro_batch_size={p.micro_batch_size} x data-parallel size {dp}")
+        if p.micro_batch_tokens and p.micro_batch_tokens < m.max_seq_length:
+            raise ConfigError(f"rl.micro_batch_tokens={p.micro_batch_tokens}: a sequence of up to model.max_seq_length="
+                              f"{m.max_seq_length} tokens must fit; set it >= {m.max_seq_length}, or 0 for "
+                              "rl.micro_batch_size rows per microbatch")
+        if p.max_new_tokens > m.max_seq_length - 2:  # encode_prompts needs room for >= 2 prompt tokens
+            raise ConfigError(f"rl.max_new_tokens={p.max_new_tokens}: leaves no room for a prompt in "
+                              f"model.max_seq_length={m.max_seq_length}; at most {m.max_seq_length - 2}")
+        if p.temperature <= 0:
+            raise ConfigError(f"rl.temperature={p.temperature}: must be > 0")
+        if not 0 < p.top_p <= 1 or p.top_k < 0:
+            raise ConfigError(f"rl.top_p={p.top_p}, rl.top_k={p.top_k}: need 0 < top_p <= 1 and top_k >= 0")
+        if p.top_k != 0 or p.top_p != 1.0:
+            raise ConfigError(
+                f"rl.top_k={p.top_k}, rl.top_p={p.top_p}: The RL stage computes every log-prob (rollout, old, new, "
+                "reference) under the full softmax, so sampling from a top-k/top-p filtered distribution would "
+                "make the rollout off-policy and bias the KL; set rl.top_k=0 and rl.top_p=1.0 (use "
+                "rl.temperature to sharpen or flatten sampling)")
+        choices = {"kl_estimator": KL_ESTIMATORS, "kl_controller": KL_CONTROLLERS, "loss_aggregation": LOSS_AGGREGATIONS}
+        for key, allowed in choices.items():
+            if getattr(p, key) not in allowed:
+                raise ConfigError(f"rl.{key}={getattr(p, key)!r}: choose one of {allowed}")
+        if not p.kl_in_reward and p.kl_estimator == "k1":
+            raise ConfigError(
+                "rl.kl_estimator='k1' with rl.kl_in_reward=false: in the loss the k1 estimator has zero "
+                "expected gradient (E_pi[grad log pi] = 0), so it adds noise and no regularisation; set "
+                "rl.kl_estimator=k2 (gradient of KL(pi||ref)) or k3 (GRPO's convention, gradient of KL(ref||pi)), "
+                "or keep k1 in the reward (rl.kl_in_reward=true)")
+        if p.kl_clip is not None and p.kl_clip <= 0:
+            raise ConfigError(f"rl.kl_clip={p.kl_clip}: must be > 0, or null for no bound")
+        if p.kl_target <= 0 or p.kl_horizon <= 0:
+            raise ConfigError(f"rl.kl_target={p.kl_target}, rl.kl_horizon={p.kl_horizon}: must be > 0")
+        if not (0 <= p.gamma <= 1 and 0 <= p.lam <= 1):
+            raise ConfigError(f"rl.gamma={p.gamma}, rl.lam={p.lam}: must be in [0, 1]")
+        if p.clip_eps <= 0 or p.value_clip <= 0 or p.reward_clip <= 0:
+            raise ConfigError("rl.clip_eps, rl.value_clip and rl.reward_clip must be > 0")
+
+
+        if p.algorithm in GROUP_BASELINES and p.n_samples_per_prompt < 2:
+            raise ConfigError(f"rl.n_samples_per_prompt={p.n_samples_per_prompt}: rl.algorithm={p.algorithm} compares "
+                              "the samples of one prompt with each other; set rl.n_samples_per_prompt >= 2 (e.g. 4)")
+        if p.dynamic_sampling and p.n_samples_per_prompt < 2:
+            raise ConfigError("rl.dynamic_sampling=true drops groups whose rewards are all equal, which a group of one "
+                              "always is; set rl.n_samples_per_prompt >= 2")
+        if not p.has_critic:
+            set_for_critic = sorted(k for k in given if k.startswith("rl.") and k.split(".")[1] in CRITIC_FIELDS)
+            if set_for_critic:
+                raise ConfigError(
+                    f"{set_for_critic[0]}: rl.algorithm={p.algorithm} has no critic, so this setting would be ignored; "
+                    f"remove {', '.join(set_for_critic)} from the recipe and the overrides, or keep them in a base recipe "
+                    "and set the algorithm in one that starts with `base: <that recipe>` (as pipelines/tiny_cpu_grpo.yaml)")
+        if "rl.group_std_normalization" in given and p.algorithm != "grpo":
+            raise ConfigError(f"rl.group_std_normalization: only rl.algorithm=grpo divides by the group's std "
+                              f"(rl.algorithm={p.algorithm}); remove it")
+        if p.importance_ratio not in IMPORTANCE_RATIOS:
+            raise ConfigError(f"rl.importance_ratio={p.importance_ratio!r}: choose one of {IMPORTANCE_RATIOS}")
+        if p.clip_eps_high is not None and p.clip_eps_high <= 0:
+            raise ConfigError(f"rl.clip_eps_high={p.clip_eps_high}: must be > 0, or null for rl.clip_eps")
+        if p.logprob_recompute_interval < 0:
+            raise ConfigError(f"rl.logprob_recompute_interval={p.logprob_recompute_interval}: must be >= 0 "
+                              "(0: recompute only in the first iteration)")
+        if p.reuse_rollout_logprobs and p.corrects_mismatch:
+            raise ConfigError("rl.reuse_rollout_logprobs=true with rl.tis_cap / rl.mismatch_mask_threshold: the "
+                              "correction weighs pi_old against pi_rollout, which reusing makes the same; "
+                              "set rl.reuse_rollout_logprobs=false")
+        if p.tis_cap is not None and p.tis_cap < 1:
+            raise ConfigError(f"rl.tis_cap={p.tis_cap}: must be >= 1 (typical 2), or null for no correction")
+        if p.mismatch_mask_threshold is not None and p.mismatch_mask_threshold <= 1:
+            raise ConfigError(f"rl.mismatch_mask_threshold={p.mismatch_mask_threshold}: must be > 1 (typical 2), "
+                              "or null for none")
+        p.check_rewards()
+        if p.dual_clip is not None and p.dual_clip <= 1:
+            raise ConfigError(f"rl.dual_clip={p.dual_clip}: must be > 1 (the bound c * |A| on a negative "
+                              "advantage's loss; typical 3), or null for none")
+
+    def check_rewards(self) -> None:
+        p = self
+        if not p.rewards:
+            raise ConfigError("rl.rewards: empty; give at least one reward source, e.g. [{type: model}]")
+        for i, src in enumerate(p.rewards):
+            src.check(f"rl.rewards[{i}]")
+        labels = [src.label for src in p.rewards]
+        if sum(src.type == "model" for src in p.rewards) > 1:
+            raise ConfigError("rl.rewards: more than one source of type model; the RL stage has one reward model role "
+                              "(serve another checkpoint with serve-reward and add it as type http)")
+        if len(set(labels)) != len(labels):
+            raise ConfigError(f"rl.rewards: two sources are called {sorted(set(l for l in labels if labels.count(l) > 1))}; "
+                              "give them distinct `name`s (each is logged as reward_<name>)")

@@ -1,0 +1,62 @@
+"""Which engine generates the RL stage's responses, and its rules."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron_rlhf.config.errors import ConfigError
+from megatron_rlhf.config.model import ModelConfig
+from megatron_rlhf.config.training import ParallelConfig
+
+ROLLOUT_ENGINES = ("megatron", "vllm")
+# Head sizes vLLM's CPU attention backend supports (its GPU backends take more).
+VLLM_CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256)
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    """Which engine generates the RL stage's responses (rollout/)."""
+
+    # megatron: in place, with the actor's own weights (no copy, no refit). vllm: a vLLM
+    # engine per data-parallel replica, in its own process next to the trainer, refit with the
+    # actor's weights before every generation (README: "Rollout engines").
+    engine: str = "megatron"
+    # vllm only. The engine's own tensor parallelism (independent of the training layout).
+    tensor_parallel: int = 1
+    # KV cache budget on CPU (bytes); on GPU the engine takes gpu_memory_utilization of the
+    # device (weights + KV cache) and, with sleep_level > 0, frees it while training runs.
+    kv_cache_bytes: int = 64 * 2**20
+    gpu_memory_utilization: float = 0.3
+    sleep_level: int = 1             # GPU: 0 keep, 1 offload weights + drop KV, 2 drop both
+    refit_bucket_bytes: int = 256 * 2**20  # largest bucket of HF tensors sent to the engine at once
+    enforce_eager: bool = True       # no CUDA graphs / torch.compile in the engine
+
+    def check(self, m: ModelConfig, p: ParallelConfig) -> None:
+        r = self
+        if r.engine not in ROLLOUT_ENGINES:
+            raise ConfigError(f"rollout.engine={r.engine!r}: choose one of {ROLLOUT_ENGINES}")
+        if r.tensor_parallel < 1 or r.kv_cache_bytes < 1 or r.refit_bucket_bytes < 1:
+            raise ConfigError("rollout.tensor_parallel, rollout.kv_cache_bytes and rollout.refit_bucket_bytes must be >= 1")
+        if not 0 < r.gpu_memory_utilization < 1 or r.sleep_level not in (0, 1, 2):
+            raise ConfigError(f"rollout.gpu_memory_utilization={r.gpu_memory_utilization} must be in (0, 1) and "
+                              f"rollout.sleep_level={r.sleep_level} one of 0, 1, 2")
+        if r.engine != "vllm":
+            return
+        tp = r.tensor_parallel
+        if m.num_attention_heads % tp or (m.kv_heads % tp and tp % m.kv_heads):
+            raise ConfigError(f"rollout.tensor_parallel={r.tensor_parallel}: vLLM splits attention heads "
+                              f"({m.num_attention_heads}, {m.kv_heads} key/value) over it; choose a divisor of "
+                              f"model.num_attention_heads")
+        if r.tensor_parallel > p.tensor_parallel * p.pipeline_parallel:
+            raise ConfigError(f"rollout.tensor_parallel={r.tensor_parallel}: the engine of a data-parallel replica "
+                              f"uses that replica's devices (parallel.tensor_parallel x pipeline_parallel = "
+                              f"{p.tensor_parallel * p.pipeline_parallel}); choose at most that")
+
+
+def check_vllm_cpu_model(m: ModelConfig) -> None:
+    """vLLM's CPU attention supports only some head sizes: refuse others before any engine starts."""
+    if m.kv_channels not in VLLM_CPU_HEAD_DIMS:
+        raise ConfigError(
+            f"rollout.engine=vllm on CPU: the model's head size is {m.kv_channels} (model.hidden_size / "
+            f"model.num_attention_heads, or model.head_dim) and vLLM's CPU backend supports only {VLLM_CPU_HEAD_DIMS}; "
+            "use a recipe with such a head size (pipelines/tiny_cpu_vllm.yaml) or rollout.engine=megatron")

@@ -1,0 +1,99 @@
+"""The rules that involve more than one section, and `validate(cfg, world_size)`, which runs
+every section's own `check` and then these, before any model is built or process group made."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from megatron_rlhf.config.errors import ConfigError
+from megatron_rlhf.config.rl import RL_ALGORITHMS
+from megatron_rlhf.config.run import STAGE_INPUTS, STAGES, Config
+
+def validate(cfg: Config, world_size: int | None = None) -> Config:
+    """Every section's own rules, then those across sections; `world_size`: the processes the
+    run is launched with (None: one data-parallel replica). Raises ConfigError naming the field."""
+    m = cfg.model
+    m.check()
+    dp = cfg.parallel.check(m, world_size)
+    cfg.data.check()
+    for name in ("sft", "rm", "dpo"):
+        getattr(cfg, name).check(name, m, dp)
+    cfg.dpo.check_loss()
+    for name in ("optimizer", "sft.optimizer", "rm.optimizer", "dpo.optimizer", "rl.actor_optimizer",
+                 "rl.critic_optimizer"):
+        _get_dotted(cfg, name).check(name)
+    cfg.rl.check(m, dp, cfg.given)
+    cfg.rollout.check(m, cfg.parallel)
+    cfg.lora.check()
+    if cfg.lora.applies_to("sft") and not (cfg.sft.init_from or m.init_from_hf):
+        raise ConfigError("lora.stages has sft: adapters train on a pretrained model, and sft would start from a "
+                          "fresh initialisation; set sft.init_from=<a checkpoint with an actor: an earlier stage, "
+                          "import-hf's output> or model.init_from_hf=<a Hugging Face directory>, or remove sft")
+    if cfg.lora.rank > 0 and "output" in cfg.lora.targets and m.share_embeddings_and_output_weights:
+        raise ConfigError("lora.targets has output with model.share_embeddings_and_output_weights=true: an adapter on "
+                          "a tied LM head would change the input embedding's twin only; remove output from lora.targets")
+    if cfg.rl.reuse_rollout_logprobs and cfg.rollout.engine != "megatron":
+        raise ConfigError(f"rl.reuse_rollout_logprobs=true with rollout.engine={cfg.rollout.engine}: only the in-place "
+                          "megatron engine samples with the actor's own weights and softmax; a separate engine's "
+                          "log-probs are not pi_old. Set rl.reuse_rollout_logprobs=false or rollout.engine=megatron")
+    check_pipeline(cfg)
+    cfg.checkpoint.check()
+    cfg.resilience.check()
+    return cfg
+
+
+def _get_dotted(obj: Any, dotted: str) -> Any:
+    for part in dotted.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def policy_start(cfg: Config) -> tuple[str, str | None]:
+    """Where the RL stage's actor and reference start: (stage name, rl.sft_from or None for
+    <run>/<stage>): dpo when pipeline.stages runs dpo before rl, else sft."""
+    stages = cfg.pipeline.stages
+    after_dpo = "dpo" in stages and "rl" in stages and stages.index("dpo") < stages.index("rl")
+    return ("dpo" if after_dpo else "sft"), cfg.rl.sft_from
+
+
+def check_pipeline(cfg: Config) -> None:
+    """pipeline.stages and pipeline.rerun against what each stage starts from."""
+    stages = cfg.pipeline.stages
+    for name in stages:
+        if name not in STAGES:
+            hint = " (the RL stage is rl; its algorithm is rl.algorithm)" if name in RL_ALGORITHMS else ""
+            raise ConfigError(f"pipeline.stages: unknown stage {name!r}{hint}; choose from {STAGES}")
+    if len(set(stages)) != len(stages) or not stages:
+        raise ConfigError(f"pipeline.stages={stages}: list each stage once, at least one")
+    for i, name in enumerate(stages):
+        for needed, field_name in STAGE_INPUTS.get(name, {}).items():
+            if name == "rl" and needed == "rm" and not cfg.rl.needs_rm_checkpoint:
+                continue  # no reward model source and the critic does not start from one
+            if name == "dpo" and cfg.model.init_from_hf:
+                continue  # starts from the Hugging Face weights
+            if needed not in stages[:i] and _get_dotted(cfg, field_name) is None:
+                raise ConfigError(f"pipeline.stages={stages}: {name} starts from a {needed} checkpoint; put {needed} "
+                                  f"before {name} or set {field_name} to an existing {needed} stage directory")
+    if stray := [name for name in cfg.pipeline.rerun if name not in stages]:
+        hint = " (the RL stage is rl)" if any(name in RL_ALGORITHMS for name in stray) else ""
+        raise ConfigError(f"pipeline.rerun={cfg.pipeline.rerun}: {stray} not in pipeline.stages={stages}{hint}; "
+                          "name stages of this pipeline, e.g. pipeline.rerun=[" + ",".join(stages[:1]) + "]")
+
+
+def warnings_for(cfg: Config) -> list[str]:
+    """Settings that run but are probably not what the user wants; stages log them at start-up."""
+    notes = list(cfg.notes)
+    p = cfg.rl
+    if p.kl_in_reward and p.kl_estimator in ("k2", "k3"):
+        notes.append(
+            f"rl.kl_estimator={p.kl_estimator} with rl.kl_in_reward=true: a reward cannot carry the gradient of "
+            f"an estimator that depends on the policy, so the policy gradient of the KL penalty is biased; k1 is "
+            f"the unbiased choice in the reward ({p.kl_estimator} belongs in the loss: rl.kl_in_reward=false)")
+    if p.importance_ratio == "sequence" and p.loss_aggregation != "seq_mean_token_mean":
+        notes.append(
+            f"rl.importance_ratio=sequence with rl.loss_aggregation={p.loss_aggregation}: GSPO's objective weighs "
+            "every sequence the same (rl.loss_aggregation=seq_mean_token_mean); here tokens of long responses "
+            "weigh more")
+    if "rl.max_sampling_rounds" in cfg.given and not p.dynamic_sampling:
+        notes.append("rl.max_sampling_rounds is set but rl.dynamic_sampling=false: one generation round per iteration")
+    return notes

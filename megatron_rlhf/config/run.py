@@ -1,0 +1,165 @@
+"""The sections of a whole run (data, pipeline, checkpoints, resilience, logging) and the root
+`Config` that holds every section."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from megatron_rlhf.config.errors import ConfigError
+from megatron_rlhf.config.model import ModelConfig
+from megatron_rlhf.config.rl import RLConfig
+from megatron_rlhf.config.rollout import RolloutConfig
+from megatron_rlhf.config.training import DPOConfig, LoRAConfig, OptimizerConfig, ParallelConfig, RMConfig, SFTConfig
+from megatron_rlhf.data.tasks.base import TaskSizes
+
+STAGES = ("sft", "rm", "dpo", "rl")
+DEFAULT_STAGES = ("sft", "rm", "rl")
+# What each stage starts from: an earlier stage in pipeline.stages, or the field naming its checkpoint.
+STAGE_INPUTS = {"rm": {"sft": "rm.init_from"}, "dpo": {"sft": "dpo.init_from"},
+                "rl": {"sft": "rl.sft_from", "rm": "rl.rm_from"}}
+# ... unless the stage does not need that input (rules.py: check_pipeline)
+OVERFLOW_POLICIES = ("truncate", "drop")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    # A built-in task (megatron_rlhf/data/tasks) generates every split from `seed`; a JSONL
+    # path given below replaces that split. task: null means all needed paths must be given.
+    task: str | None = "sentiment"
+    task_sizes: TaskSizes = field(default_factory=TaskSizes)
+    # "builtin": the task's word-level tokenizer; otherwise a local HF tokenizer directory.
+    tokenizer: str = "builtin"
+    sft_train: str | None = None
+    sft_eval: str | None = None
+    preference_train: str | None = None
+    preference_eval: str | None = None
+    prompts_train: str | None = None
+    prompts_eval: str | None = None
+    # Sequences longer than the stage's seq_length: "truncate" or "drop" (always counted).
+    overflow: str = "truncate"
+    # A *_train file without its *_eval file: this fraction of its records (chosen from
+    # `seed`) is held out for evaluation and the rest trains; recorded in the stage summary.
+    eval_fraction: float = 0.05
+
+    def check(self) -> None:
+        if not 0 <= self.eval_fraction < 1:
+            raise ConfigError(f"data.eval_fraction={self.eval_fraction}: must be in [0, 1) (e.g. 0.05); 0 needs "
+                              "an *_eval file (or data.task) for every *_train file")
+        if self.overflow not in OVERFLOW_POLICIES:
+            raise ConfigError(f"data.overflow={self.overflow!r}: choose one of {OVERFLOW_POLICIES}")
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    # Stages `pipeline` (and slurm/submit_pipeline.sh, megatron_rlhf.launch) run in order,
+    # from sft, rm, dpo, rl: e.g. [sft, rm, rl] (default), [sft, dpo], [sft, rm, dpo, rl].
+    # Each starts from an earlier stage's checkpoint or its *_from field.
+    stages: list[str] = field(default_factory=lambda: list(DEFAULT_STAGES))
+    # A finished stage is reused only on the inputs its summary.json recorded (data, tokenizer,
+    # settings, start checkpoint; trainers/stage_inputs.py); one whose inputs changed stops the
+    # run, unless listed here: then it trains again from scratch, its old directory renamed
+    # <stage>.replaced-<time> (as are later stages that start from it: list them too).
+    # Unchanged stages are still reused, so a repeated or requeued command trains nothing twice.
+    rerun: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    # Stages write to <root>/<run_name>/<stage>/.
+    root: str = "checkpoints"
+    run_name: str = "default"
+    keep_last: int = 2
+    # Resume from the stage's own latest complete checkpoint when there is one.
+    resume: bool = True
+    # Resume from this stage or iter_* directory instead (e.g. a copy of another run).
+    load: str | None = None
+    # Write checkpoints in background processes (megatron-core async dist-checkpointing):
+    # training continues while the files are written; the checkpoint is committed (renamed,
+    # named in `latest`) only once every rank has finished writing.
+    async_save: bool = False
+
+    def check(self) -> None:
+        if self.keep_last < 1:
+            raise ConfigError(f"checkpoint.keep_last={self.keep_last}: must be >= 1")
+
+
+@dataclass(frozen=True)
+class ResilienceConfig:
+    # A step whose loss or gradients are NaN/Inf on any rank is skipped (no optimizer update);
+    # this many skipped steps in a row stop the run with an error (0: stop at the first).
+    max_consecutive_nonfinite: int = 3
+
+    def check(self) -> None:
+        if self.max_consecutive_nonfinite < 0:
+            raise ConfigError(f"resilience.max_consecutive_nonfinite={self.max_consecutive_nonfinite}: "
+                              "must be >= 0 (0 stops at the first non-finite step)")
+
+
+@dataclass(frozen=True)
+class LoggingConfig:
+    tensorboard: bool = True
+    # Show every third-party warning at start-up (the CLI flag --verbose does the same);
+    # false hides the known harmless ones (megatron_rlhf/logging/quiet.py lists them).
+    verbose: bool = False
+
+
+@dataclass(frozen=True)
+class Config:
+    seed: int = 1234
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    # Used by roles built outside a stage (smoke run, tests); each stage has its own.
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
+    rm: RMConfig = field(default_factory=RMConfig)
+    dpo: DPOConfig = field(default_factory=DPOConfig)
+    rl: RLConfig = field(default_factory=RLConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    resilience: ResilienceConfig = field(default_factory=ResilienceConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    # What load_config found in the recipe besides the values (not a recipe key; see RecipeFacts).
+    recipe: RecipeFacts = field(default_factory=lambda: RecipeFacts(), repr=False, compare=False,
+                                metadata={"recipe_key": False})
+
+    def to_dict(self) -> dict[str, Any]:
+        """The settings, as a recipe would give them."""
+        return {k: v for k, v in dataclasses.asdict(self).items() if k != "recipe"}
+
+    @property
+    def notes(self) -> tuple[str, ...]:
+        return self.recipe.notes
+
+    @property
+    def given(self) -> frozenset[str]:
+        return self.recipe.given
+
+    @property
+    def override_keys(self) -> frozenset[str]:
+        return self.recipe.override_keys
+
+    @property
+    def hf_notes(self) -> tuple[str, ...]:
+        return self.recipe.hf_notes
+
+
+@dataclass(frozen=True)
+class RecipeFacts:
+    """What loading a recipe learned besides the values, fixed when it is loaded."""
+
+    notes: tuple[str, ...] = ()  # on renamed (legacy) keys
+    # The dotted keys the recipe itself (not a base recipe) and the overrides set: a rule may
+    # depend on whether a value was chosen (e.g. a critic field with a critic-free algorithm).
+    given: frozenset[str] = frozenset()
+    # The dotted keys the command-line overrides set (a subset of `given`): a later stage refuses
+    # these when they contradict what its run recorded, and replaces a recipe's (stage_data.py).
+    override_keys: frozenset[str] = frozenset()
+    # Architecture fields a recipe set that model.from_hf_config / init_from_hf replaced
+    # (printed by the pre-flight check).
+    hf_notes: tuple[str, ...] = ()
