@@ -126,7 +126,7 @@ def child(args, offload: bool) -> dict:
         f"model.max_seq_length={max(hi + new, 64)}",  # at least the recipe's sft/rm/dpo seq_length
         f"rl.rollout_batch_size={batch}", f"rl.mini_batch_size={max(batch // 2, 1)}",
         f"rl.micro_batch_size={min(args.micro_batch, max(batch // 2, 1))}", f"rl.epochs={args.epochs}",
-        f"rl.max_new_tokens={new}", "rl.steps=100", "rl.algorithm=ppo", f"rollout.engine={args.engine}"]
+        f"sampling.max_new_tokens={new}", "rl.steps=100", "rl.algorithm=ppo", f"rollout.engine={args.engine}"]
     cfg = load_config(REPO / "pipelines/tiny_cpu.yaml", overrides)
     tokenizer = tokenizer_for(cfg)
     if cfg.model.vocab_size is None:
@@ -185,7 +185,7 @@ def child(args, offload: bool) -> dict:
                     phase.tokens = int(rollout.lengths.sum())
                     sync()
                 with sched.phase("train") as phase:
-                    stage.add_advantages(batch_, cfg.rl, 0.05)
+                    stage.add_advantages(batch_, cfg.rl, 0.05, cfg.sampling.max_new_tokens)
                     stage.train_on_rollout(trained, batch_, cfg.rl, 0.05, seed=it)
                     phase.tokens = int(rollout.lengths.sum()) * cfg.rl.epochs
                     sync()

@@ -29,7 +29,7 @@ QUICK = dict(algorithms=["ppo"], overrides=[
     *(f"{stage}.{key}={value}" for stage in ("sft", "rm") for key, value in
       (("steps", 2), ("eval_interval", 2), ("save_interval", 0), ("optimizer.warmup_steps", 0))),
     "rl.steps=1", "rl.eval_interval=1", "rl.rollout_batch_size=4", "rl.mini_batch_size=4", "rl.micro_batch_size=4",
-    "rl.max_new_tokens=8", "data.task_sizes.sft_train=64", "data.task_sizes.sft_eval=16",
+    "sampling.max_new_tokens=8", "data.task_sizes.sft_train=64", "data.task_sizes.sft_eval=16",
     "data.task_sizes.preference_train=64", "data.task_sizes.preference_eval=16", "data.task_sizes.ppo_prompts=16",
     "data.task_sizes.eval_prompts=8"])
 

@@ -50,7 +50,7 @@ def run(algorithm: str, iterations: int, quick: bool = False) -> dict:
     cfg = load_config(REPO / RECIPES[algorithm], [
         f"rl.rollout_batch_size={size['sequences'] // n}", f"rl.mini_batch_size={size['mini']}",
         f"rl.micro_batch_size={size['micro']}", f"rl.epochs={size['epochs']}",
-        f"rl.max_new_tokens={size['new_tokens']}", "rl.steps=100"])
+        f"sampling.max_new_tokens={size['new_tokens']}", "rl.steps=100"])
     cfg, _ = resolve_vocab_size(cfg, tokenizer_for(cfg))  # the built-in task's, as a stage would
     parallel.initialize(cfg)
     roles = stage.build_roles(cfg)
@@ -72,7 +72,7 @@ def run(algorithm: str, iterations: int, quick: bool = False) -> dict:
             batch, _ = stage.score(rollout, scored or score_fn(rollout, rows), roles, cfg.rl)
             phase.tokens = int(rollout.lengths.sum())
         with sched.phase("train") as phase:
-            stage.add_advantages(batch, cfg.rl, 0.05)
+            stage.add_advantages(batch, cfg.rl, 0.05, cfg.sampling.max_new_tokens)
             stage.train_on_rollout(trained, batch, cfg.rl, 0.05, seed=it)
             phase.tokens = int(rollout.lengths.sum()) * cfg.rl.epochs
     phases = {p: {"seconds": v["seconds"] / iterations, "tokens_per_s": v["tokens_per_s"]}

@@ -60,7 +60,7 @@ def config(batch: int, distributed_optimizer: bool, new_tokens: int):
         f"model.num_query_groups={HEADS}", f"model.ffn_hidden_size={FFN}",
         "model.make_vocab_size_divisible_by=1", "model.max_seq_length=64",
         f"rl.rollout_batch_size={batch}", f"rl.mini_batch_size={batch}", f"rl.micro_batch_size={batch}",
-        f"rl.max_new_tokens={new_tokens}", "rl.steps=100",
+        f"sampling.max_new_tokens={new_tokens}", "rl.steps=100",
         f"optimizer.use_distributed_optimizer={str(distributed_optimizer).lower()}"])
 
 
@@ -139,7 +139,7 @@ def ppo_minibatch(roles, cfg, batch: int, new_tokens: int):
     rollout, rows, scored, _ = stage.generate(engine, score_fn, lambda: prompts, cfg.rl,
                                               SamplingParams(max_new_tokens=new_tokens), seed=0)
     ppo_batch, _ = stage.score(rollout, scored or score_fn(rollout, rows), roles, cfg.rl)
-    stage.add_advantages(ppo_batch, cfg.rl, 0.05)
+    stage.add_advantages(ppo_batch, cfg.rl, 0.05, cfg.sampling.max_new_tokens)
     return ppo_batch.select(by_length(ppo_batch.lengths)).tensors()
 
 

@@ -257,7 +257,7 @@ def run_ours(batch: int, iterations: int, new_tokens: int, seed: int, reuse_logp
         # no padding rows: the embedding and logits have exactly the tokenizer's V, like the TRL side
         "model.make_vocab_size_divisible_by=1", "model.max_seq_length=64",
         f"rl.rollout_batch_size={batch}", f"rl.mini_batch_size={batch}", f"rl.micro_batch_size={batch}",
-        f"rl.epochs={EPOCHS}", f"rl.max_new_tokens={new_tokens}", "rl.steps=100"])
+        f"rl.epochs={EPOCHS}", f"sampling.max_new_tokens={new_tokens}", "rl.steps=100"])
     tokenizer = tokenizer_for(cfg)
     cfg, _ = resolve_vocab_size(cfg, tokenizer)  # the built-in task's, as a stage would
     parallel.initialize(cfg)
@@ -287,7 +287,7 @@ def run_ours(batch: int, iterations: int, new_tokens: int, seed: int, reuse_logp
                                        recompute_old=not reuse_logprobs)
         with sched.phase("train"):
             with clock.span("score"):  # advantages: TRL computes them before its first training forward
-                stage.add_advantages(ppo_batch, cfg.rl, 0.05)
+                stage.add_advantages(ppo_batch, cfg.rl, 0.05, cfg.sampling.max_new_tokens)
             with clock.span("train"):
                 stage.train_on_rollout(trained, ppo_batch, cfg.rl, 0.05, seed=it)
         if it:

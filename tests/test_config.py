@@ -160,8 +160,8 @@ def test_rl_refuses_what_would_bend_its_gradient():
     assert "rl.kl_estimator=k2" in msg
     validate(cfg_with("rl.kl_in_reward=false", "rl.kl_estimator=k2"), world_size=1)
     # a filtered sampler with log-probs of the full softmax: off-policy rollouts, biased KL
-    assert "rl.top_k=0 and rl.top_p=1.0" in assert_error_names("rl.top_k", "rl.top_k=20")
-    assert_error_names("rl.top_p", "rl.top_p=0.9")
+    assert "sampling.top_k=0 and sampling.top_p=1.0" in assert_error_names("sampling.top_k", "sampling.top_k=20")
+    assert_error_names("sampling.top_p", "sampling.top_p=0.9")
     assert_error_names("rl.kl_clip", "rl.kl_clip=0")
     assert validate(cfg_with("rl.kl_clip=null"), world_size=1).rl.kl_clip is None
     assert_error_names("rl.loss_aggregation", "rl.loss_aggregation=sum")
@@ -194,6 +194,25 @@ def test_the_old_ppo_section_is_read_as_rl_with_a_note(tmp_path):
     assert "ppo.ppo_epochs -> rl.epochs" in notes and "ppo.kl_coef -> rl.kl_coef" in notes
     with pytest.raises(ConfigError, match="ppo.steps and rl.steps are both set"):
         load_config(recipe, ["rl.steps=3", "ppo.steps=4"])
+
+
+def test_the_sampling_settings_of_the_rl_section_are_read_as_the_sampling_section_with_a_note(tmp_path):
+    from megatron_rlhf.config import warnings_for
+
+    recipe = tmp_path / "old.yaml"
+    recipe.write_text("base: " + str(PIPELINES / "tiny_cpu.yaml") + "\nppo:\n  temperature: 0.7\n"
+                      "rl:\n  max_new_tokens: 8\n")
+    cfg = load_config(recipe, ["rl.eval_samples_logged=5"])
+    s = cfg.sampling
+    assert (s.temperature, s.max_new_tokens, s.eval_samples_logged) == (0.7, 8, 5)
+    notes = " ".join(warnings_for(cfg))
+    for key in ("temperature", "max_new_tokens", "eval_samples_logged"):
+        assert f"rl.{key} -> sampling.{key}" in notes
+    with pytest.raises(ConfigError, match="rl.top_p and sampling.top_p are both set"):
+        load_config(recipe, ["rl.top_p=0.9", "sampling.top_p=1.0"])
+    # a DPO run samples its evaluation as the RL stage does: one section, read by both stages
+    assert "sampling.max_new_tokens=200: leaves no room" in assert_error_names(
+        "sampling.max_new_tokens", "sampling.max_new_tokens=200", "pipeline.stages=[sft,dpo]")
 
 
 def test_critic_free_algorithms_refuse_critic_settings_and_single_samples():

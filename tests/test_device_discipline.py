@@ -71,11 +71,11 @@ ALGORITHM_SETTINGS = {
 @pytest.mark.parametrize("algorithm", sorted(ESTIMATORS))
 @pytest.mark.parametrize("kl_in_reward", [True, False])
 def test_rl_glue_and_math_stay_on_the_device(fake, algorithm, kl_in_reward):
-    cfg = RLConfig(algorithm=algorithm, max_new_tokens=NEW, missing_eos_penalty=-1.0, kl_in_reward=kl_in_reward,
+    cfg = RLConfig(algorithm=algorithm, missing_eos_penalty=-1.0, kl_in_reward=kl_in_reward,
                    kl_estimator="k1" if kl_in_reward else "k3", entropy_coef=0.01, **ALGORITHM_SETTINGS[algorithm])
     r, batch = rl_batch(cfg)
     on_cuda(**batch.tensors())
-    kl_stats = rl_stage.add_advantages(batch, cfg, kl_coef=0.05)
+    kl_stats = rl_stage.add_advantages(batch, cfg, kl_coef=0.05, max_new_tokens=NEW)
     on_cuda(**batch.tensors(), **kl_stats)
     assert (batch.returns is not None) == cfg.has_critic
 
@@ -99,22 +99,22 @@ def test_rl_glue_and_math_stay_on_the_device(fake, algorithm, kl_in_reward):
 def test_reward_sources_combine_on_the_device(fake):
     """A service's or rule's scores arrive from the host (on_replica_leader puts them on the
     device); the weighted sum, the clip and the per-source sums stay there."""
-    cfg = RLConfig(max_new_tokens=NEW, missing_eos_penalty=-1.0)
+    cfg = RLConfig(missing_eos_penalty=-1.0)
     r, batch = rl_batch(cfg)
     per_source = {"rm": torch.randn(B, device=CUDA), "exact": torch.tensor([1.0, 0.0, 1.0, 1.0], device=CUDA)}
     total = rl_stage.clip_scores(weighted_sum(per_source, {"rm": 1.0, "exact": 0.5}), r, cfg)
     on_cuda(total=total)
-    kl_stats = rl_stage.add_advantages(batch, cfg, kl_coef=0.05)
+    kl_stats = rl_stage.add_advantages(batch, cfg, kl_coef=0.05, max_new_tokens=NEW)
     sums = rl_stage.iteration_sums(r, batch, kl_stats, gold=1.0, repetition=0.0, sampling={}, per_source=per_source)
     assert {"reward_rm", "reward_exact"} <= sums.keys()
     on_cuda(reduced=stack_values(sums, CUDA))
 
 
 def test_mismatch_correction_stays_on_the_device(fake):
-    cfg = RLConfig(max_new_tokens=NEW, tis_cap=2.0, mismatch_mask_threshold=2.0)
+    cfg = RLConfig(tis_cap=2.0, mismatch_mask_threshold=2.0)
     r, batch = rl_batch(cfg)
     batch.rollout_logprobs = r.logprobs * batch.mask
-    rl_stage.add_advantages(batch, cfg, kl_coef=0.05)
+    rl_stage.add_advantages(batch, cfg, kl_coef=0.05, max_new_tokens=NEW)
     outputs = {"logprobs": torch.randn(B, S, device=CUDA, requires_grad=True), "entropy": torch.rand(B, S, device=CUDA)}
     loss, units, stats = rl_stage.actor_loss(outputs, batch.tensors(), cfg, kl_coef=0.05)
     on_cuda(loss=loss, units=units, **stats)
@@ -122,7 +122,7 @@ def test_mismatch_correction_stays_on_the_device(fake):
 
 
 def test_response_layout_helpers_follow_their_inputs(fake):
-    r, batch = rl_batch(RLConfig(max_new_tokens=NEW))
+    r, batch = rl_batch(RLConfig())
     x = torch.randn(B, S, device=CUDA)
     sliced = batch.response(x, NEW)
     back = batch.sequence(sliced)

@@ -431,7 +431,7 @@ def test_gpu_check_runs_ppo_then_grpo_then_lora_cpu(tmp_path, monkeypatch, capsy
     out, root = tmp_path / "out", tmp_path / "root"
     rc = gc.main(["--no-install", "--out", str(out), "--run-root", str(root), "--timeout", "400",
                   *(["--no-lora"] if outcome == "no_lora" else []), "--",
-                  "rl.critic_optimizer.lr=1e-3", "ppo.steps=5", "ppo.vf_coef=0.5", "rl.max_new_tokens=8",
+                  "rl.critic_optimizer.lr=1e-3", "ppo.steps=5", "ppo.vf_coef=0.5", "sampling.max_new_tokens=8",
                   "lora.rank=4", "rl.algorithm=ppo"])
     res = json.loads((out / "gpu_check.json").read_text())
     table = (out / "gpu_check.txt").read_text()
@@ -439,7 +439,7 @@ def test_gpu_check_runs_ppo_then_grpo_then_lora_cpu(tmp_path, monkeypatch, capsy
     rows, lrows = table_rows(table), table_rows(table, block="PPO vs PPO+LoRA")
 
     base = [f"checkpoint.root={root}", "checkpoint.run_name=gpu_check", "model.params_dtype=bfloat16"]
-    ppo_overrides = base + ["rl.critic_optimizer.lr=1e-3", "rl.steps=5", "rl.vf_coef=0.5", "rl.max_new_tokens=8",
+    ppo_overrides = base + ["rl.critic_optimizer.lr=1e-3", "rl.steps=5", "rl.vf_coef=0.5", "sampling.max_new_tokens=8",
                             "rl.algorithm=ppo"]
     # PPO: all but GRPO's 30% and LoRA's 25% of --timeout 400 (with --no-lora: all but GRPO's)
     assert calls[0] == {"recipe": "pipelines/tiny_cpu.yaml", "overrides": ppo_overrides,
@@ -458,9 +458,9 @@ def test_gpu_check_runs_ppo_then_grpo_then_lora_cpu(tmp_path, monkeypatch, capsy
     assert "peak GPU memory" in table and "PPO GPU peak" in table and "PPO+LoRA GPU peak" in table
     assert "offload between RL phases: on" in table
     grpo_run, lora_run = res["grpo"]["run"], res["ppo_lora"]["run"]
-    grpo_ov, grpo_not = base + ["rl.steps=5", "rl.max_new_tokens=8"], \
+    grpo_ov, grpo_not = base + ["rl.steps=5", "sampling.max_new_tokens=8"], \
         ["rl.critic_optimizer.lr=1e-3", "rl.vf_coef=0.5", "lora.rank=4", "rl.algorithm=ppo"]
-    lora_ov = base + ["rl.critic_optimizer.lr=1e-3", "rl.steps=5", "rl.vf_coef=0.5", "rl.max_new_tokens=8",
+    lora_ov = base + ["rl.critic_optimizer.lr=1e-3", "rl.steps=5", "rl.vf_coef=0.5", "sampling.max_new_tokens=8",
                       "lora.rank=4"]  # critic settings too: the LoRA recipe is PPO with a critic
     if outcome == "rm_unfinished":
         assert len(calls) == 1 and rc == 1

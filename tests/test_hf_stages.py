@@ -74,7 +74,7 @@ def test_sft_from_a_hf_checkpoint_starts_where_transformers_is(tmp_path, nproc, 
     hf = tiny_qwen2_unlike_the_recipe(tmp_path / "hf")
     # the HF directory's tokenizer (the recipe's is builtin); checkpoints at steps 1 and 2
     out = stage(nproc, "sft", tmp_path, "from_hf", *SFT, *layout, f"model.init_from_hf={tmp_path / 'hf'}",
-                f"data.tokenizer={tmp_path / 'hf'}", "sft.save_interval=1", "rl.temperature=0.7").stdout
+                f"data.tokenizer={tmp_path / 'hf'}", "sft.save_interval=1", "sampling.temperature=0.7").stdout
     assert f"initialised from the Hugging Face checkpoint {tmp_path / 'hf'}" in out
     seq_length = 32  # the recipe's sft.seq_length
     want = hf_response_nll(hf, tmp_path / "from_hf", seq_length)
@@ -110,7 +110,7 @@ def check_the_export_is_complete(exported, tokenizer_dir):
     generation = GenerationConfig.from_pretrained(exported)
     assert (generation.eos_token_id, generation.pad_token_id) == (1, 0)
     assert generation.do_sample and generation.temperature == 0.7
-    assert generation.max_new_tokens == load_config(REPO / RECIPE[1]).rl.max_new_tokens
+    assert generation.max_new_tokens == load_config(REPO / RECIPE[1]).sampling.max_new_tokens
     for name in ("tokenizer.json", "tokenizer_config.json"):
         assert (exported / name).read_bytes() == (tokenizer_dir / name).read_bytes(), name
 

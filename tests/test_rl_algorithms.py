@@ -19,7 +19,7 @@ SHORT = ["rl.steps=2", "rl.eval_interval=2", "rl.rollout_batch_size=8", "rl.mini
 # responses leave many groups unfinished (all scored by the missing-EOS penalty: equal).
 OPTIONS_STEPS = 4
 OPTIONS = [f"rl.steps={OPTIONS_STEPS}", "rl.save_interval=2", "rl.eval_interval=4", "rl.rollout_batch_size=4",
-           "rl.n_samples_per_prompt=4", "rl.mini_batch_size=8", "rl.micro_batch_size=4", "rl.max_new_tokens=8",
+           "rl.n_samples_per_prompt=4", "rl.mini_batch_size=8", "rl.micro_batch_size=4", "sampling.max_new_tokens=8",
            "rl.clip_eps_high=0.28", "rl.dual_clip=3.0", "rl.importance_ratio=sequence", "rl.dynamic_sampling=true",
            "rl.max_sampling_rounds=3", "rl.kl_coef=0.01"]
 

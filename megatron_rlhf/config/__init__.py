@@ -7,6 +7,7 @@ rules sit beside its fields (a `check(...)` taking the sections and facts it nee
     training.py         parallel, optimizer, lora, and the sft / rm / dpo stages
     rl.py               rl and its reward sources
     rollout.py          rollout: which engine generates
+    sampling.py         sampling: how the policy samples (RL rollouts, RL and DPO evaluations)
     run.py              data, pipeline, checkpoint, resilience, logging, and the root Config
     recipe.py           load_config: YAML, `base:`, overrides, renamed keys, type checks
     rules.py            validate: every section's check, then the rules across sections
@@ -28,6 +29,7 @@ from megatron_rlhf.config.rl import (
 )
 from megatron_rlhf.config.rollout import ROLLOUT_ENGINES, VLLM_CPU_HEAD_DIMS, RolloutConfig, check_vllm_cpu_model
 from megatron_rlhf.config.rules import policy_start, validate, warnings_for
+from megatron_rlhf.config.sampling import SamplingConfig
 from megatron_rlhf.config.run import (
     DEFAULT_STAGES, OVERFLOW_POLICIES, STAGE_INPUTS, STAGES, CheckpointConfig, Config, DataConfig, LoggingConfig,
     PipelineConfig, RecipeFacts, ResilienceConfig,
@@ -44,7 +46,7 @@ __all__ = [
     "LoggingConfig", "MODEL_FAMILIES", "ModelConfig", "OVERFLOW_POLICIES", "OptimizerConfig", "ParallelConfig",
     "PipelineConfig", "REWARD_SOURCE_FIELDS", "REWARD_SOURCE_TYPES", "RLConfig", "RL_ALGORITHMS", "RMConfig",
     "ROLLOUT_ENGINES", "ROPE_SCALING_TYPES", "RecipeFacts", "ResilienceConfig", "RewardSourceConfig", "RolloutConfig",
-    "RopeScalingConfig", "SFTConfig", "STAGES", "STAGE_INPUTS", "StageConfig", "VLLM_CPU_HEAD_DIMS",
+    "RopeScalingConfig", "SFTConfig", "STAGES", "SamplingConfig", "STAGE_INPUTS", "StageConfig", "VLLM_CPU_HEAD_DIMS",
     "check_vllm_cpu_model", "from_dict", "load_config", "parse_overrides", "policy_start", "read_recipe",
     "rename_legacy_keys", "validate", "warnings_for", "yaml_problem",
 ]

@@ -16,6 +16,7 @@ from megatron_rlhf.config.errors import ConfigError
 from megatron_rlhf.config.hf_architecture import ConvertError, resolve_from_hf
 from megatron_rlhf.config.model import ModelConfig
 from megatron_rlhf.config.run import Config, RecipeFacts
+from megatron_rlhf.config.sampling import MOVED_FROM_RL
 
 
 def _check_type(value: Any, annotation: Any, name: str) -> Any:
@@ -131,8 +132,16 @@ def _merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
 
 
 def rename_legacy_keys(data: dict[str, Any], where: str) -> tuple[dict[str, Any], list[str]]:
-    """The `ppo` section read as `rl` (and ppo.ppo_epochs as rl.epochs), with a note naming
-    each new key. A key set under both names is an error."""
+    """Renamed keys read under their new names, with a note naming each new key: the `ppo`
+    section as `rl` (ppo.ppo_epochs as rl.epochs), then rl's sampling fields (max_new_tokens,
+    temperature, top_k, top_p, eval_samples_logged) as `sampling.*`. A key set under both names
+    is an error."""
+    data, notes = _rename_ppo_section(data, where)
+    data, more = _move_sampling_fields(data, where)
+    return data, notes + more
+
+
+def _rename_ppo_section(data: dict[str, Any], where: str) -> tuple[dict[str, Any], list[str]]:
     if "ppo" not in data:
         return data, []
     old = data["ppo"]
@@ -149,6 +158,20 @@ def rename_legacy_keys(data: dict[str, Any], where: str) -> tuple[dict[str, Any]
     data = {k: v for k, v in data.items() if k != "ppo"}
     data["rl"] = new
     return data, [f"{where}: the ppo section is now rl; read {', '.join(moved)}"]
+
+
+def _move_sampling_fields(data: dict[str, Any], where: str) -> tuple[dict[str, Any], list[str]]:
+    rl = data.get("rl")
+    if not isinstance(rl, dict) or not (keys := [k for k in MOVED_FROM_RL if k in rl]):
+        return data, []
+    sampling = dict(data.get("sampling") or {})
+    for key in keys:
+        if key in sampling:
+            raise ConfigError(f"rl.{key} and sampling.{key} are both set ({where}); keep sampling.{key} only")
+        sampling[key] = rl[key]
+    data = {**data, "rl": {k: v for k, v in rl.items() if k not in keys}, "sampling": sampling}
+    return data, [f"{where}: the sampling settings are now the sampling section (the RL and DPO stages read it); "
+                  f"read {', '.join(f'rl.{k} -> sampling.{k}' for k in keys)}"]
 
 
 def _leaf_keys(tree: dict[str, Any], prefix: str = "") -> set[str]:

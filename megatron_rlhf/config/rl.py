@@ -112,13 +112,7 @@ class RLConfig:
     # token slots (rows x longest row) instead of micro_batch_size rows; >= model.max_seq_length.
     micro_batch_tokens: int = 0
     epochs: int = 2                  # passes over each rollout batch, reshuffled every epoch
-    # Sampling (also the temperature of the recomputed log-probs).
-    max_new_tokens: int = 12
-    temperature: float = 1.0
-    # Must stay 0 / 1.0: every log-prob (rollout, old, new, reference) is computed under the
-    # full softmax, so a filtered sampler would make the rollout off-policy.
-    top_k: int = 0
-    top_p: float = 1.0
+    # How responses are sampled (max_new_tokens, temperature, ...): the sampling section.
     # Reward: r_t = -kl_coef * KL_t (kl_in_reward), the combined reward of rl.rewards added at
     # the last response token.
     kl_coef: float = 0.05
@@ -170,7 +164,6 @@ class RLConfig:
     vf_coef: float = 1.0
     critic_warmup_steps: int = 0     # iterations that train only the critic
     eval_interval: int = 10
-    eval_samples_logged: int = 3
     log_interval: int = 1
     save_interval: int = 0           # 0: save only at the end
     # Reward-hacking alarm: the proxy (RM) score's trend over this many iterations against an
@@ -220,7 +213,7 @@ class RLConfig:
         """The section's rules; `given`: the dotted keys the recipe and the overrides set."""
         p = self
         for key in ("steps", "rollout_batch_size", "mini_batch_size", "micro_batch_size", "epochs", "n_samples_per_prompt", "max_sampling_rounds",
-                    "max_new_tokens", "eval_interval", "log_interval"):
+                    "eval_interval", "log_interval"):
             if getattr(p, key) < 1:
                 raise ConfigError(f"rl.{key}={getattr(p, key)}: must be >= 1")
         if p.reward_hacking_window != 0 and p.reward_hacking_window < 5:
@@ -241,19 +234,6 @@ class RLConfig:
             raise ConfigError(f"rl.micro_batch_tokens={p.micro_batch_tokens}: a sequence of up to model.max_seq_length="
                               f"{m.max_seq_length} tokens must fit; set it >= {m.max_seq_length}, or 0 for "
                               "rl.micro_batch_size rows per microbatch")
-        if p.max_new_tokens > m.max_seq_length - 2:  # encode_prompts needs room for >= 2 prompt tokens
-            raise ConfigError(f"rl.max_new_tokens={p.max_new_tokens}: leaves no room for a prompt in "
-                              f"model.max_seq_length={m.max_seq_length}; at most {m.max_seq_length - 2}")
-        if p.temperature <= 0:
-            raise ConfigError(f"rl.temperature={p.temperature}: must be > 0")
-        if not 0 < p.top_p <= 1 or p.top_k < 0:
-            raise ConfigError(f"rl.top_p={p.top_p}, rl.top_k={p.top_k}: need 0 < top_p <= 1 and top_k >= 0")
-        if p.top_k != 0 or p.top_p != 1.0:
-            raise ConfigError(
-                f"rl.top_k={p.top_k}, rl.top_p={p.top_p}: The RL stage computes every log-prob (rollout, old, new, "
-                "reference) under the full softmax, so sampling from a top-k/top-p filtered distribution would "
-                "make the rollout off-policy and bias the KL; set rl.top_k=0 and rl.top_p=1.0 (use "
-                "rl.temperature to sharpen or flatten sampling)")
         choices = {"kl_estimator": KL_ESTIMATORS, "kl_controller": KL_CONTROLLERS, "loss_aggregation": LOSS_AGGREGATIONS}
         for key, allowed in choices.items():
             if getattr(p, key) not in allowed:

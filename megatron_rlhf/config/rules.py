@@ -22,6 +22,7 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
     for name in ("optimizer", "sft.optimizer", "rm.optimizer", "dpo.optimizer", "rl.actor_optimizer",
                  "rl.critic_optimizer"):
         _get_dotted(cfg, name).check(name)
+    cfg.sampling.check(m)
     cfg.rl.check(m, dp, cfg.given)
     cfg.rollout.check(m, cfg.parallel)
     cfg.lora.check()

@@ -11,6 +11,7 @@ from megatron_rlhf.config.errors import ConfigError
 from megatron_rlhf.config.model import ModelConfig
 from megatron_rlhf.config.rl import RLConfig
 from megatron_rlhf.config.rollout import RolloutConfig
+from megatron_rlhf.config.sampling import SamplingConfig
 from megatron_rlhf.config.training import DPOConfig, LoRAConfig, OptimizerConfig, ParallelConfig, RMConfig, SFTConfig
 from megatron_rlhf.data.tasks.base import TaskSizes
 
@@ -117,6 +118,8 @@ class Config:
     rm: RMConfig = field(default_factory=RMConfig)
     dpo: DPOConfig = field(default_factory=DPOConfig)
     rl: RLConfig = field(default_factory=RLConfig)
+    # How the policy samples, in the RL stage and in the evaluations of RL and DPO.
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)

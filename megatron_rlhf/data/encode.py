@@ -122,7 +122,7 @@ class EncodedPrompt:
 
 def encode_prompts(
     examples: Sequence[PromptExample], tokenizer: Tokenizer, max_len: int,
-    max_len_field: str = "model.max_seq_length - ppo.max_new_tokens",
+    max_len_field: str = "model.max_seq_length - sampling.max_new_tokens",
 ) -> tuple[list[list[int]], LengthReport]:
     """Encode prompts, dropping those that leave no room (over `max_len - 1`) to generate.
     `max_len_field`: the config fields max_len comes from, for errors."""
@@ -132,7 +132,7 @@ def encode_prompts(
 
 def encode_prompt_records(
     examples: Sequence[PromptExample], tokenizer: Tokenizer, max_len: int,
-    max_len_field: str = "model.max_seq_length - ppo.max_new_tokens",
+    max_len_field: str = "model.max_seq_length - sampling.max_new_tokens",
 ) -> tuple[list[EncodedPrompt], LengthReport]:
     """encode_prompts, keeping each kept prompt's record with its ids."""
     _check_max_len(max_len)

@@ -16,6 +16,11 @@ class SamplingParams:
     max_new_tokens: int = 16
     greedy: bool = False
 
+    @classmethod
+    def of(cls, section) -> SamplingParams:
+        """From the config's sampling section (config/sampling.py)."""
+        return cls(section.temperature, section.top_k, section.top_p, section.max_new_tokens)
+
 
 def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
     """Top-k then nucleus filtering of [B, V] logits (filtered entries -> -inf)."""

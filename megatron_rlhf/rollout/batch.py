@@ -3,7 +3,7 @@
 Sequence layout: [B, S] tensors where position t holds what predicts token t+1 (the roles'
 outputs); `mask` marks the positions whose next token is a response token. The advantage
 estimators work in response layout ([B, W], column j = response token j, W =
-rl.max_new_tokens); `response` and `sequence` convert between the two.
+sampling.max_new_tokens); `response` and `sequence` convert between the two.
 """
 
 from __future__ import annotations

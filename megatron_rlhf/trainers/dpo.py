@@ -9,8 +9,8 @@ computed once for every pair, the reference freed, and the table kept in the sta
 checkpoints (exact resume at any layout). Each step: policy log-probs of the global batch's
 pairs (chosen and rejected of a pair in one microbatch) -> algorithms/dpo.py's loss, a true
 mean over the global batch's pairs. Eval: the same on the held-out pairs and, with a built-in
-task, the gold score of responses sampled as the RL stage samples (rl.temperature,
-rl.max_new_tokens) against the SFT policy's. Writes <run>/dpo/ (actor role, like SFT).
+task, the gold score of responses sampled as the RL stage samples (the sampling section)
+against the SFT policy's. Writes <run>/dpo/ (actor role, like SFT).
 With LoRA (lora.stages has dpo) the actor trains adapters on the frozen start, the reference
 is that start (the actor with its adapters off, no second copy) and the stage writes
 <run>/dpo_lora/.
@@ -135,8 +135,7 @@ def gold_eval(engine, data, prompts, cfg: Config, before: dict | None) -> tuple[
     without a built-in task."""
     if engine is None:
         return {}, [], {}
-    rl = cfg.rl
-    sampling = SamplingParams(rl.temperature, rl.top_k, rl.top_p, rl.max_new_tokens)
+    sampling = SamplingParams.of(cfg.sampling)  # as the RL stage samples: the gold scores compare
     metrics, samples, _, per_prompt = sample_and_score(engine, {}, data.tokenizer, data.task, prompts, sampling,
                                                        cfg.seed + EVAL_SEED_OFFSET,
                                                        sft=before and before.get("per_prompt"))
@@ -175,7 +174,7 @@ def train(cfg: Config) -> dict:
     engine, prompts = None, []
     if data.task is not None and "prompts_eval" in data.splits:
         prompts, _ = encode_prompt_records(data.splits["prompts_eval"], data.tokenizer,
-                                           cfg.model.max_seq_length - cfg.rl.max_new_tokens)
+                                           cfg.model.max_seq_length - cfg.sampling.max_new_tokens)
         engine = MegatronRolloutEngine(actor, eos_id=data.tokenizer.eos_id, pad_id=pad)
     evaluate = partial(eval_pairs, actor, ref, eval_set, pad, d.seq_length, d)
     if runner.resumed:
@@ -278,8 +277,8 @@ def dpo_summary(cfg, before, eval_metrics, metrics, samples, ref, train_report, 
         "gold_score_eval_after": eval_metrics.get("eval_gold_score"),
         "win_rate_gold_final": eval_metrics.get("eval_win_rate_gold"),
         "train_data": vars(train_report), "eval_data": vars(eval_report), "data_sources": sources,
-        "samples_before": before["samples"][: cfg.rl.eval_samples_logged],
-        "samples_after": samples[: cfg.rl.eval_samples_logged],
+        "samples_before": before["samples"][: cfg.sampling.eval_samples_logged],
+        "samples_after": samples[: cfg.sampling.eval_samples_logged],
     }
 
 

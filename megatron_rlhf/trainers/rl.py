@@ -143,10 +143,10 @@ def score(rollout: Rollout, rewards: tuple[torch.Tensor, dict], roles: dict, rl:
 
 
 # ----------------------------------------------------------------------------- advantages
-def add_advantages(batch: RolloutBatch, rl: RLConfig, kl_coef: float) -> dict[str, torch.Tensor]:
+def add_advantages(batch: RolloutBatch, rl: RLConfig, kl_coef: float, max_new_tokens: int) -> dict[str, torch.Tensor]:
     """KL penalty -> the algorithm's advantages (and PPO's returns), set on `batch`. Returns
     this rank's KL sums and, with a critic, the explained variance over all data-parallel ranks."""
-    width = rl.max_new_tokens  # the longest response possible: no host sync for the real one
+    width = max_new_tokens  # the longest response possible: no host sync for the real one
     mask = batch.response_mask(width)
     resp = partial(batch.response, width=width)
     kl = kl_estimate(resp(batch.old_logprobs), resp(batch.ref_logprobs), rl.kl_estimator, rl.kl_clip, mask)
@@ -330,10 +330,10 @@ def build_roles(cfg: Config) -> dict:
     # LR schedules run over every optimizer step: epochs x minibatches per iteration
     total_steps = rl.steps * rl.epochs * (rl.samples_per_iteration // rl.mini_batch_size)
     lora = cfg.lora if cfg.lora.applies_to("rl") else None
-    actor = Actor(cfg, trainable=True, temperature=rl.temperature, optimizer=rl.actor_optimizer,
+    actor = Actor(cfg, trainable=True, temperature=cfg.sampling.temperature, optimizer=rl.actor_optimizer,
                   total_steps=total_steps, lora=lora)
     # with LoRA the reference is the actor's frozen base: no second copy of the weights
-    roles = {"actor": actor, "reference": AdapterFreeReference(actor) if lora else Reference(cfg, temperature=rl.temperature)}
+    roles = {"actor": actor, "reference": AdapterFreeReference(actor) if lora else Reference(cfg, temperature=cfg.sampling.temperature)}
     if rl.has_reward_model:
         roles["reward"] = RewardModel(cfg)
     if rl.has_critic:
@@ -410,7 +410,7 @@ def train(cfg: Config) -> dict:
     runner = StageRunner(cfg, "rl", rl.steps, rl.log_interval, rl.save_interval)
     data = load_stage_data(cfg, ("prompts_train", "prompts_eval"), stage="rl")
     cfg = data.config  # the run's vocabulary and start architecture resolved (stage_data.RunContext)
-    tok, max_prompt = data.tokenizer, cfg.model.max_seq_length - rl.max_new_tokens
+    tok, max_prompt = data.tokenizer, cfg.model.max_seq_length - cfg.sampling.max_new_tokens
     train_prompts, train_report = encode_prompt_records(data.splits["prompts_train"], tok, max_prompt)
     eval_prompts, _ = encode_prompt_records(data.splits["prompts_eval"], tok, max_prompt)
     roles = build_roles(cfg)
@@ -466,7 +466,7 @@ def run_iterations(cfg: Config, runner, data, roles, engine, sched, rewards: Rew
                  f"prompts: {train_report}", *(f"warning: {w}" for w in warnings_for(cfg)), *lora_base_warnings(roles)):
         if line:
             log.info(line)
-    sampling = SamplingParams(rl.temperature, rl.top_k, rl.top_p, rl.max_new_tokens)
+    sampling = SamplingParams.of(cfg.sampling)
     dp_rank, dp = data_parallel()
     draw_prompts = lambda: [train_prompts[i] for i in dp_slice(sampler.next_indices(rl.rollout_batch_size), dp_rank, dp)]  # noqa: E731
     score_fn = partial(sequence_rewards, rewards, tokenizer=tok, rl=rl)  # (rollout, rows) -> (rewards, per source)
@@ -482,7 +482,7 @@ def run_iterations(cfg: Config, runner, data, roles, engine, sched, rewards: Rew
               else {"eval": eval_metrics, "samples": samples, "per_prompt": per_prompt})
     start = policy_start(cfg)[0].upper()  # SFT, or DPO when the pipeline runs it first
     log.info(f"eval of the {start if not runner.resumed else 'resumed'} policy: {format_scores(eval_metrics)}; "
-             f"e.g. {samples[: rl.eval_samples_logged]}")
+             f"e.g. {samples[: cfg.sampling.eval_samples_logged]}")
     sched.step_metrics()  # the first step reports its own phases only
     if not runner.resumed:
         log.log(0, eval_metrics)  # the SFT policy: the eval curves start here
@@ -508,7 +508,7 @@ def run_iterations(cfg: Config, runner, data, roles, engine, sched, rewards: Rew
         runner.heartbeat.beat()
         with sched.phase("train") as phase:
             kl_coef, train_actor = kl_ctl.value, step > rl.critic_warmup_steps
-            kl_stats = add_advantages(batch, rl, kl_coef)
+            kl_stats = add_advantages(batch, rl, kl_coef, cfg.sampling.max_new_tokens)
             training = {k: r for k, r in trained.items() if k == "critic" or train_actor}
             train_stats = train_on_rollout(training, batch, rl, kl_coef, seed=seed)
             synced = synced and not train_actor
@@ -528,14 +528,14 @@ def run_iterations(cfg: Config, runner, data, roles, engine, sched, rewards: Rew
             with sched.phase("eval") as phase:
                 eval_metrics, samples, phase.tokens, _ = run_eval(sft=before.get("per_prompt"))
             metrics.update(eval_metrics)
-            log.info(f"step {step} samples: {samples[: rl.eval_samples_logged]}")
+            log.info(f"step {step} samples: {samples[: cfg.sampling.eval_samples_logged]}")
         metrics.update(train_stats, **engine.metrics(), **rewards.pop_stats(), **skipped_steps(trained, by_role=True),
                        **sched.step_metrics())
         runner.end_step(metrics, samples_seen, evaluated, **trainer_state())
 
     metrics = {**last_mismatch, **metrics}  # the last measured one when the last iteration reused
     summary = rl_summary(rl, before, eval_metrics, metrics, kl_ctl, sched, samples_seen, samples, roles, alarm,
-                         data.sources, cfg.rollout.engine)
+                         data.sources, cfg.rollout.engine, cfg.sampling.eval_samples_logged)
     return runner.finish(summary, done_message(before["eval"], eval_metrics), roles=roles)
 
 
@@ -555,7 +555,7 @@ def format_scores(metrics: dict) -> str:
 
 
 def rl_summary(rl, before, eval_metrics, metrics, kl_ctl, sched, samples_seen, samples, roles, alarm,
-               data_sources, rollout_engine: str = "megatron") -> dict:
+               data_sources, rollout_engine: str = "megatron", samples_logged: int = 3) -> dict:
     phases = sched.summary()
     return {
         "algorithm": rl.algorithm, "roles": sorted(roles), "data_sources": data_sources,
@@ -585,8 +585,8 @@ def rl_summary(rl, before, eval_metrics, metrics, kl_ctl, sched, samples_seen, s
         "phase_calls": {p: v["calls"] for p, v in phases.items()},
         "phase_peak_memory_bytes": {p: v["peak_memory_bytes"] for p, v in phases.items()},
         "phase_tokens_per_s": {p: v["tokens_per_s"] for p, v in phases.items()},
-        "samples_before": before["samples"][: rl.eval_samples_logged],
-        "samples_after": samples[: rl.eval_samples_logged],
+        "samples_before": before["samples"][:samples_logged],
+        "samples_after": samples[:samples_logged],
     }
 
 

@@ -259,9 +259,9 @@ def record_run(cfg: Config, tokenizer: Tokenizer, only_missing: bool = False) ->
     record_tokenizer(tokenizer, cfg.data.tokenizer, cfg.data.task, directory / RECORDED_TOKENIZER)
     if only_missing and (directory / RECORDED_SAMPLING).is_file():
         return
-    rl = cfg.rl
-    sampling = {"do_sample": True, "temperature": rl.temperature, "top_p": rl.top_p, "top_k": rl.top_k,
-                "max_new_tokens": rl.max_new_tokens}
+    s = cfg.sampling
+    sampling = {"do_sample": True, "temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k,
+                "max_new_tokens": s.max_new_tokens}
     tmp = directory / f"{RECORDED_SAMPLING}.tmp{os.getpid()}"
     tmp.write_text(json.dumps(sampling, indent=1) + "\n")
     tmp.replace(directory / RECORDED_SAMPLING)

@@ -8,7 +8,8 @@ mapping `{what: value}` with
     tokenizer           the tokenizer's fingerprint (its files' contents, or the built-in word list)
     <section>.<field>   the settings the result depends on: seed, model (as the stage resolves it:
                         vocab_size from the tokenizer, the architecture its start checkpoint
-                        recorded), the stage's own section, lora when it trains adapters, rl's
+                        recorded), the stage's own section (rl: with the sampling section, under
+                        its old rl.* names), lora when it trains adapters, rl's
                         reward sources (a rule function's file by content)
     start[.<role>]      the checkpoint it started from (its iter_*, commit record hash and the
                         inputs hash of the stage that wrote it), a Hugging Face directory, or fresh
@@ -74,6 +75,9 @@ def stage_inputs(cfg: Config, stage: str) -> dict[str, Any]:
     if cfg.lora.applies_to(stage):
         inputs.update(_flat({k: v for k, v in dataclasses.asdict(cfg.lora).items() if k != "stages"}, "lora."))
     if stage == "rl":
+        # The sampling settings the RL stage trains with, under the rl.* names they had before
+        # the sampling section existed: a run finished then is still reused.
+        inputs.update({f"rl.{k}": v for k, v in dataclasses.asdict(cfg.sampling).items() if k not in NOT_INPUTS})
         if cfg.rl.has_critic:
             inputs["rl.critic_start"] = cfg.rl.critic_start if cfg.rl.critic_start in ("rm", "sft") else "checkpoint"
         for i, source in enumerate(cfg.rl.rewards):
