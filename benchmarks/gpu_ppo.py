@@ -177,11 +177,12 @@ def child(args, offload: bool) -> dict:
                         engine.update_weights()
                     refits.append(engine.last_refit)
                 with sched.phase("generate") as phase:
-                    rollout, rows, scored, _ = stage.generate(engine, score_fn, lambda: prompts, cfg.rl, sampling, seed=it)
+                    generation = stage.generate(engine, score_fn, lambda: prompts, cfg.rl, sampling, seed=it)
+                    rollout = generation.rollout
                     phase.tokens = int(rollout.response_lengths().sum())
                     sync()
                 with sched.phase("score") as phase:
-                    batch_, _ = stage.score(rollout, scored or score_fn(rollout, rows), roles, cfg.rl)
+                    batch_ = stage.score(rollout, generation.rewards or score_fn(rollout, generation.rows), roles, cfg.rl)
                     phase.tokens = int(rollout.lengths.sum())
                     sync()
                 with sched.phase("train") as phase:

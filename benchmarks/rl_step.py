@@ -66,10 +66,11 @@ def run(algorithm: str, iterations: int, quick: bool = False) -> dict:
         if it == 1:
             sched.stats.clear()  # drop the warm-up iteration
         with sched.phase("generate") as phase:
-            rollout, rows, scored, _ = stage.generate(engine, score_fn, lambda: prompts, cfg.rl, sampling, seed=it)
+            generation = stage.generate(engine, score_fn, lambda: prompts, cfg.rl, sampling, seed=it)
+            rollout = generation.rollout
             phase.tokens = int(rollout.response_lengths().sum())
         with sched.phase("score") as phase:
-            batch, _ = stage.score(rollout, scored or score_fn(rollout, rows), roles, cfg.rl)
+            batch = stage.score(rollout, generation.rewards or score_fn(rollout, generation.rows), roles, cfg.rl)
             phase.tokens = int(rollout.lengths.sum())
         with sched.phase("train") as phase:
             stage.add_advantages(batch, cfg.rl, 0.05, cfg.sampling.max_new_tokens)

@@ -136,9 +136,9 @@ def ppo_minibatch(roles, cfg, batch: int, new_tokens: int):
     engine = MegatronRolloutEngine(roles["actor"], eos_id=-1, pad_id=0)  # no EOS: full-length responses
     score_fn = partial(stage.sequence_rewards, RewardSources(cfg, roles.get("reward")), tokenizer=tokenizer_for(cfg),
                        rl=cfg.rl)
-    rollout, rows, scored, _ = stage.generate(engine, score_fn, lambda: prompts, cfg.rl,
-                                              SamplingParams(max_new_tokens=new_tokens), seed=0)
-    ppo_batch, _ = stage.score(rollout, scored or score_fn(rollout, rows), roles, cfg.rl)
+    generation = stage.generate(engine, score_fn, lambda: prompts, cfg.rl, SamplingParams(max_new_tokens=new_tokens), seed=0)
+    ppo_batch = stage.score(generation.rollout, generation.rewards or score_fn(generation.rollout, generation.rows), roles,
+                            cfg.rl)
     stage.add_advantages(ppo_batch, cfg.rl, 0.05, cfg.sampling.max_new_tokens)
     return ppo_batch.select(by_length(ppo_batch.lengths)).tensors()
 

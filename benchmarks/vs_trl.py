@@ -279,12 +279,13 @@ def run_ours(batch: int, iterations: int, new_tokens: int, seed: int, reuse_logp
             clock.clear()
         wall, cpu = time.perf_counter(), time.process_time()
         with clock.span("generate"), sched.phase("generate"):
-            rollout, rows, scored, _ = stage.generate(engine, score_fn, lambda: prompts, cfg.rl, sampling, seed=it)
+            generation = stage.generate(engine, score_fn, lambda: prompts, cfg.rl, sampling, seed=it)
+            rollout = generation.rollout
         if int(rollout.response_lengths().min()) != new_tokens:
             raise RuntimeError(f"a response stopped early: {rollout.response_lengths().tolist()}")
         with sched.phase("score"), clock.span("score"):
-            ppo_batch, _ = stage.score(rollout, scored or score_fn(rollout, rows), roles, cfg.rl,
-                                       recompute_old=not reuse_logprobs)
+            ppo_batch = stage.score(rollout, generation.rewards or score_fn(rollout, generation.rows), roles, cfg.rl,
+                                    recompute_old=not reuse_logprobs)
         with sched.phase("train"):
             with clock.span("score"):  # advantages: TRL computes them before its first training forward
                 stage.add_advantages(ppo_batch, cfg.rl, 0.05, cfg.sampling.max_new_tokens)

@@ -148,7 +148,8 @@ def test_the_console_line_of_a_lora_stage_shows_its_kinds_numbers(tmp_path, stag
 def test_the_combined_reward_is_called_reward_whatever_its_sources(tmp_path):
     """A rule-only run (no reward model) says `reward`, never rm, on the console line and at the end."""
     from megatron_rlhf.logging.metrics import MetricsLogger
-    from megatron_rlhf.trainers.rl import done_message, format_scores, with_reward_names
+    from megatron_rlhf.trainers.rl_metrics import done_message, format_scores
+    from megatron_rlhf.trainers.rl_records import with_reward_names
 
     before = {"eval_reward": 0.21, "eval_gold_score": 0.0}
     after = {"eval_reward": 0.55, "eval_gold_score": 0.5, "eval_win_rate_gold": 0.75, "eval_win_rate_reward": 0.625}

@@ -24,6 +24,8 @@ from megatron_rlhf.rewards import weighted_sum
 from megatron_rlhf.rollout import Rollout
 from megatron_rlhf.rollout.batch import RolloutBatch
 from megatron_rlhf.trainers import rl as rl_stage
+from megatron_rlhf.trainers.rl_metrics import iteration_sums
+from megatron_rlhf.trainers.rl_records import Iteration
 from megatron_rlhf.trainers.rm import bradley_terry_loss
 from megatron_rlhf.trainers.sft import response_nll, sft_loss
 
@@ -91,8 +93,8 @@ def test_rl_glue_and_math_stay_on_the_device(fake, algorithm, kl_in_reward):
             on_cuda(loss=loss, units=units, **stats)
             assert loss.requires_grad
 
-    sums = rl_stage.iteration_sums(r, batch, kl_stats, gold=1.5, repetition=0.25,
-                                   sampling={"sampling_rounds": 2, "sampling_shortfall": 1})
+    sums = iteration_sums(Iteration(r, batch, kl_stats, sampling={"sampling_rounds": 2, "sampling_shortfall": 1}),
+                          gold=1.5, repetition=0.25)
     on_cuda(reduced=stack_values(sums, CUDA))
 
 
@@ -105,7 +107,7 @@ def test_reward_sources_combine_on_the_device(fake):
     total = rl_stage.clip_scores(weighted_sum(per_source, {"rm": 1.0, "exact": 0.5}), r, cfg)
     on_cuda(total=total)
     kl_stats = rl_stage.add_advantages(batch, cfg, kl_coef=0.05, max_new_tokens=NEW)
-    sums = rl_stage.iteration_sums(r, batch, kl_stats, gold=1.0, repetition=0.0, sampling={}, per_source=per_source)
+    sums = iteration_sums(Iteration(r, batch, kl_stats, sampling={}, per_source=per_source), gold=1.0, repetition=0.0)
     assert {"reward_rm", "reward_exact"} <= sums.keys()
     on_cuda(reduced=stack_values(sums, CUDA))
 

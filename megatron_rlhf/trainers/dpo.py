@@ -21,7 +21,9 @@ from __future__ import annotations
 import hashlib
 import time
 from array import array
+from dataclasses import dataclass, field
 from functools import partial
+from typing import Callable
 
 import torch
 
@@ -31,17 +33,16 @@ from megatron_rlhf.checkpoint.manager import resolve_checkpoint
 from megatron_rlhf.checkpoint.validate import CheckpointError
 from megatron_rlhf.config import Config, DPOConfig
 from megatron_rlhf.data.encode import collate_preferences, encode_preferences, encode_prompt_records
-from megatron_rlhf.data.sampler import EpochSampler
-from megatron_rlhf.models.batching import data_parallel, dp_slice, padded_forward
+from megatron_rlhf.models.batching import data_parallel, padded_forward
 from megatron_rlhf.models.roles import Actor, AdapterFreeReference, Reference, lora_base_warnings, lora_summary
 from megatron_rlhf.parallel.collectives import dp_sum, dp_sums
 from megatron_rlhf.rollout import SamplingParams
 from megatron_rlhf.rollout.megatron_engine import MegatronRolloutEngine
-from megatron_rlhf.trainers.rl import EVAL_SEED_OFFSET
-from megatron_rlhf.trainers.rl import evaluate as sample_and_score
-from megatron_rlhf.trainers.runner import StageRunner, skipped_steps
+from megatron_rlhf.trainers.policy_eval import EVAL_SEED_OFFSET, EvalResult, PolicyEvaluation
+from megatron_rlhf.trainers.runner import StageRunner
 from megatron_rlhf.trainers.stage_data import load_stage_data, stage_dir
 from megatron_rlhf.trainers.start_weights import load_start
+from megatron_rlhf.trainers.supervised import Encoded, SupervisedSteps, encode_splits, fit, log_lines, resume, run_steps
 
 
 # ----------------------------------------------------------------------------- loss
@@ -130,16 +131,50 @@ def eval_pairs(actor: Actor, ref: ReferenceSource, pairs: list, pad_id: int, seq
     return {f"eval_{k}": v / sums["pairs"] for k, v in sums.items() if k != "pairs"}
 
 
-def gold_eval(engine, data, prompts, cfg: Config, before: dict | None) -> tuple[dict, list[str], dict]:
-    """The gold score (and, against `before`, the win rate) of sampled responses; no-op
-    without a built-in task."""
-    if engine is None:
-        return {}, [], {}
-    sampling = SamplingParams.of(cfg.sampling)  # as the RL stage samples: the gold scores compare
-    metrics, samples, _, per_prompt = sample_and_score(engine, {}, data.tokenizer, data.task, prompts, sampling,
-                                                       cfg.seed + EVAL_SEED_OFFSET,
-                                                       sft=before and before.get("per_prompt"))
-    return metrics, samples, per_prompt
+@dataclass
+class DPOEval:
+    """The stage's eval: the loss and statistics on the held-out pairs and, with a built-in task,
+    the gold score (and, against the starting policy's `before`, the win rate) of responses
+    sampled to the held-out prompts. Keeps the latest metrics and samples for the summary."""
+    pairs: Callable[[], dict]              # eval_pairs on the held-out pairs
+    gold: PolicyEvaluation | None          # None: no built-in task (no gold scorer)
+    before: dict | None = None             # the starting policy's evaluation, once measured
+    metrics: dict = field(default_factory=dict)
+    samples: list[str] = field(default_factory=list)
+    per_prompt: dict = field(default_factory=dict)
+
+    def __call__(self) -> dict:
+        sampled = (self.gold(sft=self.before and self.before.get("per_prompt")) if self.gold is not None
+                   else EvalResult({}, [], 0, {}))
+        self.samples, self.per_prompt = sampled.samples, sampled.per_prompt
+        self.metrics = {**self.pairs(), **sampled.metrics}
+        return self.metrics
+
+    def start(self, saved: dict | None) -> dict:
+        """The starting policy's evaluation ("before"): a resumed run's from its checkpoint
+        (`saved`), else measured now. The latest metrics and samples until the next eval."""
+        if saved is None:
+            self()
+            saved = {"eval": self.metrics, "samples": self.samples, "per_prompt": self.per_prompt}
+        self.before, self.metrics, self.samples = saved, saved["eval"], saved["samples"]
+        return saved
+
+
+@dataclass
+class DPOTrainerState:
+    """The DPO stage's own part of every checkpoint's trainer state (the runner adds the step, the
+    samples consumed, the sampler and the guards), saved under these names."""
+    start: tuple[str, str]     # where actor and reference started: ("ckpt" | "hf", directory)
+    before: dict               # the starting policy's eval: {"eval", "samples", "per_prompt"}
+    reference: dict            # ref_state: precomputed or not, the pairs' fingerprint, rank 0's tables
+
+    def saved(self) -> dict:
+        return {"start": list(self.start), "before": self.before, "reference": self.reference}
+
+    @classmethod
+    def of(cls, saved: dict) -> DPOTrainerState:
+        """From a resumed checkpoint's trainer state (one without a reference part: {})."""
+        return cls(tuple(saved["start"]), saved["before"], saved.get("reference") or {})
 
 
 # ----------------------------------------------------------------------------- the stage
@@ -150,71 +185,70 @@ def train(cfg: Config) -> dict:
                            optional=("prompts_eval",) if cfg.data.task else (), stage="dpo")
     cfg = data.config  # the run's vocabulary and start architecture resolved (stage_data.RunContext)
     pad = data.tokenizer.pad_id
-    fit = {"tokenizer": data.tokenizer, "max_len": d.seq_length, "overflow": cfg.data.overflow,
-           "max_len_field": "dpo.seq_length"}
-    train_set, train_report = encode_preferences(data.splits["preference_train"], **fit)
-    eval_set, eval_report = encode_preferences(data.splits["preference_eval"], **fit)
+    pairs = encode_splits(encode_preferences, data.splits["preference_train"], data.splits["preference_eval"],
+                          fit(data, d.seq_length, "dpo.seq_length"))
 
     lora = cfg.lora if cfg.lora.applies_to("dpo") else None
     actor = Actor(cfg, trainable=True, optimizer=d.optimizer, total_steps=d.steps, lora=lora)
     roles = {"actor": actor}
-    sampler = EpochSampler(len(train_set), seed=cfg.seed)
-    state = runner.resume(roles, sampler)
-    start = tuple(state["start"]) if runner.resumed else start_checkpoint(cfg)
+    state = resume(runner, roles, len(pairs.train), cfg.seed)
+    resumed = DPOTrainerState.of(state) if runner.resumed else None
+    start = resumed.start if resumed else start_checkpoint(cfg)
     if lora or not runner.resumed:  # a LoRA actor's frozen base also on resume (its checkpoints hold adapters)
         load_start(cfg, actor, start)
-    data_id = fingerprint(train_set, eval_set)
-    ref, ref_note = build_reference(cfg, state, start, data_id, (train_set, eval_set, pad), actor)
-    log = runner.log
-    for line in (runner.resumed, f"actor/reference from {start[1]}" + (" (Hugging Face weights)" if start[0] == "hf" else ""),
-                 ref_note, f"train pairs: {train_report}; eval pairs: {eval_report}", *lora_base_warnings(roles)):
-        if line:
-            log.info(line)
+    data_id = fingerprint(pairs.train, pairs.eval)
+    ref, ref_note = build_reference(cfg, resumed.reference if resumed else {}, start, data_id, pairs, pad, actor)
+    hf = " (Hugging Face weights)" if start[0] == "hf" else ""
+    log_lines(runner, runner.resumed, f"actor/reference from {start[1]}{hf}", ref_note,
+              f"train pairs: {pairs.train_report}; eval pairs: {pairs.eval_report}", *lora_base_warnings(roles))
 
-    engine, prompts = None, []
-    if data.task is not None and "prompts_eval" in data.splits:
-        prompts, _ = encode_prompt_records(data.splits["prompts_eval"], data.tokenizer,
-                                           cfg.model.max_seq_length - cfg.sampling.max_new_tokens)
-        engine = MegatronRolloutEngine(actor, eos_id=data.tokenizer.eos_id, pad_id=pad)
-    evaluate = partial(eval_pairs, actor, ref, eval_set, pad, d.seq_length, d)
-    if runner.resumed:
-        before = state["before"]
-    else:
-        gold, samples, per_prompt = gold_eval(engine, data, prompts, cfg, None)
-        before = {"eval": {**evaluate(), **gold}, "samples": samples, "per_prompt": per_prompt}
-        log.log(0, before["eval"])  # the starting (SFT) policy: the eval curves start here
-    dp_rank, dp_size = data_parallel()
+    evaluate = DPOEval(partial(eval_pairs, actor, ref, pairs.eval, pad, d.seq_length, d),
+                       gold_evaluation(cfg, data, actor))
+    before = evaluate.start(resumed.before if resumed else None)
+    if not resumed:
+        runner.log.log(0, before["eval"])  # the starting (SFT) policy: the eval curves start here
+    trainer_state = DPOTrainerState(start, before, ref_state(ref, data_id))
 
-    metrics, eval_metrics, samples = {}, before["eval"], before["samples"]
-    kept = dict(start=list(start), before=before, reference=ref_state(ref, data_id))  # what checkpoints add
-    for step in runner.steps():
-        t0 = time.perf_counter()
-        indices = dp_slice(sampler.next_indices(d.global_batch_size), dp_rank, dp_size)
-        batch = collate_preferences([train_set[i] for i in indices], pad, d.seq_length)
+    def collate(indices: list[int]) -> dict:
+        batch = collate_preferences([pairs.train[i] for i in indices], pad, d.seq_length)
         batch["ref_logps"] = ref("train", indices, batch)
-        result = actor.train_step({k: batch[k] for k in ("tokens", "loss_mask", "ref_logps")},
-                                  2 * d.micro_batch_size, partial(pair_loss, dpo=d))
-        tokens = dp_sums({"tokens": int(batch["lengths"].sum())}, parallel.device())["tokens"]
-        metrics = {k: v for k, v in result.items() if k not in ("update_ok", "skipped")}
-        metrics.update(**skipped_steps(roles), tokens_per_s=tokens / (time.perf_counter() - t0))
-        evaluated = runner.due(d.eval_interval)
-        if evaluated:
-            gold, samples, _ = gold_eval(engine, data, prompts, cfg, before)
-            eval_metrics = {**evaluate(), **gold}
-            metrics.update(eval_metrics)
-        runner.end_step(metrics, step * d.global_batch_size, evaluated, **kept)
+        return batch
 
-    return runner.finish(dpo_summary(cfg, before, eval_metrics, metrics, samples, ref, train_report, eval_report,
-                                     data.sources, start, actor),
-                         done_message(before["eval"], eval_metrics))
+    metrics = run_steps(runner, SupervisedSteps(
+        actor, collate, partial(pair_loss, dpo=d), micro_rows=2 * d.micro_batch_size,
+        global_batch_size=d.global_batch_size, eval_interval=d.eval_interval, step_metrics=train_metrics,
+        evaluate=evaluate, inputs=("tokens", "loss_mask", "ref_logps"), trainer_state=trainer_state.saved))
+
+    return runner.finish(dpo_summary(cfg, evaluate, metrics, ref, pairs, data.sources, start, actor),
+                         done_message(before["eval"], evaluate.metrics))
 
 
-def build_reference(cfg: Config, state: dict, start, data_id: str, encoded, actor: Actor) -> tuple[ReferenceSource, str]:
+def gold_evaluation(cfg: Config, data, actor: Actor) -> PolicyEvaluation | None:
+    """The gold eval of responses sampled to the held-out prompts as the RL stage samples them
+    (the sampling section, the same seed: the gold scores compare); None without a built-in task."""
+    if data.task is None or "prompts_eval" not in data.splits:
+        return None
+    prompts, _ = encode_prompt_records(data.splits["prompts_eval"], data.tokenizer,
+                                       cfg.model.max_seq_length - cfg.sampling.max_new_tokens)
+    pad = data.tokenizer.pad_id
+    engine = MegatronRolloutEngine(actor, eos_id=data.tokenizer.eos_id, pad_id=pad)
+    return PolicyEvaluation(engine, {}, data.tokenizer, data.task, prompts, SamplingParams.of(cfg.sampling),
+                            cfg.seed + EVAL_SEED_OFFSET)
+
+
+def train_metrics(result: dict) -> dict:
+    """The logged train metrics: train_step's result but its update flags."""
+    return {k: v for k, v in result.items() if k not in ("update_ok", "skipped")}
+
+
+def build_reference(cfg: Config, saved: dict, start, data_id: str, pairs: Encoded, pad: int,
+                    actor: Actor) -> tuple[ReferenceSource, str]:
     """The on-the-fly reference role, or the precomputed tables (from the checkpoint being
-    resumed, else computed now with a reference role that is freed afterwards); and a note.
-    A LoRA actor's reference is the actor with its adapters off (no weights of its own)."""
-    d, (train_set, eval_set, pad) = cfg.dpo, encoded
-    micro_rows, saved = 2 * d.micro_batch_size, state.get("reference") or {}
+    resumed, whose reference part is `saved` ({} fresh), else computed now with a reference role
+    that is freed afterwards); and a note. A LoRA actor's reference is the actor with its
+    adapters off (no weights of its own)."""
+    d, train_set, eval_set = cfg.dpo, pairs.train, pairs.eval
+    micro_rows = 2 * d.micro_batch_size
     if saved and saved["data"] != data_id:  # the sampler's position and any stored table index these pairs
         raise CheckpointError(
             f"dpo: the checkpoint being resumed was trained on other preference data (fingerprint {saved['data']}, "
@@ -263,9 +297,9 @@ def ref_state(ref: ReferenceSource, data_id: str) -> dict:
     return {"precomputed": ref.tables is not None, "data": data_id, "tables": tables}
 
 
-def dpo_summary(cfg, before, eval_metrics, metrics, samples, ref, train_report, eval_report, sources, start,
+def dpo_summary(cfg, evaluate: DPOEval, metrics: dict, ref: ReferenceSource, pairs: Encoded, sources, start,
                 actor) -> dict:
-    d = cfg.dpo
+    d, before, eval_metrics = cfg.dpo, evaluate.before, evaluate.metrics
     return {
         "loss_type": d.loss, "beta": d.beta, "label_smoothing": d.label_smoothing, "sft_weight": d.sft_weight,
         "reference": "precomputed" if ref.tables is not None else "on the fly",
@@ -276,9 +310,9 @@ def dpo_summary(cfg, before, eval_metrics, metrics, samples, ref, train_report, 
         "gold_score_eval_before": before["eval"].get("eval_gold_score"),
         "gold_score_eval_after": eval_metrics.get("eval_gold_score"),
         "win_rate_gold_final": eval_metrics.get("eval_win_rate_gold"),
-        "train_data": vars(train_report), "eval_data": vars(eval_report), "data_sources": sources,
+        "train_data": vars(pairs.train_report), "eval_data": vars(pairs.eval_report), "data_sources": sources,
         "samples_before": before["samples"][: cfg.sampling.eval_samples_logged],
-        "samples_after": samples[: cfg.sampling.eval_samples_logged],
+        "samples_after": evaluate.samples[: cfg.sampling.eval_samples_logged],
     }
 
 

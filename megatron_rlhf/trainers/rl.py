@@ -9,21 +9,23 @@ actor with a fresh value head (rl.critic_from). Each iteration: generate (n samp
 with dynamic sampling, more groups until the batch is full) -> score (old/reference log-probs,
 the reward of rl.rewards: reward model, rule functions, reward services; values) ->
 advantages (algorithms/advantages.py, one estimator per rl.algorithm) -> train (epochs x
-minibatches) -> eval when due. The math is in algorithms/; this file wires it. Writes
-<run>/<rl.algorithm>/.
+minibatches) -> eval when due. The math is in algorithms/; this file wires it, with the
+records of what an iteration produced and of the trainer state in rl_records.py, the
+metrics and summary in rl_metrics.py and the eval in policy_eval.py. Writes <run>/<rl.algorithm>/.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import partial
+from typing import Any
 
 import torch
 
-from megatron_rlhf import parallel
 from megatron_rlhf.algorithms.advantages import ESTIMATORS, Settings, group_view
 from megatron_rlhf.algorithms.kl import kl_estimate, kl_loss_estimate, make_kl_controller
 from megatron_rlhf.algorithms.losses import aggregate, log_importance_ratio, policy_loss, rollout_correction, value_loss
-from megatron_rlhf.algorithms.stats import explained_variance, response_repetition_rate, token_sums
+from megatron_rlhf.algorithms.stats import explained_variance, token_sums
 from megatron_rlhf.checkpoint.dist import load_extra_state, load_model_weights, load_role
 from megatron_rlhf.checkpoint.manager import resolve_checkpoint
 from megatron_rlhf.colocation import ColocationScheduler, phases_for
@@ -31,30 +33,26 @@ from megatron_rlhf.config import Config, ConfigError, RLConfig, policy_start, wa
 from megatron_rlhf.data.encode import EncodedPrompt, encode_prompt_records
 from megatron_rlhf.data.sampler import EpochSampler
 from megatron_rlhf.logging.reward_hacking import RewardHackingAlarm
-from megatron_rlhf.models.batching import by_length, data_parallel, dp_slice, padded_forward, padding_sums
-from megatron_rlhf.models.roles import (
-    Actor, AdapterFreeReference, Critic, Reference, RewardModel, lora_base_warnings, lora_summary,
-)
-from megatron_rlhf.parallel.collectives import all_reduce, any_rank, dp_group, dp_sum, dp_sums, masked_moments
+from megatron_rlhf.models.batching import by_length, data_parallel, dp_slice, padded_forward
+from megatron_rlhf.models.roles import Actor, AdapterFreeReference, Critic, Reference, RewardModel, lora_base_warnings
+from megatron_rlhf.parallel.collectives import any_rank, dp_sum, masked_moments
 from megatron_rlhf.rewards import RewardInputs, RewardSourceError, RewardSources, rm_scores
 from megatron_rlhf.rollout import Rollout, SamplingParams, make_engine
 from megatron_rlhf.rollout.batch import RolloutBatch
+from megatron_rlhf.trainers.policy_eval import EVAL_SEED_OFFSET, PolicyEvaluation
+from megatron_rlhf.trainers.rl_metrics import done_message, format_scores, iteration_metrics, rl_summary
+from megatron_rlhf.trainers.rl_records import Generation, Iteration, Prompts, Rewards, RLTrainerState
 from megatron_rlhf.trainers.runner import StageRunner, skipped_steps
 from megatron_rlhf.trainers.stage_data import load_stage_data, stage_dir
 
 
-# The eval's sampling seed, cfg.seed + this: the DPO stage's gold eval uses it too, so both stages
-# score the same policy with the same samples.
-EVAL_SEED_OFFSET = 17
-
-
 # ----------------------------------------------------------------------------- generate
 def sequence_rewards(rewards: RewardSources, rollout: Rollout, rows: list[EncodedPrompt], tokenizer,
-                     rl: RLConfig) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """[B] rewards of the rollout's sequences (clip_scores applied) and each source's [B] scores;
-    rows[i]: the prompt of row i (its text and extra fields go to rule functions and services)."""
+                     rl: RLConfig) -> Rewards:
+    """The rollout's [B] rewards (clip_scores applied) and each source's [B] scores; rows[i]:
+    the prompt of row i (its text and extra fields go to rule functions and services)."""
     total, per_source = rewards.score(rollout, lambda: reward_inputs(rollout, rows, tokenizer))
-    return clip_scores(total, rollout, rl), per_source
+    return Rewards(clip_scores(total, rollout, rl), per_source)
 
 
 def reward_inputs(rollout: Rollout, rows: list[EncodedPrompt], tokenizer) -> RewardInputs:
@@ -71,23 +69,55 @@ def clip_scores(scores: torch.Tensor, rollout: Rollout, rl: RLConfig) -> torch.T
     return scores.clamp(-rl.reward_clip, rl.reward_clip)
 
 
-def generate(engine, score_fn, draw_prompts, rl: RLConfig, sampling, seed: int):
+@dataclass
+class Scoring:
+    """How the stage scores rollouts: called, the train phase's rewards (sequence_rewards); as
+    eval judges, the combined reward of rl.rewards and the holdout reward model's scores, unclipped."""
+    rewards: RewardSources
+    tokenizer: Any
+    rl: RLConfig
+    holdout_rm: RewardModel | None = None   # rm.holdout_fraction > 0: the reward-hacking alarm's judge
+
+    def __call__(self, rollout: Rollout, rows: list[EncodedPrompt]) -> Rewards:
+        return sequence_rewards(self.rewards, rollout, rows, self.tokenizer, self.rl)
+
+    def reward(self, rollout: Rollout, rows: list[EncodedPrompt]) -> torch.Tensor:
+        return self.rewards.score(rollout, lambda: reward_inputs(rollout, rows, self.tokenizer))[0]
+
+    def holdout(self, rollout: Rollout, rows: list[EncodedPrompt] | None = None) -> torch.Tensor:
+        return rm_scores(self.holdout_rm, rollout, self.rl.micro_batch_size, self.rl.micro_batch_tokens)
+
+    def judges(self) -> dict:
+        return {"reward": self.reward, **({"holdout_rm": self.holdout} if self.holdout_rm is not None else {})}
+
+
+@dataclass
+class PromptDraw:
+    """Each call: this rank's share of the sampler's next `batch_size` train prompts."""
+    prompts: list[EncodedPrompt]
+    sampler: EpochSampler
+    batch_size: int
+
+    def __call__(self) -> list[EncodedPrompt]:
+        rank, size = data_parallel()
+        return [self.prompts[i] for i in dp_slice(self.sampler.next_indices(self.batch_size), rank, size)]
+
+
+def generate(engine, score_fn, draw_prompts, rl: RLConfig, sampling, seed: int) -> Generation:
     """This rank's rollout: each prompt of `draw_prompts()` sampled n times (a group: n
-    consecutive rows). With dynamic sampling, groups whose rewards are all equal are dropped
-    and new prompts drawn, at most rl.max_sampling_rounds rounds (every rank runs as many, so
-    the global sampler stays in step); a shortfall is filled with dropped groups. Returns the
-    rollout, each row's prompt, its rewards (None without dynamic sampling: the score phase
-    computes them; else `score_fn(rollout, rows)`'s result) and, with dynamic sampling,
-    {"sampling_rounds": generation rounds, "sampling_shortfall": uninformative groups this
-    rank had to keep to fill its quota}."""
+    consecutive rows). With dynamic sampling, groups whose rewards (`score_fn(rollout, rows)`)
+    are all equal are dropped and new prompts drawn, at most rl.max_sampling_rounds rounds
+    (every rank runs as many, so the global sampler stays in step); a shortfall is filled with
+    dropped groups: then the Generation has the rewards, the rounds and the shortfall
+    (uninformative groups this rank had to keep to fill its quota)."""
     n = rl.n_samples_per_prompt
     prompts = draw_prompts()
     rows = [p for p in prompts for _ in range(n)]
     rollout = engine.generate([p.ids for p in rows], sampling, seed)
     if not rl.dynamic_sampling:
-        return rollout, rows, None, {}
+        return Generation(rollout, rows)
     quota, parts, part_rows, scored = len(prompts), [rollout], [rows], [score_fn(rollout, rows)]
-    informative = [group_informative(scored[0][0], n)]
+    informative = [group_informative(scored[0].total, n)]
     for extra in range(1, rl.max_sampling_rounds):
         if not any_rank(int(sum(int(i.sum()) for i in informative)) < quota):
             break
@@ -96,15 +126,15 @@ def generate(engine, score_fn, draw_prompts, rl: RLConfig, sampling, seed: int):
         parts.append(more)
         part_rows.append(more_rows)
         scored.append(score_fn(more, more_rows))
-        informative.append(group_informative(scored[-1][0], n))
+        informative.append(group_informative(scored[-1].total, n))
     keep = torch.cat(informative)
     chosen = select_groups(keep, quota, n)
     rollout = Rollout.cat(parts, engine.pad_id).select(chosen)
     all_rows = [p for part in part_rows for p in part]
-    scores = torch.cat([total for total, _ in scored])[chosen]
-    per_source = {k: torch.cat([sources[k] for _, sources in scored])[chosen] for k in scored[0][1]}
-    return rollout, [all_rows[i] for i in chosen.tolist()], (scores, per_source), {
-        "sampling_rounds": len(parts), "sampling_shortfall": max(quota - int(keep.sum()), 0)}
+    rewards = Rewards(torch.cat([r.total for r in scored])[chosen],
+                      {k: torch.cat([r.per_source[k] for r in scored])[chosen] for k in scored[0].per_source})
+    return Generation(rollout, [all_rows[i] for i in chosen.tolist()], rewards, {
+        "sampling_rounds": len(parts), "sampling_shortfall": max(quota - int(keep.sum()), 0)})
 
 
 def select_groups(informative: torch.Tensor, quota: int, n: int) -> torch.Tensor:
@@ -121,25 +151,34 @@ def group_informative(scores: torch.Tensor, n: int) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------- score
-def score(rollout: Rollout, rewards: tuple[torch.Tensor, dict], roles: dict, rl: RLConfig,
-          recompute_old: bool = True):
+def score(rollout: Rollout, rewards: Rewards, roles: dict, rl: RLConfig, recompute_old: bool = True) -> RolloutBatch:
     """The train phase's batch from one forward of each role (on the roles' device) and the
-    rewards (sequence_rewards' result); also each reward source's [B] scores. recompute_old=False:
-    the rollout's own log-probs are the old log-probs (the in-place engine sampled with the
-    actor's current weights; rl.reuse_rollout_logprobs), saving the actor's forward."""
+    rewards (sequence_rewards' result). recompute_old=False: the rollout's own log-probs are the
+    old log-probs (the in-place engine sampled with the actor's current weights;
+    rl.reuse_rollout_logprobs), saving the actor's forward."""
     seqs = {"tokens": rollout.tokens, "lengths": rollout.lengths}
     forward = partial(padded_forward, batch=seqs, micro_batch_size=rl.micro_batch_size, token_budget=rl.micro_batch_tokens)
     mask = rollout.response_mask()
     values = forward(roles["critic"])["values"] * mask if "critic" in roles else None
-    scores, per_source = rewards
     old = forward(roles["actor"])["logprobs"] if recompute_old else rollout.logprobs
     return RolloutBatch(
         tokens=rollout.tokens, lengths=rollout.lengths, prompt_lengths=rollout.prompt_lengths, mask=mask,
         group_ids=torch.arange(len(rollout), device=mask.device) // rl.n_samples_per_prompt,
         old_logprobs=old * mask,
         ref_logprobs=forward(roles["reference"])["logprobs"] * mask,
-        scores=scores, values=values,
-        rollout_logprobs=rollout.logprobs * mask if rl.corrects_mismatch else None), per_source
+        scores=rewards.total, values=values,
+        rollout_logprobs=rollout.logprobs * mask if rl.corrects_mismatch else None)
+
+
+def score_iteration(generation: Generation, scoring: Scoring, roles: dict, rl: RLConfig, recompute_old: bool) -> Iteration:
+    """The score phase: the rewards (unless dynamic sampling scored them already), the batch,
+    the holdout reward model's scores if any."""
+    rollout = generation.rollout
+    rewards = generation.rewards if generation.rewards is not None else scoring(rollout, generation.rows)
+    batch = score(rollout, rewards, roles, rl, recompute_old)
+    holdout = clip_scores(scoring.holdout(rollout), rollout, rl) if scoring.holdout_rm is not None else None
+    return Iteration(rollout, batch, sampling=generation.sampling, per_source=rewards.per_source, holdout=holdout,
+                     old_logprobs_recomputed=recompute_old)
 
 
 # ----------------------------------------------------------------------------- advantages
@@ -228,97 +267,14 @@ def step_means(steps: list[dict[str, float]]) -> dict[str, float]:
     return {k: v[0] if k == "old_logprob_mismatch" else sum(v) / len(v) for k, v in values.items()}
 
 
-# ----------------------------------------------------------------------------- metrics and eval
-def iteration_sums(rollout: Rollout, batch: RolloutBatch, kl_stats: dict, gold: float, repetition: float,
-                   sampling: dict, holdout: torch.Tensor | None = None, per_source: dict | None = None,
-                   micro_batch_size: int = 1, mismatch_measured: bool = True, token_budget: int = 0) -> dict:
-    """This rank's sums of the per-iteration metrics (device tensors, host numbers for the
-    text-based ones); `dp_sums` adds them over data-parallel ranks."""
-    n = len(rollout)
-    return {
-        "responses": n, "reward": batch.scores.sum(), "gold_score": gold,
-        "response_length": rollout.response_lengths().sum(), "kl": kl_stats["kl"], "kl_tokens": kl_stats["kl_tokens"],
-        **padding_sums(rollout.lengths, rollout.tokens.size(1), micro_batch_size, token_budget),
-        **({"logprob_mismatch": ((rollout.logprobs - batch.old_logprobs).abs() * batch.mask).sum()}
-           if mismatch_measured else {}),
-        "scored_tokens": batch.mask.sum(), "repetition_rate": repetition * n, **sampling,
-        **({"holdout_rm_score": holdout.sum()} if holdout is not None else {}),
-        **{f"reward_{name}": scores.sum() for name, scores in (per_source or {}).items()},
-    }
-
-
-def iteration_metrics(rollout, batch, kl_stats, texts, task, sampling: dict, kl_coef: float,
-                      holdout: torch.Tensor | None = None, per_source: dict | None = None,
-                      micro_batch_size: int = 1, mismatch_measured: bool = True, token_budget: int = 0) -> dict[str, float]:
-    """The per-iteration means over every data-parallel rank (one collective); the dynamic
-    sampling shortfall summed over ranks. reward: the combined reward (rl.rewards, clipped),
-    whatever its sources; reward_<name>: each source's own mean score (reward_rm: the reward
-    model's). The rollout-vs-trainer mismatch only when the old log-probs were recomputed
-    (`mismatch_measured`)."""
-    gold = sum(task.gold_score(p, r) for p, r in texts) if task else 0.0
-    repetition = response_repetition_rate(rollout.response_ids())
-    sums = dp_sums(iteration_sums(rollout, batch, kl_stats, gold, repetition, sampling, holdout, per_source,
-                                  micro_batch_size, mismatch_measured, token_budget), parallel.device())
-    n = sums["responses"]
-    return {
-        "responses": n, "reward": sums["reward"] / n, **({"gold_score": sums["gold_score"] / n} if task else {}),
-        **{name: sums[name] / n for name in sorted(sums) if name.startswith("reward_")},
-        **({"holdout_rm_score": sums["holdout_rm_score"] / n} if holdout is not None else {}),
-        "kl_mean": sums["kl"] / n, "kl_per_token": sums["kl"] / max(sums["kl_tokens"], 1.0),
-        "kl_coef": kl_coef,  # the coefficient this iteration used
-        "response_length": sums["response_length"] / n, "repetition_rate": sums["repetition_rate"] / n,
-        # rollout engine vs trainer: mean |log pi_rollout - log pi_old| per token, and the largest
-        # token probability ratio between them, max(pi_old / pi_rollout, pi_rollout / pi_old)
-        **({"logprob_mismatch": sums["logprob_mismatch"] / max(sums["scored_tokens"], 1.0),
-            "mismatch_max_ratio": float(torch.exp(all_reduce(
-                ((rollout.logprobs - batch.old_logprobs).abs() * batch.mask).max().reshape(1),
-                op=torch.distributed.ReduceOp.MAX, group=dp_group())))} if mismatch_measured else {}),
-        # padding: of the batch at its width, and of what the score phase's microbatches compute
-        "padding_fraction": 1.0 - sums["real_tokens"] / sums["batch_slots"],
-        "padding_fraction_computed": 1.0 - sums["real_tokens"] / sums["microbatch_slots"],
-        **({"explained_variance": float(kl_stats["explained_variance"])} if "explained_variance" in kl_stats else {}),
-        **({"sampling_rounds": sums["sampling_rounds"] / data_parallel()[1],  # every rank runs as many
-            "sampling_shortfall": sums["sampling_shortfall"]} if sampling else {}),
-    }
-
-
-def evaluate(engine, judges: dict, tokenizer, task, prompts: list[EncodedPrompt], sampling, seed, sft: dict | None = None):
-    """Responses to the held-out prompts (sharded over DP ranks), scored by each judge
-    (name -> judge(rollout, rows) -> [B] scores: the reward of rl.rewards, the holdout RM if
-    any) and the gold scorer if any. Returns the mean scores; with `sft`, the SFT policy's
-    per-prompt scores, the win rate against it (a tie counts half); the per-prompt scores
-    (every rank gets all of them); samples; response tokens."""
-    rank, size = data_parallel()
-    rows = prompts[rank::size]
-    rollout = engine.generate([p.ids for p in rows], sampling, seed)
-    texts = decode_responses(rollout, tokenizer)
-    mine = {name: judge(rollout, rows) for name, judge in judges.items()}
-    if task:
-        mine["gold"] = torch.tensor([task.gold_score(p, r) for p, r in texts], device=rollout.tokens.device)
-    device = rollout.tokens.device
-    per_prompt = {}
-    for name, scores in mine.items():  # this rank's prompts in their places, zeros elsewhere: one sum fills all
-        full = torch.zeros(len(prompts), device=device, dtype=torch.float64)
-        full[rank::size] = scores.to(torch.float64)
-        per_prompt[name] = dp_sum(full)
-    metrics = {f"eval_{judge_metric(name)}": float(v.mean()) for name, v in per_prompt.items()}
-    for name, v in per_prompt.items():
-        if sft and name in sft:
-            before = torch.tensor(sft[name], device=device, dtype=torch.float64)
-            metrics[f"eval_win_rate_{name}"] = float(((v > before).double() + 0.5 * (v == before).double()).mean())
-    samples = [f"{p} || {r}" for p, r in texts]
-    return metrics, samples, int(rollout.response_lengths().sum()), {k: v.tolist() for k, v in per_prompt.items()}
-
-
-def judge_metric(judge: str) -> str:
-    """The per-iteration metric whose eval_ version holds a judge's mean score: `reward` for the
-    combined reward of rl.rewards (whatever its sources), <judge>_score for a single scorer."""
-    return "reward" if judge == "reward" else f"{judge}_score"
-
-
-def decode_responses(rollout: Rollout, tokenizer) -> list[tuple[str, str]]:
-    prompts = [row[:p] for row, p in zip(rollout.tokens.tolist(), rollout.prompt_lengths.tolist())]  # one host copy
-    return [(tokenizer.decode(p), tokenizer.decode(r)) for p, r in zip(prompts, rollout.response_ids())]
+def train_iteration(it: Iteration, trained: dict, rl: RLConfig, kl_coef: float, trains_actor: bool, seed: int,
+                    max_new_tokens: int) -> None:
+    """The train phase: advantages, then the critic and (after its warm-up) the actor trained on
+    the iteration's batch; records what it used and measured on `it`."""
+    it.kl_coef, it.trains_actor = kl_coef, trains_actor
+    it.kl_stats = add_advantages(it.batch, rl, kl_coef, max_new_tokens)
+    training = {k: r for k, r in trained.items() if k == "critic" or trains_actor}
+    it.train_stats = train_on_rollout(training, it.batch, rl, kl_coef, seed=seed)
 
 
 # ----------------------------------------------------------------------------- roles
@@ -413,14 +369,14 @@ def train(cfg: Config) -> dict:
     tok, max_prompt = data.tokenizer, cfg.model.max_seq_length - cfg.sampling.max_new_tokens
     train_prompts, train_report = encode_prompt_records(data.splits["prompts_train"], tok, max_prompt)
     eval_prompts, _ = encode_prompt_records(data.splits["prompts_eval"], tok, max_prompt)
+    prompts = Prompts(train_prompts, train_report, eval_prompts)
     roles = build_roles(cfg)
     sched = ColocationScheduler(roles, phases_for(roles, reward_in_generate=rl.dynamic_sampling,
                                                   engine=cfg.rollout.engine))
     rewards = RewardSources(cfg, roles.get("reward"))
     try:
         with make_engine(cfg, roles["actor"], tok.eos_id, tok.pad_id, workdir=runner.out) as engine:
-            return run_iterations(cfg, runner, data, roles, engine, sched, rewards,
-                                  (train_prompts, train_report, eval_prompts))
+            return run_iterations(cfg, runner, data, roles, engine, sched, rewards, prompts)
     except RewardSourceError as err:  # stop once the checkpoints already started are committed
         runner.ckpt.wait()
         latest = runner.ckpt.latest()
@@ -428,6 +384,81 @@ def train(cfg: Config) -> dict:
         raise RewardSourceError(f"{err}\n{where}") from err
     finally:
         rewards.close()
+
+
+def run_iterations(cfg: Config, runner: StageRunner, data, roles: dict, engine, sched: ColocationScheduler,
+                   rewards: RewardSources, prompts: Prompts) -> dict:
+    rl, tok = cfg.rl, data.tokenizer
+    trained = {name: roles[name] for name in ("actor", "critic") if name in roles}
+    state = RLTrainerState(make_kl_controller(rl.kl_controller, rl.kl_coef, rl.kl_target, rl.kl_horizon),
+                           RewardHackingAlarm(rl.reward_hacking_window), sched)
+    sampler = EpochSampler(len(prompts.train), seed=cfg.seed)
+    saved = runner.resume(trained, sampler)
+    if runner.resumed:
+        state.restore(saved)
+    log = runner.log
+    for line in (load_inputs(cfg, roles, fresh_start=not runner.resumed), runner.resumed,
+                 f"prompts: {prompts.report}", *(f"warning: {w}" for w in warnings_for(cfg)), *lora_base_warnings(roles)):
+        if line:
+            log.info(line)
+    sampling = SamplingParams.of(cfg.sampling)
+    draw_prompts = PromptDraw(prompts.train, sampler, rl.rollout_batch_size)
+    scoring = Scoring(rewards, tok, rl, roles.get("holdout_reward"))
+    evaluate = PolicyEvaluation(engine, scoring.judges(), tok, data.task, prompts.eval, sampling, cfg.seed + EVAL_SEED_OFFSET)
+
+    synced = sync_weights(engine, sched)  # False whenever the actor changed since
+    with sched.phase("eval") as phase:
+        state.latest = evaluate()
+        phase.tokens = state.latest.response_tokens
+    if not runner.resumed:
+        state.before = state.latest.before()  # the starting (SFT) policy
+    start = policy_start(cfg)[0].upper()  # SFT, or DPO when the pipeline runs it first
+    log.info(f"eval of the {start if not runner.resumed else 'resumed'} policy: {format_scores(state.latest.metrics)}; "
+             f"e.g. {state.latest.samples[: cfg.sampling.eval_samples_logged]}")
+    sched.step_metrics()  # the first step reports its own phases only
+    if not runner.resumed:
+        log.log(0, state.latest.metrics)  # the SFT policy: the eval curves start here
+
+    metrics, dp_rank = {}, data_parallel()[0]
+    for step in runner.steps():
+        seed = cfg.seed * 100_003 + step * 1_009 + dp_rank
+        synced = synced or sync_weights(engine, sched)
+        # a reward source that fails here (no weights changed yet) leaves the last step checkpointed
+        with runner.rewind_on((RewardSourceError,), state.samples_seen, **state.saved()):
+            with sched.phase("generate") as phase:
+                generation = generate(engine, scoring, draw_prompts, rl, sampling, seed)
+                phase.tokens = int(generation.rollout.response_lengths().sum())
+            runner.heartbeat.beat()
+            with sched.phase("score") as phase:
+                it = score_iteration(generation, scoring, roles, rl, recomputes_old_logprobs(rl, cfg.rollout.engine, step))
+                phase.tokens = int(it.rollout.lengths.sum())
+        runner.heartbeat.beat()
+        with sched.phase("train") as phase:
+            train_iteration(it, trained, rl, state.kl.value, step > rl.critic_warmup_steps, seed, cfg.sampling.max_new_tokens)
+            synced = synced and not it.trains_actor
+            phase.tokens = int(it.rollout.lengths.sum()) * rl.epochs
+        metrics = iteration_metrics(it, tok, data.task, rl)
+        state.samples_seen += int(metrics.pop("responses"))
+        state.last_mismatch.update({k: metrics[k] for k in ("logprob_mismatch", "mismatch_max_ratio") if k in metrics})
+        if it.trains_actor:  # the actor does not move during critic warm-up: nothing to steer yet
+            state.kl.update(metrics["kl_mean"], int(rl.samples_per_iteration))
+        if warning := state.alarm.update(step, metrics):
+            log.info(warning)
+        evaluated = runner.due(rl.eval_interval)
+        if evaluated:
+            synced = synced or sync_weights(engine, sched)
+            with sched.phase("eval") as phase:
+                state.latest = evaluate(sft=state.before.get("per_prompt"))
+                phase.tokens = state.latest.response_tokens
+            metrics.update(state.latest.metrics)
+            log.info(f"step {step} samples: {state.latest.samples[: cfg.sampling.eval_samples_logged]}")
+        metrics.update(it.train_stats, **engine.metrics(), **rewards.pop_stats(), **skipped_steps(trained, by_role=True),
+                       **sched.step_metrics())
+        runner.end_step(metrics, state.samples_seen, evaluated, **state.saved())
+
+    metrics = {**state.last_mismatch, **metrics}  # the last measured one when the last iteration reused
+    return runner.finish(rl_summary(cfg, state, metrics, roles, data.sources),
+                         done_message(state.before["eval"], state.latest.metrics), roles=roles)
 
 
 def recomputes_old_logprobs(rl: RLConfig, engine: str, step: int) -> bool:
@@ -447,152 +478,3 @@ def sync_weights(engine, sched) -> bool:
         with sched.phase("sync"):
             engine.update_weights()
     return True
-
-
-def run_iterations(cfg: Config, runner, data, roles, engine, sched, rewards: RewardSources, prompts) -> dict:
-    rl, tok, (train_prompts, train_report, eval_prompts) = cfg.rl, data.tokenizer, prompts
-    trained = {name: roles[name] for name in ("actor", "critic") if name in roles}
-    kl_ctl = make_kl_controller(rl.kl_controller, rl.kl_coef, rl.kl_target, rl.kl_horizon)
-    alarm = RewardHackingAlarm(rl.reward_hacking_window)
-    sampler = EpochSampler(len(train_prompts), seed=cfg.seed)
-    state = runner.resume(trained, sampler)
-    if runner.resumed:
-        kl_ctl.load_state_dict(state["kl_controller"])
-        for part, key in ((sched, "wall_clock_phases"), (alarm, "reward_hacking")):
-            if key in state:  # not in checkpoints of older versions
-                part.load_state_dict(state[key])
-    log = runner.log
-    for line in (load_inputs(cfg, roles, fresh_start=not runner.resumed), runner.resumed,
-                 f"prompts: {train_report}", *(f"warning: {w}" for w in warnings_for(cfg)), *lora_base_warnings(roles)):
-        if line:
-            log.info(line)
-    sampling = SamplingParams.of(cfg.sampling)
-    dp_rank, dp = data_parallel()
-    draw_prompts = lambda: [train_prompts[i] for i in dp_slice(sampler.next_indices(rl.rollout_batch_size), dp_rank, dp)]  # noqa: E731
-    score_fn = partial(sequence_rewards, rewards, tokenizer=tok, rl=rl)  # (rollout, rows) -> (rewards, per source)
-    judges = {"reward": lambda rollout, rows: rewards.score(rollout, lambda: reward_inputs(rollout, rows, tok))[0]}
-    if "holdout_reward" in roles:
-        judges["holdout_rm"] = lambda rollout, rows: rm_scores(roles["holdout_reward"], rollout, rl.micro_batch_size, rl.micro_batch_tokens)
-    run_eval = partial(evaluate, engine, judges, tok, data.task, eval_prompts, sampling, cfg.seed + EVAL_SEED_OFFSET)
-    synced = sync_weights(engine, sched)  # False whenever the actor changed since
-    with sched.phase("eval") as phase:
-        eval_metrics, samples, phase.tokens, per_prompt = run_eval()
-    # "before" means the SFT policy: a resumed run keeps the numbers its first start measured
-    before = (with_reward_names(state["before"]) if runner.resumed
-              else {"eval": eval_metrics, "samples": samples, "per_prompt": per_prompt})
-    start = policy_start(cfg)[0].upper()  # SFT, or DPO when the pipeline runs it first
-    log.info(f"eval of the {start if not runner.resumed else 'resumed'} policy: {format_scores(eval_metrics)}; "
-             f"e.g. {samples[: cfg.sampling.eval_samples_logged]}")
-    sched.step_metrics()  # the first step reports its own phases only
-    if not runner.resumed:
-        log.log(0, eval_metrics)  # the SFT policy: the eval curves start here
-
-    samples_seen, metrics, last_mismatch = state.get("consumed_samples", 0), {}, {}
-    trainer_state = lambda: dict(kl_controller=kl_ctl.state_dict(), before=before,  # noqa: E731
-                                 reward_hacking=alarm.state_dict(), wall_clock_phases=sched.state_dict())
-    for step in runner.steps():
-        seed = cfg.seed * 100_003 + step * 1_009 + dp_rank
-        synced = synced or sync_weights(engine, sched)
-        # a reward source that fails here (no weights changed yet) leaves the last step checkpointed
-        with runner.rewind_on((RewardSourceError,), samples_seen, **trainer_state()):
-            with sched.phase("generate") as phase:
-                rollout, rows, scored, sampling_stats = generate(engine, score_fn, draw_prompts, rl, sampling, seed)
-                phase.tokens = int(rollout.response_lengths().sum())
-            runner.heartbeat.beat()
-            with sched.phase("score") as phase:
-                recompute_old = recomputes_old_logprobs(rl, cfg.rollout.engine, step)
-                batch, per_source = score(rollout, scored or score_fn(rollout, rows), roles, rl, recompute_old)
-                holdout = (clip_scores(rm_scores(roles["holdout_reward"], rollout, rl.micro_batch_size, rl.micro_batch_tokens), rollout, rl)
-                           if "holdout_reward" in roles else None)
-                phase.tokens = int(rollout.lengths.sum())
-        runner.heartbeat.beat()
-        with sched.phase("train") as phase:
-            kl_coef, train_actor = kl_ctl.value, step > rl.critic_warmup_steps
-            kl_stats = add_advantages(batch, rl, kl_coef, cfg.sampling.max_new_tokens)
-            training = {k: r for k, r in trained.items() if k == "critic" or train_actor}
-            train_stats = train_on_rollout(training, batch, rl, kl_coef, seed=seed)
-            synced = synced and not train_actor
-            phase.tokens = int(rollout.lengths.sum()) * rl.epochs
-        metrics = iteration_metrics(rollout, batch, kl_stats, decode_responses(rollout, tok), data.task,
-                                    sampling_stats, kl_coef, holdout, per_source, rl.micro_batch_size, recompute_old,
-                                    rl.micro_batch_tokens)
-        samples_seen += int(metrics.pop("responses"))
-        last_mismatch.update({k: metrics[k] for k in ("logprob_mismatch", "mismatch_max_ratio") if k in metrics})
-        if train_actor:  # the actor does not move during critic warm-up: nothing to steer yet
-            kl_ctl.update(metrics["kl_mean"], int(rl.samples_per_iteration))
-        if warning := alarm.update(step, metrics):
-            log.info(warning)
-        evaluated = runner.due(rl.eval_interval)
-        if evaluated:
-            synced = synced or sync_weights(engine, sched)
-            with sched.phase("eval") as phase:
-                eval_metrics, samples, phase.tokens, _ = run_eval(sft=before.get("per_prompt"))
-            metrics.update(eval_metrics)
-            log.info(f"step {step} samples: {samples[: cfg.sampling.eval_samples_logged]}")
-        metrics.update(train_stats, **engine.metrics(), **rewards.pop_stats(), **skipped_steps(trained, by_role=True),
-                       **sched.step_metrics())
-        runner.end_step(metrics, samples_seen, evaluated, **trainer_state())
-
-    metrics = {**last_mismatch, **metrics}  # the last measured one when the last iteration reused
-    summary = rl_summary(rl, before, eval_metrics, metrics, kl_ctl, sched, samples_seen, samples, roles, alarm,
-                         data.sources, cfg.rollout.engine, cfg.sampling.eval_samples_logged)
-    return runner.finish(summary, done_message(before["eval"], eval_metrics), roles=roles)
-
-
-# Names of the combined reward before it was called `reward` (it was the RM's name even
-# without a reward model), as checkpoints of earlier versions hold them.
-LEGACY_REWARD_NAMES = {"eval_rm_score": "eval_reward", "eval_win_rate_rm": "eval_win_rate_reward"}
-
-
-def with_reward_names(before: dict) -> dict:
-    """A resumed checkpoint's SFT-policy evaluation under the current names."""
-    return {**before, "eval": {LEGACY_REWARD_NAMES.get(k, k): v for k, v in before["eval"].items()},
-            "per_prompt": {"reward" if k == "rm" else k: v for k, v in (before.get("per_prompt") or {}).items()}}
-
-
-def format_scores(metrics: dict) -> str:
-    return ", ".join(f"{k.removeprefix('eval_')} {v:.3f}" for k, v in metrics.items())
-
-
-def rl_summary(rl, before, eval_metrics, metrics, kl_ctl, sched, samples_seen, samples, roles, alarm,
-               data_sources, rollout_engine: str = "megatron", samples_logged: int = 3) -> dict:
-    phases = sched.summary()
-    return {
-        "algorithm": rl.algorithm, "roles": sorted(roles), "data_sources": data_sources,
-        # LoRA: which roles train adapters (rank, alpha, targets) and on which base checkpoint
-        "lora": lora_summary(roles),
-        # what the reward is made of, and each source's mean score in the last iteration
-        "reward_sources": [{"name": src.label, "type": src.type, "weight": src.weight,
-                            "source": {"model": rl.rm_from or "<run>/rm", "function": src.function, "http": src.url}[src.type],
-                            "score_final": metrics.get(f"reward_{src.label}")} for src in rl.rewards],
-        # the final policy against the SFT policy on the held-out prompts (null: not measured)
-        **{f"win_rate_{judge}_final": eval_metrics.get(f"eval_win_rate_{judge}")
-           for judge in ("reward", "gold", "holdout_rm")},
-        "reward_hacking_alarms": alarm.alarms,
-        # null without a gold scorer (data.task: null)
-        "gold_score_eval_before": before["eval"].get("eval_gold_score"),
-        "gold_score_eval_after": eval_metrics.get("eval_gold_score"),
-        # the combined reward of rl.rewards (rm_* names are the reward model's alone)
-        "reward_eval_before": before["eval"]["eval_reward"], "reward_eval_after": eval_metrics["eval_reward"],
-        "kl_mean_final": metrics.get("kl_mean"), "kl_coef_final": kl_ctl.value,
-        "samples_per_second": samples_seen / max(sum(v["seconds"] for p, v in phases.items() if p != "eval"), 1e-9),
-        # the rollout engine: in place (megatron) or separate (vllm: refit each iteration, "sync" phase)
-        "rollout_engine": rollout_engine, "logprob_mismatch_final": metrics.get("logprob_mismatch"),
-        "mismatch_max_ratio_final": metrics.get("mismatch_max_ratio"),
-        "refit_seconds_final": metrics.get("refit_seconds"), "refit_bytes_per_s_final": metrics.get("refit_bytes_per_s"),
-        # the whole run, across restarts (the totals travel in the checkpoint)
-        "phase_seconds": {p: v["seconds"] for p, v in phases.items()},
-        "phase_calls": {p: v["calls"] for p, v in phases.items()},
-        "phase_peak_memory_bytes": {p: v["peak_memory_bytes"] for p, v in phases.items()},
-        "phase_tokens_per_s": {p: v["tokens_per_s"] for p, v in phases.items()},
-        "samples_before": before["samples"][:samples_logged],
-        "samples_after": samples[:samples_logged],
-    }
-
-
-def done_message(before: dict, after: dict) -> str:
-    gold = ("no gold scorer" if after.get("eval_gold_score") is None else
-            f"gold {before['eval_gold_score']:.3f} -> {after['eval_gold_score']:.3f}")
-    wins = ", ".join(f"{k.removeprefix('eval_win_rate_')} {v:.2f}" for k, v in after.items() if k.startswith("eval_win_rate_"))
-    return (f"done: {gold}, reward {before['eval_reward']:.3f} -> {after['eval_reward']:.3f}"
-            + (f"; win rate against the SFT policy: {wins}" if wins else ""))

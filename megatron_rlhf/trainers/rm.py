@@ -10,8 +10,6 @@ normalisation is stored in the checkpoint. Writes <run>/rm/ like the SFT stage.
 
 from __future__ import annotations
 
-import time
-
 import torch
 import torch.nn.functional as F
 
@@ -21,12 +19,12 @@ from megatron_rlhf.checkpoint.manager import resolve_checkpoint
 from megatron_rlhf.config import Config
 from megatron_rlhf.data.encode import collate_preferences, collate_sft, encode_preferences, encode_sft
 from megatron_rlhf.data.jsonl import SFTExample
-from megatron_rlhf.data.sampler import EpochSampler
-from megatron_rlhf.models.batching import data_parallel, dp_slice, padded_forward
+from megatron_rlhf.models.batching import data_parallel, padded_forward
 from megatron_rlhf.models.roles import RewardModel, summed
 from megatron_rlhf.parallel.collectives import dp_sums, masked_moments
-from megatron_rlhf.trainers.runner import StageRunner, skipped_steps
+from megatron_rlhf.trainers.runner import StageRunner
 from megatron_rlhf.trainers.stage_data import held_out, load_stage_data, stage_dir
+from megatron_rlhf.trainers.supervised import SupervisedSteps, encode_splits, fit, log_lines, resume, run_steps
 
 
 def bradley_terry_loss(outputs: dict, microbatch: dict):
@@ -89,56 +87,53 @@ def normalization_samples(data) -> tuple[list, str]:
     return [SFTExample(p.prompt, p.chosen) for p in data.splits["preference_eval"]], "chosen responses of the eval pairs"
 
 
+def train_metrics(result: dict) -> dict:
+    """The logged train metrics of a step's train_step result; margins in raw reward units (the
+    normalisation is fitted after the last step)."""
+    return {"loss": result["loss"], "accuracy": result["accuracy"], "margin_raw": result["margin"],
+            "lr": result["lr"], "grad_norm": result["grad_norm"]}
+
+
 def train_reward_model(cfg: Config, name: str, data, train_pairs: list) -> dict:
     st = cfg.rm
     runner = StageRunner(cfg, name, st.steps, st.log_interval, st.save_interval)
-    pad, ovf = data.tokenizer.pad_id, cfg.data.overflow
-    fit = {"tokenizer": data.tokenizer, "max_len": st.seq_length, "overflow": ovf, "max_len_field": "rm.seq_length"}
-    train_set, train_report = encode_preferences(train_pairs, **fit)
-    eval_set, eval_report = encode_preferences(data.splits["preference_eval"], **fit)
+    pad, fitted = data.tokenizer.pad_id, fit(data, st.seq_length, "rm.seq_length")
+    pairs = encode_splits(encode_preferences, train_pairs, data.splits["preference_eval"], fitted)
     norm_examples, norm_source = normalization_samples(data)
-    norm_samples, _ = encode_sft(norm_examples, **fit)
+    norm_samples, _ = encode_sft(norm_examples, **fitted)
 
     rm = RewardModel(cfg, trainable=True, optimizer=st.optimizer, total_steps=st.steps)
     roles = {"reward": rm}
-    sampler = EpochSampler(len(train_set), seed=cfg.seed)
-    runner.resume(roles, sampler)
+    resume(runner, roles, len(pairs.train), cfg.seed)
     init_note = runner.resumed
     if init_note is None:
         sft_ckpt = resolve_checkpoint(st.init_from or stage_dir(cfg, "sft"), "rm.init_from")
         load_model_weights(rm, sft_ckpt / "actor", skip_prefixes=("output_layer.",))
         init_note = f"initialised from {sft_ckpt} (fresh value head)"
-    runner.log.info(init_note)
-    runner.log.info(f"train pairs: {train_report}; eval pairs: {eval_report}")
+    log_lines(runner, init_note, f"train pairs: {pairs.train_report}; eval pairs: {pairs.eval_report}")
     eval_args = (pad, st.seq_length, st.micro_batch_size)
-    dp_rank, dp_size = data_parallel()
 
-    metrics = {}
-    for step in runner.steps():
-        t0 = time.perf_counter()
-        indices = dp_slice(sampler.next_indices(st.global_batch_size), dp_rank, dp_size)
-        batch = collate_preferences([train_set[i] for i in indices], pad, st.seq_length)
-        result = rm.train_step({k: batch[k] for k in ("tokens", "lengths")}, 2 * st.micro_batch_size,
-                               bradley_terry_loss)
-        tokens = dp_sums({"tokens": int(batch["lengths"].sum())}, parallel.device())["tokens"]
-        # margins in raw reward units: the normalisation is fitted after the last step
-        metrics = {"loss": result["loss"], "accuracy": result["accuracy"], "margin_raw": result["margin"],
-                   "lr": result["lr"], "grad_norm": result["grad_norm"],
-                   **skipped_steps(roles), "tokens_per_s": tokens / (time.perf_counter() - t0)}
-        evaluated = runner.due(st.eval_interval)
-        if evaluated:
-            metrics.update(evaluate(rm, eval_set, *eval_args, units="raw"))
-        if step == st.steps and st.normalize:
-            rm.reward_mean, rm.reward_std = 0.0, 1.0
-            rm.reward_mean, rm.reward_std = reward_statistics(rm, norm_samples, pad, st.seq_length, st.micro_batch_size)
-            runner.log.info(f"reward normalisation over {len(norm_samples)} {norm_source}: "
-                            f"mean {rm.reward_mean:.4f}, std {rm.reward_std:.4f}")
-        runner.end_step(metrics, step * st.global_batch_size, evaluated)
+    def collate(indices: list[int]) -> dict:
+        return collate_preferences([pairs.train[i] for i in indices], pad, st.seq_length)
 
-    final = evaluate(rm, eval_set, *eval_args, units="normalized" if st.normalize else "raw")
+    def eval_metrics() -> dict:
+        return evaluate(rm, pairs.eval, *eval_args, units="raw")
+
+    def normalize() -> None:
+        rm.reward_mean, rm.reward_std = 0.0, 1.0
+        rm.reward_mean, rm.reward_std = reward_statistics(rm, norm_samples, pad, st.seq_length, st.micro_batch_size)
+        runner.log.info(f"reward normalisation over {len(norm_samples)} {norm_source}: "
+                        f"mean {rm.reward_mean:.4f}, std {rm.reward_std:.4f}")
+
+    metrics = run_steps(runner, SupervisedSteps(
+        rm, collate, bradley_terry_loss, micro_rows=2 * st.micro_batch_size, global_batch_size=st.global_batch_size,
+        eval_interval=st.eval_interval, step_metrics=train_metrics, evaluate=eval_metrics, inputs=("tokens", "lengths"),
+        before_last_checkpoint=normalize if st.normalize else None))
+
+    final = evaluate(rm, pairs.eval, *eval_args, units="normalized" if st.normalize else "raw")
     return runner.finish({
         "final_train_loss": metrics.get("loss"), **final,
         "reward_mean": rm.reward_mean, "reward_std": rm.reward_std, "normalized_over": norm_source,
-        "train_data": vars(train_report), "eval_data": vars(eval_report), "data_sources": data.sources,
+        "train_data": vars(pairs.train_report), "eval_data": vars(pairs.eval_report), "data_sources": data.sources,
     }, f"done: eval accuracy {final['eval_accuracy']:.3f}, margin {next(v for k, v in final.items() if 'margin' in k):.3f} "
        f"({'normalised' if st.normalize else 'raw'} reward units)")

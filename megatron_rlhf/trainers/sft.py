@@ -10,22 +10,19 @@ from the stage's latest complete checkpoint.
 
 from __future__ import annotations
 
-import time
-from functools import partial
-
 import torch
 
 from megatron_rlhf import parallel
 from megatron_rlhf.checkpoint.manager import resolve_checkpoint
 from megatron_rlhf.config import Config
 from megatron_rlhf.data.encode import collate_sft, encode_sft
-from megatron_rlhf.data.sampler import EpochSampler
-from megatron_rlhf.models.batching import data_parallel, dp_slice, padded_forward
+from megatron_rlhf.models.batching import data_parallel, padded_forward
 from megatron_rlhf.models.roles import Actor, lora_base_warnings, lora_summary
 from megatron_rlhf.parallel.collectives import dp_sums
-from megatron_rlhf.trainers.runner import StageRunner, skipped_steps
+from megatron_rlhf.trainers.runner import StageRunner
 from megatron_rlhf.trainers.stage_data import load_stage_data
 from megatron_rlhf.trainers.start_weights import load_start
+from megatron_rlhf.trainers.supervised import SupervisedSteps, encode_splits, fit, log_lines, resume, run_steps
 
 
 def response_nll(logprobs: torch.Tensor, loss_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -55,6 +52,11 @@ def evaluate(actor: Actor, examples: list, pad_id: int, seq_len: int, micro_batc
     return sums["nll"] / max(sums["tokens"], 1.0)
 
 
+def train_metrics(result: dict) -> dict:
+    """The logged train metrics of a step's train_step result."""
+    return {k: result[k] for k in ("loss", "lr", "grad_norm")}
+
+
 def start_checkpoint(cfg: Config) -> tuple[str, str] | None:
     """("ckpt", dir) for sft.init_from, ("hf", dir) for model.init_from_hf, None: fresh."""
     if cfg.sft.init_from:
@@ -68,49 +70,36 @@ def train(cfg: Config) -> dict:
     data = load_stage_data(cfg, ("sft_train", "sft_eval"), stage="sft")
     cfg = data.config  # the run's vocabulary and start architecture resolved (stage_data.RunContext)
     pad = data.tokenizer.pad_id
-    encode = partial(encode_sft, tokenizer=data.tokenizer, max_len=st.seq_length, overflow=cfg.data.overflow,
-                     max_len_field="sft.seq_length")
-    train_set, train_report = encode(data.splits["sft_train"])
-    eval_set, eval_report = encode(data.splits["sft_eval"])
+    examples = encode_splits(encode_sft, data.splits["sft_train"], data.splits["sft_eval"],
+                             fit(data, st.seq_length, "sft.seq_length"))
 
     lora = cfg.lora if cfg.lora.applies_to("sft") else None
     actor = Actor(cfg, trainable=True, optimizer=st.optimizer, total_steps=st.steps, lora=lora)
     roles = {"actor": actor}
-    sampler = EpochSampler(len(train_set), seed=cfg.seed)
-    runner.resume(roles, sampler)
+    resume(runner, roles, len(examples.train), cfg.seed)
     start = start_checkpoint(cfg)
     # a LoRA actor's frozen base also on resume: its checkpoints hold only the adapters
     loaded = load_start(cfg, actor, start) if start and (lora or runner.resumed is None) else None
-    log = runner.log
-    log.info(f"train data: {train_report}; eval data: {eval_report}")
-    if runner.resumed:
-        log.info(runner.resumed)
-    if loaded:
-        where = f"the Hugging Face checkpoint {loaded}" if start[0] == "hf" and not lora else loaded
-        log.info(f"LoRA adapters on the frozen base {where}" if lora else f"initialised from {where}")
-    for line in lora_base_warnings(roles):
-        log.info(line)
+    where = f"the Hugging Face checkpoint {loaded}" if loaded and start[0] == "hf" and not lora else loaded
+    log_lines(runner, f"train data: {examples.train_report}; eval data: {examples.eval_report}", runner.resumed,
+              loaded and (f"LoRA adapters on the frozen base {where}" if lora else f"initialised from {where}"),
+              *lora_base_warnings(roles))
     eval_args = (data.tokenizer.pad_id, st.seq_length, st.micro_batch_size)
-    eval_loss_start = evaluate(actor, eval_set, *eval_args)
-    dp_rank, dp_size = data_parallel()
+    eval_loss_start = evaluate(actor, examples.eval, *eval_args)
 
-    metrics = {}
-    for step in runner.steps():
-        t0 = time.perf_counter()
-        indices = dp_slice(sampler.next_indices(st.global_batch_size), dp_rank, dp_size)
-        batch = collate_sft([train_set[i] for i in indices], pad, st.seq_length)
-        result = actor.train_step(batch, st.micro_batch_size, sft_loss)
-        tokens = dp_sums({"tokens": int(batch["lengths"].sum())}, parallel.device())["tokens"]
-        metrics = {"loss": result["loss"], "lr": result["lr"], "grad_norm": result["grad_norm"],
-                   **skipped_steps(roles), "tokens_per_s": tokens / (time.perf_counter() - t0)}
-        evaluated = runner.due(st.eval_interval)
-        if evaluated:
-            metrics["eval_loss"] = evaluate(actor, eval_set, *eval_args)
-        runner.end_step(metrics, step * st.global_batch_size, evaluated)
+    def collate(indices: list[int]) -> dict:
+        return collate_sft([examples.train[i] for i in indices], pad, st.seq_length)
 
-    eval_loss = metrics.get("eval_loss", evaluate(actor, eval_set, *eval_args))
+    def eval_metrics() -> dict:
+        return {"eval_loss": evaluate(actor, examples.eval, *eval_args)}
+
+    metrics = run_steps(runner, SupervisedSteps(
+        actor, collate, sft_loss, micro_rows=st.micro_batch_size, global_batch_size=st.global_batch_size,
+        eval_interval=st.eval_interval, step_metrics=train_metrics, evaluate=eval_metrics))
+
+    eval_loss = metrics.get("eval_loss", evaluate(actor, examples.eval, *eval_args))
     return runner.finish({
         "final_train_loss": metrics.get("loss"), "eval_loss_start": eval_loss_start, "eval_loss": eval_loss,
-        "train_data": vars(train_report), "eval_data": vars(eval_report), "data_sources": data.sources,
-        "started_from": start and start[1], "lora": lora_summary(roles),
+        "train_data": vars(examples.train_report), "eval_data": vars(examples.eval_report),
+        "data_sources": data.sources, "started_from": start and start[1], "lora": lora_summary(roles),
     }, f"done: eval loss {eval_loss_start:.4f} -> {eval_loss:.4f}")
