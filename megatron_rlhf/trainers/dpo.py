@@ -156,7 +156,8 @@ def train(cfg: Config) -> dict:
     eval_set, eval_report = encode_preferences(data.splits["preference_eval"], **fit)
 
     lora = cfg.lora if cfg.lora.applies_to("dpo") else None
-    actor = Actor(cfg, trainable=True, optimizer=d.optimizer, total_steps=d.steps, lora=lora)
+    actor = Actor(cfg.model, trainable=True, optimizer=d.optimizer, total_steps=d.steps, lora=lora, seed=cfg.seed,
+                  max_consecutive_nonfinite=cfg.resilience.max_consecutive_nonfinite)
     roles = {"actor": actor}
     sampler = EpochSampler(len(train_set), seed=cfg.seed)
     state = runner.resume(roles, sampler)
@@ -175,7 +176,7 @@ def train(cfg: Config) -> dict:
     if data.task is not None and "prompts_eval" in data.splits:
         prompts, _ = encode_prompt_records(data.splits["prompts_eval"], data.tokenizer,
                                            cfg.model.max_seq_length - cfg.sampling.max_new_tokens)
-        engine = MegatronRolloutEngine(actor, eos_id=data.tokenizer.eos_id, pad_id=pad)
+        engine = MegatronRolloutEngine(cfg.model, actor, eos_id=data.tokenizer.eos_id, pad_id=pad)
     evaluate = partial(eval_pairs, actor, ref, eval_set, pad, d.seq_length, d)
     if runner.resumed:
         before = state["before"]
@@ -229,7 +230,7 @@ def build_reference(cfg: Config, state: dict, start, data_id: str, encoded, acto
     if actor.lora is not None:
         reference, role = AdapterFreeReference(actor), "the LoRA actor with its adapters off"
     else:
-        reference, role = Reference(cfg), "reference role freed"
+        reference, role = Reference(cfg.model), "reference role freed"
         load_start(cfg, reference, start)
     if not d.precompute_reference:
         return ReferenceSource(reference, None, micro_rows), f"reference log-probs: on the fly{switched}" + (
