@@ -33,6 +33,7 @@ def worker(size: str, steps: int, out: Path) -> None:
     import torch
 
     from megatron_rlhf import parallel
+    from megatron_rlhf.trainers.runner import start_distributed
     from megatron_rlhf.config import load_config
     from megatron_rlhf.models.roles import Actor, summed
 
@@ -46,8 +47,8 @@ def worker(size: str, steps: int, out: Path) -> None:
         *(f"{stage}.seq_length={s['seq']}" for stage in ("sft", "rm", "dpo")),
         f"parallel.tensor_parallel={tp}", f"parallel.pipeline_parallel={pp}",
     ])
-    parallel.initialize(cfg)
-    actor = Actor(cfg)
+    start_distributed(cfg)
+    actor = Actor(cfg.model, optimizer=cfg.optimizer, max_consecutive_nonfinite=cfg.resilience.max_consecutive_nonfinite)
     batch = {"tokens": torch.randint(0, 128, (s["batch"], s["seq"]))}
     loss_fn = lambda o, mb: (*summed(-o["logprobs"] - 0.01 * o["entropy"]), {})  # noqa: E731
     times = []

@@ -106,6 +106,7 @@ def child(args, offload: bool) -> dict:
     import torch
 
     from megatron_rlhf import parallel  # first: it adapts megatron-core before its import
+    from megatron_rlhf.trainers.runner import start_distributed
     from megatron_rlhf.colocation import ColocationScheduler, phases_for
     from megatron_rlhf.config import ConfigError, load_config
     from megatron_rlhf.data.encode import EncodedPrompt
@@ -144,7 +145,7 @@ def child(args, offload: bool) -> dict:
             cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, engine="megatron"))
     else:
         refit_note = "rollout.engine=megatron (in place: no weight copy); --engine vllm measures it"
-    parallel.initialize(cfg)
+    start_distributed(cfg)
     roles = stage.build_roles(cfg)
     assert sorted(roles) == ["actor", "critic", "reference", "reward"], sorted(roles)
     trained = {k: roles[k] for k in ("actor", "critic")}
@@ -155,7 +156,9 @@ def child(args, offload: bool) -> dict:
     prompts = [EncodedPrompt(torch.randint(3, vocab, (int(k),), generator=g).tolist(), PromptExample("-"))
                for k in torch.randint(lo, hi + 1, (batch,), generator=g)]
     sampling = SamplingParams(max_new_tokens=new)
-    score_fn = partial(stage.sequence_rewards, RewardSources(cfg, roles["reward"]), tokenizer=tokenizer, rl=cfg.rl)
+    rewards = RewardSources(cfg.rl.rewards, roles["reward"], micro_batch_size=cfg.rl.micro_batch_size,
+                            micro_batch_tokens=cfg.rl.micro_batch_tokens)
+    score_fn = partial(stage.sequence_rewards, rewards, tokenizer=tokenizer, rl=cfg.rl)
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     with tempfile.TemporaryDirectory() as workdir:
         if cfg.rollout.engine == "vllm":
@@ -163,9 +166,10 @@ def child(args, offload: bool) -> dict:
 
             # vLLM takes only ids >= 0 as stop tokens: the last id, which a random model draws
             # ~1/vocab of the time (the tokens actually generated are what is counted)
-            engine = VLLMRolloutEngine(roles["actor"], cfg, eos_id=vocab - 1, pad_id=0, workdir=Path(workdir))
+            engine = VLLMRolloutEngine(cfg.rollout, cfg.model, roles["actor"], eos_id=vocab - 1, pad_id=0,
+                                       workdir=Path(workdir), seed=cfg.seed, verbose=cfg.logging.verbose)
         else:
-            engine = MegatronRolloutEngine(roles["actor"], eos_id=-1, pad_id=0)  # no EOS: full-length responses
+            engine = MegatronRolloutEngine(cfg.model, roles["actor"], eos_id=-1, pad_id=0)  # no EOS: full-length responses
         with engine:
             walls, flops, refits, response_tokens = [], [], [], []
             for it in range(args.iterations + 1):

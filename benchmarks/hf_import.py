@@ -72,6 +72,7 @@ def main() -> None:
                                   f"--layers={args.layers}", f"--vocab={args.vocab}", f"--shard-mb={args.shard_mb}"],
                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         from megatron_rlhf import parallel
+        from megatron_rlhf.trainers.runner import start_distributed
         from megatron_rlhf.config import load_config
         from megatron_rlhf.convert import export_hf, hf_overrides, import_hf
 
@@ -82,7 +83,7 @@ def main() -> None:
         params = int(stdout.split()[-1])
         rows.append({"step": "start (imports)", "seconds": None, "peak_rss_mib": peak_rss_mib()})
         cfg = load_config(None, hf_overrides(hf_dir))
-        parallel.initialize(cfg)
+        start_distributed(cfg)
         t0 = time.perf_counter()
         import_hf(cfg, hf_dir, tmp / "imported")
         rows.append({"step": "import_hf", "seconds": time.perf_counter() - t0, "peak_rss_mib": peak_rss_mib()})

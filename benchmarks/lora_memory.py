@@ -35,6 +35,7 @@ def worker(size: str, rank: int, out: Path) -> None:
 
     torch.set_num_threads(1)
     from megatron_rlhf import parallel
+    from megatron_rlhf.trainers.runner import start_distributed
     from megatron_rlhf.colocation import current_memory_bytes, peak_memory_bytes
     from megatron_rlhf.config import load_config
     from megatron_rlhf.logging.memory import memory_account
@@ -47,7 +48,7 @@ def worker(size: str, rank: int, out: Path) -> None:
         f"model.num_query_groups={s['groups']}", f"model.ffn_hidden_size={s['ffn']}", f"model.vocab_size={s['vocab']}",
         f"model.max_seq_length={s['seq']}", f"lora.rank={rank}", f"lora.alpha={2 * max(rank, 1)}",
     ])
-    parallel.initialize(cfg)
+    start_distributed(cfg)
     baseline = current_memory_bytes()
     roles = build_roles(cfg)
     tokens = torch.randint(0, s["vocab"], (s["micro"], s["seq"]))

@@ -44,6 +44,7 @@ def worker(size: str, recompute: str, steps: int, out: Path) -> None:
 
     torch.set_num_threads(1)
     from megatron_rlhf import parallel
+    from megatron_rlhf.trainers.runner import start_distributed
     from megatron_rlhf.colocation import current_memory_bytes, peak_memory_bytes
     from megatron_rlhf.config import load_config
     from megatron_rlhf.logging.memory import memory_account
@@ -55,9 +56,9 @@ def worker(size: str, recompute: str, steps: int, out: Path) -> None:
         f"model.num_query_groups={s['groups']}", f"model.ffn_hidden_size={s['ffn']}", f"model.vocab_size={s['vocab']}",
         f"model.max_seq_length={s['seq']}", *RECOMPUTE[recompute],
     ])
-    parallel.initialize(cfg)
+    start_distributed(cfg)
     baseline = current_memory_bytes()
-    actor = Actor(cfg)
+    actor = Actor(cfg.model, optimizer=cfg.optimizer, max_consecutive_nonfinite=cfg.resilience.max_consecutive_nonfinite)
     batch = {"tokens": torch.randint(0, s["vocab"], (s["micro"], s["seq"]))}
     loss_fn = lambda o, mb: (*summed(-o["logprobs"] - 0.01 * o["entropy"]), {})  # noqa: E731
     start = time.perf_counter()

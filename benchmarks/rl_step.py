@@ -35,6 +35,7 @@ QUICK = dict(sequences=4, new_tokens=8, epochs=2, mini=4, micro=4, algorithms=["
 
 def run(algorithm: str, iterations: int, quick: bool = False) -> dict:
     from megatron_rlhf import parallel
+    from megatron_rlhf.trainers.runner import start_distributed
     from megatron_rlhf.colocation import ColocationScheduler, phases_for
     from megatron_rlhf.config import load_config
     from megatron_rlhf.data.encode import EncodedPrompt
@@ -52,16 +53,18 @@ def run(algorithm: str, iterations: int, quick: bool = False) -> dict:
         f"rl.micro_batch_size={size['micro']}", f"rl.epochs={size['epochs']}",
         f"sampling.max_new_tokens={size['new_tokens']}", "rl.steps=100"])
     cfg, _ = resolve_vocab_size(cfg, tokenizer_for(cfg))  # the built-in task's, as a stage would
-    parallel.initialize(cfg)
+    start_distributed(cfg)
     roles = stage.build_roles(cfg)
     trained = {k: roles[k] for k in ("actor", "critic") if k in roles}
     sched = ColocationScheduler(roles, phases_for(roles))
-    engine = MegatronRolloutEngine(roles["actor"], eos_id=-1, pad_id=0)  # no EOS: full-length responses
+    engine = MegatronRolloutEngine(cfg.model, roles["actor"], eos_id=-1, pad_id=0)  # no EOS: full-length responses
     sampling = SamplingParams(max_new_tokens=size["new_tokens"])
     g = torch.Generator().manual_seed(0)
     prompts = [EncodedPrompt(torch.randint(3, cfg.model.vocab_size, (int(k),), generator=g).tolist(), PromptExample("-"))
                for k in torch.randint(3, 7, (size["sequences"] // n,), generator=g)]
-    score_fn = partial(stage.sequence_rewards, RewardSources(cfg, roles.get("reward")), tokenizer=tokenizer_for(cfg), rl=cfg.rl)
+    rewards = RewardSources(cfg.rl.rewards, roles.get("reward"), micro_batch_size=cfg.rl.micro_batch_size,
+                            micro_batch_tokens=cfg.rl.micro_batch_tokens)
+    score_fn = partial(stage.sequence_rewards, rewards, tokenizer=tokenizer_for(cfg), rl=cfg.rl)
     for it in range(iterations + 1):
         if it == 1:
             sched.stats.clear()  # drop the warm-up iteration

@@ -41,6 +41,7 @@ def measure(size: str, batch: int, new: int, reps: int) -> dict:
     import torch
 
     from megatron_rlhf import parallel  # first: it adapts megatron-core before its import
+    from megatron_rlhf.trainers.runner import start_distributed
     from megatron_rlhf.config import load_config
     from megatron_rlhf.models.roles import Actor
     from megatron_rlhf.rollout import MegatronRolloutEngine, SamplingParams
@@ -49,17 +50,18 @@ def measure(size: str, batch: int, new: int, reps: int) -> dict:
     if why := vllm_available():
         raise SystemExit(f"vLLM does not import ({why}): run with .venv-vllm/bin/python")
     cfg = load_config(None, [f"model.{k}={v}" for k, v in MODEL[size].items()] + ["model.params_dtype=float32"])
-    parallel.initialize(cfg)
-    actor = Actor(cfg, trainable=False, temperature=1.0)
+    start_distributed(cfg)
+    actor = Actor(cfg.model, trainable=False, temperature=1.0)
     params = sum(p.numel() for p in actor.module.parameters())
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(2, cfg.model.vocab_size, (int(k),), generator=g).tolist()
                for k in torch.randint(4, 13, (batch,), generator=g)]
     sampling = SamplingParams(temperature=1.0, max_new_tokens=new)
-    megatron = MegatronRolloutEngine(actor, eos_id=1, pad_id=0)
+    megatron = MegatronRolloutEngine(cfg.model, actor, eos_id=1, pad_id=0)
     with tempfile.TemporaryDirectory() as workdir:
         start = time.perf_counter()
-        vllm = VLLMRolloutEngine(actor, cfg, eos_id=1, pad_id=0, workdir=Path(workdir))
+        vllm = VLLMRolloutEngine(cfg.rollout, cfg.model, actor, eos_id=1, pad_id=0, workdir=Path(workdir),
+                                 seed=cfg.seed, verbose=cfg.logging.verbose)
         start_s = time.perf_counter() - start
         try:
             refits = []

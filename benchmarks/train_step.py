@@ -133,9 +133,10 @@ def ppo_minibatch(roles, cfg, batch: int, new_tokens: int):
     g = torch.Generator().manual_seed(0)
     prompts = [EncodedPrompt(torch.randint(3, cfg.model.vocab_size, (int(k),), generator=g).tolist(), PromptExample("-"))
                for k in torch.randint(3, 7, (batch,), generator=g)]
-    engine = MegatronRolloutEngine(roles["actor"], eos_id=-1, pad_id=0)  # no EOS: full-length responses
-    score_fn = partial(stage.sequence_rewards, RewardSources(cfg, roles.get("reward")), tokenizer=tokenizer_for(cfg),
-                       rl=cfg.rl)
+    engine = MegatronRolloutEngine(cfg.model, roles["actor"], eos_id=-1, pad_id=0)  # no EOS: full-length responses
+    rewards = RewardSources(cfg.rl.rewards, roles.get("reward"), micro_batch_size=cfg.rl.micro_batch_size,
+                            micro_batch_tokens=cfg.rl.micro_batch_tokens)
+    score_fn = partial(stage.sequence_rewards, rewards, tokenizer=tokenizer_for(cfg), rl=cfg.rl)
     generation = stage.generate(engine, score_fn, lambda: prompts, cfg.rl, SamplingParams(max_new_tokens=new_tokens), seed=0)
     ppo_batch = stage.score(generation.rollout, generation.rewards or score_fn(generation.rollout, generation.rows), roles,
                             cfg.rl)
@@ -145,6 +146,7 @@ def ppo_minibatch(roles, cfg, batch: int, new_tokens: int):
 
 def run(batch: int, repeats: int, steps: int, new_tokens: int) -> dict:
     from megatron_rlhf import parallel
+    from megatron_rlhf.trainers.runner import start_distributed
     from megatron_rlhf.trainers import rl as stage
     from megatron_rlhf.trainers.stage_data import resolve_vocab_size, tokenizer_for
 
@@ -152,7 +154,7 @@ def run(batch: int, repeats: int, steps: int, new_tokens: int) -> dict:
     cfgs = {v: config(batch, distributed_optimizer=v != "after+plain", new_tokens=new_tokens) for v in VARIANTS}
     for cfg in cfgs.values():
         cfg, _ = resolve_vocab_size(cfg, tokenizer_for(cfg))
-    parallel.initialize(cfgs["before"])
+    start_distributed(cfgs["before"])
     trained, totals = {}, {}
     for variant, cfg in cfgs.items():
         parallel.seed_everything(cfg.seed)  # the same initial weights for every variant

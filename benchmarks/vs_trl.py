@@ -241,6 +241,7 @@ def run_ours(batch: int, iterations: int, new_tokens: int, seed: int, reuse_logp
 
     import megatron_rlhf  # noqa: F401  (before megatron.core: it adapts megatron-core to CPU)
     from megatron_rlhf import parallel
+    from megatron_rlhf.trainers.runner import start_distributed
     from megatron_rlhf.colocation import ColocationScheduler, phases_for
     from megatron_rlhf.config import load_config
     from megatron_rlhf.data.encode import EncodedPrompt
@@ -260,14 +261,16 @@ def run_ours(batch: int, iterations: int, new_tokens: int, seed: int, reuse_logp
         f"rl.epochs={EPOCHS}", f"sampling.max_new_tokens={new_tokens}", "rl.steps=100"])
     tokenizer = tokenizer_for(cfg)
     cfg, _ = resolve_vocab_size(cfg, tokenizer)  # the built-in task's, as a stage would
-    parallel.initialize(cfg)
+    start_distributed(cfg)
     roles = stage.build_roles(cfg)
     trained = {k: roles[k] for k in ("actor", "critic") if k in roles}
     sched = ColocationScheduler(roles, phases_for(roles))
-    engine = MegatronRolloutEngine(roles["actor"], eos_id=-1, pad_id=0)  # no EOS: full-length responses
+    engine = MegatronRolloutEngine(cfg.model, roles["actor"], eos_id=-1, pad_id=0)  # no EOS: full-length responses
     sampling = SamplingParams(max_new_tokens=new_tokens)
     prompts = [EncodedPrompt(ids, PromptExample("-")) for ids in make_prompts(batch, cfg.model.vocab_size, seed)]
-    score_fn = partial(stage.sequence_rewards, RewardSources(cfg, roles.get("reward")), tokenizer=tokenizer, rl=cfg.rl)
+    rewards = RewardSources(cfg.rl.rewards, roles.get("reward"), micro_batch_size=cfg.rl.micro_batch_size,
+                            micro_batch_tokens=cfg.rl.micro_batch_tokens)
+    score_fn = partial(stage.sequence_rewards, rewards, tokenizer=tokenizer, rl=cfg.rl)
     clock = SpanClock()
     timers = install_our_timers(clock, trained)
     import gc

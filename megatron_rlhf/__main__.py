@@ -92,11 +92,11 @@ def convert_command(args, cfg) -> None:
                              drop_score_bias=args.drop_score_bias, lora_base=args.lora_base)
         print(f"[{args.command}] {args.role} of {args.ckpt} -> {path}", flush=True)
         return
-    from megatron_rlhf import parallel
+    from megatron_rlhf.trainers.runner import start_distributed
 
     # config.json gives the architecture; model.* overrides are checked against it
     cfg = load_config(args.config, [*args.overrides, f"model.from_hf_config={args.hf}"])
-    rank0 = parallel.initialize(cfg).rank == 0
+    rank0 = start_distributed(cfg).rank == 0
     if rank0:
         print(f"[import-hf] model from {args.hf}/config.json: {cfg.model}", flush=True)
     path = import_hf(cfg, args.hf, args.out)

@@ -27,6 +27,7 @@ from megatron_rlhf import parallel
 from megatron_rlhf.config import Config, validate
 from megatron_rlhf.logging.report import write_report
 from megatron_rlhf.trainers import dpo, rl, rm, sft
+from megatron_rlhf.trainers.runner import start_distributed
 from megatron_rlhf.trainers.stage_data import record_run, resolve_vocab_size, run_dir, run_tokenizer, stage_dir
 from megatron_rlhf.trainers.stage_inputs import plan, replaced_name
 
@@ -63,7 +64,7 @@ def run(cfg: Config) -> dict:
 def move_aside(cfg: Config, directories: list[Path]) -> None:
     """Collective. Rename each directory to <name>.replaced-<time> (rank 0), once every rank has
     planned from the directories as they were."""
-    parallel.initialize(cfg)
+    start_distributed(cfg)
     dist.barrier()
     if dist.get_rank() == 0:
         for directory in directories:

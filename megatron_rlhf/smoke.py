@@ -15,10 +15,11 @@ import torch.nn.functional as F
 from megatron_rlhf import parallel
 from megatron_rlhf.config import Config
 from megatron_rlhf.models.roles import Actor, Critic, Reference, RewardModel, summed
+from megatron_rlhf.trainers.runner import start_distributed
 
 
 def run(cfg: Config, batch_size: int = 8, micro_batch_size: int = 2, seq_len: int = 32) -> dict:
-    env = parallel.initialize(cfg)
+    env = start_distributed(cfg)
     if cfg.model.vocab_size is None:  # the tokenizer's size, as in the stages
         from megatron_rlhf.trainers.stage_data import resolve_vocab_size, tokenizer_for
 
@@ -36,7 +37,9 @@ def run(cfg: Config, batch_size: int = 8, micro_batch_size: int = 2, seq_len: in
     }
     report = {}
     for cls in (Actor, Reference, Critic, RewardModel):
-        role = cls(cfg) if cls is Reference else cls(cfg, trainable=True)
+        role = (cls(cfg.model) if cls is Reference else
+                cls(cfg.model, trainable=True, optimizer=cfg.optimizer, seed=cfg.seed,
+                    max_consecutive_nonfinite=cfg.resilience.max_consecutive_nonfinite))
         start = time.perf_counter()
         outputs = role.forward(batch, micro_batch_size)
         row = {"forward_s": time.perf_counter() - start}

@@ -408,11 +408,11 @@ def test_checkpoints_record_their_model_config_and_refuse_another_architecture(r
     recorded = torch.load(path / "trainer_state" / "rank_00001.pt", weights_only=True)["model_config"]
     model = load_config(None, TINY_MODEL).model
     assert recorded == dataclasses.asdict(model)
-    check_architecture(SimpleNamespace(cfg=SimpleNamespace(model=model)), path / "actor")
+    check_architecture(SimpleNamespace(model_config=model), path / "actor")
     other = load_config(None, [*TINY_MODEL, "model.num_layers=2", "model.rope_scaling.type=linear",
                                "model.rope_scaling.factor=2.0", "model.max_seq_length=32"]).model
     with pytest.raises(CheckpointError) as err:
-        check_architecture(SimpleNamespace(cfg=SimpleNamespace(model=other)), path / "actor")
+        check_architecture(SimpleNamespace(model_config=other), path / "actor")
     message = str(err.value)
     assert "model.num_layers: checkpoint 4, this run 2" in message and "model.rope_scaling" in message
     assert "max_seq_length" not in message  # the run's choice, not the architecture

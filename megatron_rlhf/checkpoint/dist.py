@@ -113,7 +113,7 @@ def check_architecture(role, path: Path) -> None:
     from megatron_rlhf.checkpoint.validate import CheckpointError, recorded_model_config
     from megatron_rlhf.config import ARCHITECTURE_FIELDS
 
-    model = getattr(getattr(role, "cfg", None), "model", None)
+    model = getattr(role, "model_config", None)  # the section the role was built from (models/roles.py)
     saved = recorded_model_config(path.parent) if model is not None else None
     if saved is None:
         return

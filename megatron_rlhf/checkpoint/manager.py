@@ -230,6 +230,12 @@ def _resume_choice(where: str | Path) -> tuple[Path, list[str]]:
         return path, [*warnings, loud]
 
 
+def _model_section(roles: dict):
+    """The model section a checkpoint of `roles` records: the first role's `model_config`, the
+    section it was built from (models/roles.py: Role); None when no role names one."""
+    return next((r.model_config for r in roles.values() if getattr(r, "model_config", None) is not None), None)
+
+
 class CheckpointManager:
     """Saves and loads the complete state of one stage under `stage_dir`."""
 
@@ -291,7 +297,7 @@ class CheckpointManager:
         with MemoryGrowth() as growth:
             requests = [save_role(role, tmp / name, async_save=self.async_save) for name, role in roles.items()]
             # The model config goes with the weights: export-hf and later stages read it from here.
-            model_cfg = next((r.cfg.model for r in roles.values() if hasattr(getattr(r, "cfg", None), "model")), None)
+            model_cfg = _model_section(roles)
             recorded = {"model_config": dataclasses.asdict(model_cfg)} if model_cfg is not None else {}
             torch.save({**recorded, **trainer_state, "rng": rng_state()}, tmp / "trainer_state" / f"rank_{rank:05d}.pt")
             record = {"step": step, "roles": list(roles), "world_size": dist.get_world_size(),

@@ -4,7 +4,6 @@ config error is reported before anything heavy is imported)."""
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass, field
 
 from megatron_rlhf.config.errors import ConfigError

@@ -80,17 +80,17 @@ def _load_shards(role, hf_dir: Path) -> None:
     from megatron.core import parallel_state as ps
 
     hf = read_hf_config(hf_dir)
-    check_model_matches_hf(role.cfg, hf_dir)
+    check_model_matches_hf(role.model_config, hf_dir)
     value_model = bool(getattr(role, "value_head", False))
     if hf.is_value_model and not value_model:
         raise ConvertError(f"{hf_dir}/config.json: architectures=[{hf.architecture!r}] is a reward/value model "
                            f"(score head, no lm_head): load it into a RewardModel or Critic, not a "
                            f"{type(role).__name__}")
-    d = Dims.of(role.cfg.model)
+    d = Dims.of(role.model_config)
     if value_model:
         d = dataclasses.replace(d, tied=False)  # GPTValueModel never ties its (value) head
     weights = HFWeights(hf_dir)
-    expected = hf_expected_shapes(Dims.of(role.cfg.model), value_model=hf.is_value_model)
+    expected = hf_expected_shapes(Dims.of(role.model_config), value_model=hf.is_value_model)
     _check_hf_tensors(weights, expected, optional={"lm_head.weight"})
     module = role.module
     layers = module.decoder.layers
@@ -127,11 +127,12 @@ def load_hf_weights(role, hf_dir: str | os.PathLike) -> None:
         role.optimizer.reload_model_params()
 
 
-def _build_role(cfg, role: str):
+def _build_role(model_cfg, role: str):
+    """A frozen `role` of the model section `model_cfg`."""
     from megatron_rlhf.models.roles import Actor, Critic, Reference, RewardModel
 
-    return {"actor": lambda: Actor(cfg, trainable=False), "reference": lambda: Reference(cfg),
-            "reward": lambda: RewardModel(cfg), "critic": lambda: Critic(cfg, trainable=False)}[role]()
+    return {"actor": lambda: Actor(model_cfg, trainable=False), "reference": lambda: Reference(model_cfg),
+            "reward": lambda: RewardModel(model_cfg), "critic": lambda: Critic(model_cfg, trainable=False)}[role]()
 
 
 def _record_hf_tokenizer(hf_dir: Path, out_dir: Path) -> None:
@@ -160,6 +161,7 @@ def import_hf(cfg, hf_dir: str | os.PathLike, out_dir: str | os.PathLike, role: 
     from megatron_rlhf import parallel
     from megatron_rlhf.checkpoint.manager import CheckpointManager
     from megatron_rlhf.checkpoint.validate import LATEST, checkpoint_dirs
+    from megatron_rlhf.config import validate
 
     hf_dir, out_dir = Path(hf_dir), Path(out_dir)
     hf = read_hf_config(hf_dir)
@@ -178,10 +180,11 @@ def import_hf(cfg, hf_dir: str | os.PathLike, out_dir: str | os.PathLike, role: 
     if done or unfinished or (out_dir / LATEST).exists():
         raise ConvertError(f"{out_dir}: already holds checkpoints; import into a new directory")
     started = not parallel_state.model_parallel_is_initialized()
-    if started:
-        parallel.initialize(cfg)
+    if started:  # validated for this launch first: a config error before any process group
+        validate(cfg, world_size=parallel.read_dist_env().world_size)
+        parallel.initialize(cfg.parallel, cfg.seed)
     try:
-        model = _build_role(cfg, role)
+        model = _build_role(cfg.model, role)
         load_hf_weights(model, hf_dir)
         generation = hf_dir / "generation_config.json"
         state = {"step": 0, "imported_from": str(hf_dir), "hf_architecture": hf.architecture,

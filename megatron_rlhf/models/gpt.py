@@ -17,7 +17,7 @@ from megatron.core import parallel_state, tensor_parallel
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer import TransformerConfig
 
-from megatron_rlhf.config import Config, ModelConfig
+from megatron_rlhf.config import ModelConfig
 
 
 def transformer_engine_available() -> bool:
@@ -58,8 +58,11 @@ def sdpa_layer_spec(m: ModelConfig):
     return dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, self_attention=attention))
 
 
-def transformer_config(cfg: Config) -> TransformerConfig:
-    m = cfg.model
+def transformer_config(m: ModelConfig) -> TransformerConfig:
+    """megatron's TransformerConfig for the model section, at the TP x PP layout megatron's
+    parallel_state was started with (parallel.initialize)."""
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
     dtype = getattr(torch, m.params_dtype)
     fused = transformer_engine_available()  # fused kernels need TE/apex on a GPU
     return TransformerConfig(
@@ -69,12 +72,12 @@ def transformer_config(cfg: Config) -> TransformerConfig:
         num_query_groups=m.kv_heads,
         ffn_hidden_size=m.ffn_hidden_size,
         kv_channels=m.kv_channels,
-        tensor_model_parallel_size=cfg.parallel.tensor_parallel,
-        pipeline_model_parallel_size=cfg.parallel.pipeline_parallel,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
         sequence_parallel=False,
         # Stages exchange each microbatch's shape first: microbatches are cut to their longest
         # row and sized by a token budget (Role._run), so shapes vary within a batch.
-        variable_seq_lengths=cfg.parallel.pipeline_parallel > 1,
+        variable_seq_lengths=pp > 1,
         moe_token_dispatcher_type="alltoall",  # no experts here; megatron refuses the default with the line above
         normalization="RMSNorm",
         layernorm_epsilon=m.norm_epsilon,
@@ -152,13 +155,13 @@ def scaled_inv_freq(inv_freq: torch.Tensor, m: ModelConfig) -> torch.Tensor:
     return torch.where(medium, blended, scaled)
 
 
-def build_model(cfg: Config, value_head: bool = False, spec=None) -> GPTModel:
-    """The model chunk for this rank's pipeline stage (no virtual pipeline). `spec`: the
-    transformer layer spec (default: layer_spec)."""
-    m: ModelConfig = cfg.model
+def build_model(m: ModelConfig, value_head: bool = False, spec=None) -> GPTModel:
+    """The model of section `m`: the chunk for this rank's pipeline stage (no virtual pipeline)
+    at the layout parallel.initialize started. `spec`: the transformer layer spec (default:
+    layer_spec)."""
     cls = GPTValueModel if value_head else GPTModel
     model = cls(
-        config=transformer_config(cfg),
+        config=transformer_config(m),
         transformer_layer_spec=spec if spec is not None else layer_spec(m),
         vocab_size=m.padded_vocab_size,
         max_sequence_length=m.max_seq_length,

@@ -28,7 +28,7 @@ from megatron.core import parallel_state
 from megatron.core.distributed import finalize_model_grads
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
-from megatron_rlhf.config import Config, LoRAConfig, OptimizerConfig
+from megatron_rlhf.config import LoRAConfig, ModelConfig, OptimizerConfig
 from megatron_rlhf.logging.memory import SavedActivations
 from megatron_rlhf.models.gpt import build_model
 from megatron_rlhf.models.lora import adapters_disabled, apply_lora
@@ -158,24 +158,31 @@ def set_training(model: torch.nn.Module, training: bool) -> None:
 
 
 class Role:
-    """One megatron GPTModel chunk, trainable (DDP + DistributedOptimizer + LR schedule) or
-    frozen. `optimizer` defaults to `cfg.optimizer`; `total_steps` sets the LR decay length."""
+    """One megatron GPTModel chunk of the model section `model_config`, trainable (DDP +
+    DistributedOptimizer + LR schedule) or frozen.
+
+    A trainable role needs its `optimizer` section and `max_consecutive_nonfinite`
+    (resilience: how many non-finite steps in a row are skipped before the run stops);
+    `total_steps` sets the LR decay length. `lora` (rank > 0) trains adapters on the frozen
+    weights, initialised from `seed` (the run's seed)."""
 
     value_head = False
     # The role whose module this one runs (a LoRA reference: the actor without adapters); its
     # weights are that role's, placed and counted with it.
     shares_weights_of: str | None = None
 
-    def __init__(self, cfg: Config, trainable: bool, optimizer: OptimizerConfig | None = None,
-                 total_steps: int = 1, lora: LoRAConfig | None = None):
-        self.cfg = cfg
+    def __init__(self, model_config: ModelConfig, trainable: bool, *, optimizer: OptimizerConfig | None = None,
+                 total_steps: int = 1, lora: LoRAConfig | None = None, seed: int | None = None,
+                 max_consecutive_nonfinite: int | None = None):
+        # the architecture the role was built from: its vocabulary, its length, what its checkpoints record
+        self.model_config = model_config
         self.trainable = trainable
         self.optimizer = self.scheduler = None
         # Bytes the largest microbatch kept for backward, measured on the first training call
         # (logging/memory.py: SavedActivations); None until then.
         self.activation_bytes: int | None = None
         self._meter = None
-        module = build_model(cfg, value_head=self.value_head)
+        module = build_model(model_config, value_head=self.value_head)
         self.lora = lora if lora is not None and lora.rank > 0 else None
         # With LoRA: the weights trained besides the adapters (a value head), by name prefix
         self.trained_prefixes = ("output_layer.",) if self.lora is not None and self.value_head else ()
@@ -185,23 +192,25 @@ class Role:
         self.resumed_lora_base: str | None = None
         if self.lora is not None:  # before DDP and the optimizer: they see only the trainable parameters
             assert trainable, "LoRA adapters belong to a trained role"
+            assert seed is not None, "LoRA adapters are initialised from the run's seed"
             # a value model's output layer is its value head, trained in full
             self.lora_targets = [t for t in self.lora.targets if not (self.value_head and t == "output")]
             apply_lora(module, self.lora.rank, self.lora.alpha, self.lora.dropout, self.lora_targets,
-                       seed=cfg.seed + (1 if self.value_head else 0), keep_trainable=self.trained_prefixes)
+                       seed=seed + (1 if self.value_head else 0), keep_trainable=self.trained_prefixes)
         if trainable:
-            optimizer = optimizer or cfg.optimizer
+            assert optimizer is not None and max_consecutive_nonfinite is not None, \
+                "a trainable role needs its optimizer section and max_consecutive_nonfinite"
             # Before DDP is built: DDP then sums gradients over data-parallel ranks instead of
             # averaging them, and finalize_model_grads divides by the global unit count.
             module.config.calculate_per_token_loss = True
             self.model = wrap_ddp(module, optimizer)
-            self.optimizer = build_optimizer(self.model, optimizer, cfg.model.params_dtype)
+            self.optimizer = build_optimizer(self.model, optimizer, model_config.params_dtype)
             self.scheduler = build_scheduler(self.optimizer, optimizer, total_steps)
             config = module.config
             config.finalize_model_grads_func = finalize_model_grads
             config.grad_scale_func = self.optimizer.scale_loss
             config.no_sync_func = self.model.no_sync
-            self.guard = NonFiniteGuard(type(self).__name__, cfg.resilience.max_consecutive_nonfinite)
+            self.guard = NonFiniteGuard(type(self).__name__, max_consecutive_nonfinite)
         else:
             module.requires_grad_(False)
             module.eval()
@@ -353,13 +362,13 @@ class Actor(Role):
     when the batch has `lengths`. Same for `entropy`.
     """
 
-    def __init__(self, cfg: Config, trainable: bool = True, temperature: float = 1.0, **optim):
-        super().__init__(cfg, trainable, **optim)
+    def __init__(self, model_config: ModelConfig, trainable: bool = True, temperature: float = 1.0, **training):
+        super().__init__(model_config, trainable, **training)
         self.temperature = temperature
 
     def outputs(self, *, hidden_states, output_layer, output_weight, context, **_):
         logits, _ = output_layer(hidden_states, weight=output_weight)  # [s, b, V/TP]
-        logits = mask_padded_vocab(logits.float() / self.temperature, self.cfg.model.token_vocab_size)
+        logits = mask_padded_vocab(logits.float() / self.temperature, self.model_config.token_vocab_size)
         tokens = context["tokens"].t()  # [s, b]
         targets = torch.cat([tokens[1:], torch.zeros_like(tokens[:1])])
         valid = torch.ones_like(targets, dtype=logits.dtype)
@@ -377,8 +386,8 @@ class Actor(Role):
 class Reference(Actor):
     """Frozen copy of the SFT policy: the per-token KL anchor."""
 
-    def __init__(self, cfg: Config, temperature: float = 1.0):
-        super().__init__(cfg, trainable=False, temperature=temperature)
+    def __init__(self, model_config: ModelConfig, temperature: float = 1.0):
+        super().__init__(model_config, trainable=False, temperature=temperature)
 
 
 class AdapterFreeReference(Actor):
@@ -388,7 +397,7 @@ class AdapterFreeReference(Actor):
     shares_weights_of = "actor"
 
     def __init__(self, actor: Actor):  # no Role.__init__: nothing to build
-        self.cfg, self.trainable, self.temperature = actor.cfg, False, actor.temperature
+        self.model_config, self.trainable, self.temperature = actor.model_config, False, actor.temperature
         self.optimizer = self.scheduler = self.lora = self._meter = self.activation_bytes = None
         self.trained_prefixes, self.model = (), actor.module
 
@@ -403,8 +412,8 @@ class Critic(Role):
 
     value_head = True
 
-    def __init__(self, cfg: Config, trainable: bool = True, **optim):
-        super().__init__(cfg, trainable, **optim)
+    def __init__(self, model_config: ModelConfig, trainable: bool = True, **training):
+        super().__init__(model_config, trainable, **training)
 
     def outputs(self, *, hidden_states, output_layer, context, **_):
         values = output_layer(hidden_states)  # [b, s]
@@ -422,8 +431,8 @@ class RewardModel(Role):
 
     value_head = True
 
-    def __init__(self, cfg: Config, trainable: bool = False, **optim):
-        super().__init__(cfg, trainable, **optim)
+    def __init__(self, model_config: ModelConfig, trainable: bool = False, **training):
+        super().__init__(model_config, trainable, **training)
         self.reward_mean, self.reward_std = 0.0, 1.0
 
     def extra_state(self) -> dict:

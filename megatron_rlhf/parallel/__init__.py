@@ -17,7 +17,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron_rlhf.config import Config, ConfigError, validate
+from megatron_rlhf.config import ConfigError, ParallelConfig
 from megatron_rlhf.parallel import cpu
 from megatron_rlhf.parallel.collectives import any_rank  # noqa: F401  (re-exported: one 'any rank' for all)
 
@@ -90,13 +90,15 @@ def choose_backend(requested: str) -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
-def initialize(cfg: Config) -> DistEnv:
-    """Start torch.distributed and megatron's parallel_state for `cfg.parallel`; seed all RNGs."""
+def initialize(p: ParallelConfig, seed: int) -> DistEnv:
+    """Start torch.distributed and megatron's parallel_state for the parallel section `p`; seed
+    all RNGs with `seed`. The config is the caller's to validate first, for this launch's world
+    size (config.validate(cfg, world_size=read_dist_env().world_size)): a config error must
+    come before any process group is made."""
     from megatron.core import parallel_state
 
     env = read_dist_env()
-    validate(cfg, world_size=env.world_size)
-    backend = choose_backend(cfg.parallel.backend)
+    backend = choose_backend(p.backend)
     if backend == "nccl":
         torch.cuda.set_device(env.local_rank)
     else:
@@ -110,10 +112,10 @@ def initialize(cfg: Config) -> DistEnv:
         )
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(
-            tensor_model_parallel_size=cfg.parallel.tensor_parallel,
-            pipeline_model_parallel_size=cfg.parallel.pipeline_parallel,
+            tensor_model_parallel_size=p.tensor_parallel,
+            pipeline_model_parallel_size=p.pipeline_parallel,
         )
-    seed_everything(cfg.seed)
+    seed_everything(seed)
     return env
 
 

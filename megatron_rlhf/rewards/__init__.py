@@ -17,16 +17,15 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megatron_rlhf.config import RLConfig
+from megatron_rlhf.config import RewardSourceConfig
 from megatron_rlhf.parallel.collectives import errors_agreed
 from megatron_rlhf.rewards.base import RewardInputs, RewardSourceError
 
 __all__ = ["RewardInputs", "RewardSourceError", "RewardSources"]
 
 
-def build_source(cfg, index: int, reward_role):
-    """The scorer of rl.rewards[index]: the reward role, a FunctionReward or an HttpRewardClient."""
-    src = cfg.rl.rewards[index]
+def build_source(src: RewardSourceConfig, index: int, reward_role):
+    """The scorer of `src`, rl.rewards[index]: the reward role, a FunctionReward or an HttpRewardClient."""
     if src.type == "model":
         return reward_role
     if src.type == "function":
@@ -41,11 +40,14 @@ def build_source(cfg, index: int, reward_role):
 
 
 class RewardSources:
-    """Scores rollouts with every source of rl.rewards and combines them."""
+    """Scores rollouts with every source of `sources` (rl.rewards) and combines them. The reward
+    model source is `reward_role`, run over microbatches of `micro_batch_size` rows (or
+    `micro_batch_tokens` tokens: rl.micro_batch_size, rl.micro_batch_tokens)."""
 
-    def __init__(self, cfg, reward_role=None):
-        self.rl: RLConfig = cfg.rl
-        self.sources = [(src.label, src.weight, build_source(cfg, i, reward_role)) for i, src in enumerate(cfg.rl.rewards)]
+    def __init__(self, sources: list[RewardSourceConfig], reward_role=None, *, micro_batch_size: int,
+                 micro_batch_tokens: int = 0):
+        self.micro_batch_size, self.micro_batch_tokens = micro_batch_size, micro_batch_tokens
+        self.sources = [(src.label, src.weight, build_source(src, i, reward_role)) for i, src in enumerate(sources)]
 
     def score(self, rollout, inputs_fn) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """([B] combined reward (penalty and clip not applied), {name: [B] that source's
@@ -54,7 +56,7 @@ class RewardSources:
         inputs, per_source = None, {}
         for label, _, source in self.sources:
             if hasattr(source, "forward"):  # the reward model role: a collective forward
-                per_source[label] = rm_scores(source, rollout, self.rl.micro_batch_size, self.rl.micro_batch_tokens)
+                per_source[label] = rm_scores(source, rollout, self.micro_batch_size, self.micro_batch_tokens)
                 continue
             inputs = inputs if inputs is not None else inputs_fn()
             per_source[label] = on_replica_leader(source.score, inputs, rollout.tokens.device)

@@ -29,6 +29,7 @@ from megatron.core.inference.communication_utils import (
 from megatron.core.inference.contexts import StaticInferenceContext
 from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
 
+from megatron_rlhf.config import ModelConfig
 from megatron_rlhf.parallel import cpu, device
 from megatron_rlhf.rollout.base import Rollout, RolloutEngine, SamplingParams, sample_next
 
@@ -106,8 +107,10 @@ class Decoding:
 
 
 class MegatronRolloutEngine(RolloutEngine):
-    def __init__(self, actor, eos_id: int, pad_id: int):
-        self.actor, self.eos_id, self.pad_id = actor, eos_id, pad_id
+    """Samples with `actor`, a model of section `model` (its vocabulary and length)."""
+
+    def __init__(self, model: ModelConfig, actor, eos_id: int, pad_id: int):
+        self.model, self.actor, self.eos_id, self.pad_id = model, actor, eos_id, pad_id
 
     def _next_token_logits(self, chunk: torch.Tensor, positions: torch.Tensor, context,
                            layout: StageLayout) -> torch.Tensor | None:
@@ -129,7 +132,7 @@ class MegatronRolloutEngine(RolloutEngine):
         logits = out[:, -1, :].float()
         if layout.tp > 1:
             logits = gather_from_tensor_model_parallel_region(logits)
-        tokens = self.actor.cfg.model.token_vocab_size
+        tokens = self.model.token_vocab_size
         if logits.size(-1) > tokens:
             logits[:, tokens:] = float("-inf")  # padding, ids past the tokenizer
         return logits
@@ -140,9 +143,9 @@ class MegatronRolloutEngine(RolloutEngine):
         self.actor.model.eval()
         batch, shortest = len(prompts), min(len(p) for p in prompts)
         total = max(len(p) for p in prompts) + sampling.max_new_tokens
-        if total > self.actor.cfg.model.max_seq_length:
+        if total > self.model.max_seq_length:
             raise ValueError(f"longest prompt + max_new_tokens = {total} exceeds model.max_seq_length="
-                             f"{self.actor.cfg.model.max_seq_length}")
+                             f"{self.model.max_seq_length}")
         layout = StageLayout.current()
         state = Decoding.start(prompts, total, self.pad_id, device())
         generator = torch.Generator(device=device()).manual_seed(seed)

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
-from megatron_rlhf.config import Config, ConfigError, check_vllm_cpu_model
+from megatron_rlhf.config import Config, ConfigError, ModelConfig, RolloutConfig, check_vllm_cpu_model
 from megatron_rlhf.convert.hf_config import hf_config_dict
 from megatron_rlhf.parallel import device
 from megatron_rlhf.parallel.collectives import errors_agreed, raise_on_every_rank
@@ -68,11 +68,16 @@ def vllm_available(verbose: bool = False) -> str | None:
 
 
 def check_can_run(cfg: Config) -> None:
-    """rollout.engine=vllm: vLLM imports here and, on CPU, takes the model's head size
-    (ConfigError naming the field otherwise). The launcher's pre-flight runs it too."""
+    """The pre-flight of a run with rollout.engine=vllm (trainers/stage_data.py): check_engine_can_run."""
+    check_engine_can_run(cfg.model, cfg.logging.verbose)
+
+
+def check_engine_can_run(model: ModelConfig, verbose: bool = False) -> None:
+    """rollout.engine=vllm: vLLM imports here and, on CPU, takes the head size of the model
+    section `model` (ConfigError naming the field otherwise). `verbose`: logging.verbose."""
     if not torch.cuda.is_available():
-        check_vllm_cpu_model(cfg.model)
-    if (why := vllm_available(cfg.logging.verbose)) is not None:
+        check_vllm_cpu_model(model)
+    if (why := vllm_available(verbose)) is not None:
         raise ConfigError(f"rollout.engine=vllm: vLLM does not import here ({why}); on CPU `make vllm-setup` "
                           "builds .venv-vllm (run with .venv-vllm/bin/python, e.g. `make pipeline-vllm`), on GPU "
                           "`pip install -e '.[vllm]'`; or set rollout.engine=megatron")
@@ -97,21 +102,22 @@ def _engine_env(cuda_devices: str | None):
         os.environ.update(saved)
 
 
-def write_model_dir(cfg: Config, out: Path, eos_id: int, pad_id: int) -> Path:
-    """config.json of the actor as a HF model (the engine builds its model from it; weights
-    arrive by refit, so the directory holds none)."""
+def write_model_dir(model: ModelConfig, out: Path, eos_id: int, pad_id: int) -> Path:
+    """config.json of the actor (a model of section `model`) as a HF model (the engine builds
+    its model from it; weights arrive by refit, so the directory holds none)."""
     out.mkdir(parents=True, exist_ok=True)
-    config = hf_config_dict(cfg.model, value_model=False, dtype=cfg.model.params_dtype,
+    config = hf_config_dict(model, value_model=False, dtype=model.params_dtype,
                             token_ids={"eos_token_id": eos_id, "pad_token_id": pad_id})
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return out
 
 
-def start_engine(cfg: Config, model_dir: Path):
-    """An LLM with dummy weights (the first refit fills them); EngineError naming the field to change."""
+def start_engine(r: RolloutConfig, model: ModelConfig, model_dir: Path, seed: int):
+    """An LLM with dummy weights (the first refit fills them), as rollout section `r` sets it up
+    for the model section `model`, sampling seeded by `seed`; EngineError naming the field to change."""
     from vllm import LLM
 
-    r, on_gpu = cfg.rollout, torch.cuda.is_available()
+    on_gpu = torch.cuda.is_available()
     memory = ({"gpu_memory_utilization": r.gpu_memory_utilization, "enable_sleep_mode": r.sleep_level > 0}
               if on_gpu else {"kv_cache_memory_bytes": r.kv_cache_bytes})
     local = int(os.environ.get("LOCAL_RANK", "0"))
@@ -119,8 +125,8 @@ def start_engine(cfg: Config, model_dir: Path):
     try:
         with _engine_env(cuda):
             return LLM(model=str(model_dir), skip_tokenizer_init=True, load_format="dummy",
-                       dtype=cfg.model.params_dtype, max_model_len=cfg.model.max_seq_length,
-                       tensor_parallel_size=r.tensor_parallel, enforce_eager=r.enforce_eager, seed=cfg.seed,
+                       dtype=model.params_dtype, max_model_len=model.max_seq_length,
+                       tensor_parallel_size=r.tensor_parallel, enforce_eager=r.enforce_eager, seed=seed,
                        enable_prefix_caching=False,  # responses must not depend on what an earlier batch cached
                        logprobs_mode="processed_logprobs", generation_config="vllm",
                        worker_extension_cls="megatron_rlhf.rollout.vllm_worker.RefitWorker", **memory)
@@ -183,22 +189,26 @@ class EngineWatch:
 
 
 class VLLMRolloutEngine(RolloutEngine):
-    """Collective over the model-parallel group (every rank of a replica calls every method)."""
+    """Collective over the model-parallel group (every rank of a replica calls every method).
+    The engine the rollout section `rollout` sets up for `actor`, a model of section `model`;
+    `seed`: the run's (vLLM's own), `verbose`: logging.verbose (vLLM's log)."""
 
     needs_refit = True
 
-    def __init__(self, actor, cfg: Config, eos_id: int, pad_id: int, workdir: Path):
-        check_can_run(cfg)
-        self.actor, self.cfg, self.eos_id, self.pad_id = actor, cfg, eos_id, pad_id
-        self.plan = RefitPlan.build(actor.module, cfg.model)
-        self.expected = expected_hf_shapes(cfg.model)
+    def __init__(self, rollout: RolloutConfig, model: ModelConfig, actor, eos_id: int, pad_id: int, workdir: Path, *,
+                 seed: int, verbose: bool = False):
+        check_engine_can_run(model, verbose)
+        self.rollout, self.model = rollout, model
+        self.actor, self.eos_id, self.pad_id = actor, eos_id, pad_id
+        self.plan = RefitPlan.build(actor.module, model)
+        self.expected = expected_hf_shapes(model)
         self.is_engine_rank = dist.get_rank() == self.plan.engine_rank
         self.llm, self.stale, self.asleep, self.last_refit, self.last_sleep = None, True, False, {}, {}
         with errors_agreed(lambda: EngineError("the vLLM engine of another replica did not start (see its error)")):
             if self.is_engine_rank:
-                model_dir = write_model_dir(cfg, Path(workdir) / f"vllm_model_rank{dist.get_rank()}", eos_id, pad_id)
+                model_dir = write_model_dir(model, Path(workdir) / f"vllm_model_rank{dist.get_rank()}", eos_id, pad_id)
                 before = {p.pid for p in child_processes()}  # e.g. async checkpoint writers: not the engine's
-                self.llm = start_engine(cfg, model_dir)
+                self.llm = start_engine(rollout, model, model_dir, seed)
                 self.watch = EngineWatch(self.llm, [p for p in child_processes() if p.pid not in before])
 
     # ----------------------------------------------------------------- refit
@@ -215,7 +225,7 @@ class VLLMRolloutEngine(RolloutEngine):
                     self.llm.collective_rpc("refit_begin", args=({k: list(v) for k, v in self.expected.items()},))
             except Exception as e:  # noqa: BLE001
                 error = e
-        for bucket in stream_hf_weights(self.actor.module, self.cfg.model, self.plan, self.cfg.rollout.refit_bucket_bytes):
+        for bucket in stream_hf_weights(self.actor.module, self.model, self.plan, self.rollout.refit_bucket_bytes):
             if error is None:  # after an error, keep receiving so the sending stages are not left waiting
                 try:
                     sent += self._send_bucket(bucket)
@@ -262,9 +272,9 @@ class VLLMRolloutEngine(RolloutEngine):
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], sampling: SamplingParams, seed: int) -> Rollout:
         total = max(len(p) for p in prompts) + sampling.max_new_tokens
-        if total > self.cfg.model.max_seq_length:
+        if total > self.model.max_seq_length:
             raise ValueError(f"longest prompt + max_new_tokens = {total} exceeds model.max_seq_length="
-                             f"{self.cfg.model.max_seq_length}")
+                             f"{self.model.max_seq_length}")
         dev, batch, rollout = device(), len(prompts), None
         with errors_agreed(lambda: EngineError("the vLLM engine of another replica failed to generate (see its error)"),
                            raise_as=lambda e: EngineError(f"the vLLM engine failed to generate: {self.watch.explain(e)}")):
@@ -280,7 +290,7 @@ class VLLMRolloutEngine(RolloutEngine):
         if self.stale:
             raise EngineError("the engine's weights are stale (no successful refit since the last change): "
                               "update_weights() must succeed before generate()")
-        m = self.cfg.model
+        m = self.model
         allowed = list(range(m.token_vocab_size)) if m.token_vocab_size < m.vocab_size else None
         params = [VLLMSampling(temperature=0.0 if sampling.greedy else sampling.temperature, top_k=sampling.top_k or -1,
                                top_p=sampling.top_p, max_tokens=sampling.max_new_tokens, stop_token_ids=[self.eos_id],
@@ -290,9 +300,9 @@ class VLLMRolloutEngine(RolloutEngine):
                   for row in range(len(prompts))]
         with self.watch.watching("generation"):
             outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
-            if self.cfg.rollout.sleep_level and torch.cuda.is_available():
+            if self.rollout.sleep_level and torch.cuda.is_available():
                 free = torch.cuda.mem_get_info()[0]  # device-wide: the engine is another process
-                self.llm.sleep(level=self.cfg.rollout.sleep_level)
+                self.llm.sleep(level=self.rollout.sleep_level)
                 self.asleep = True
                 self.last_sleep = {"engine_sleep_freed_bytes": float(torch.cuda.mem_get_info()[0] - free)}
         return self._to_rollout(prompts, [o.outputs[0] for o in outputs], dev)

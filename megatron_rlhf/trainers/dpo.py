@@ -189,7 +189,8 @@ def train(cfg: Config) -> dict:
                           fit(data, d.seq_length, "dpo.seq_length"))
 
     lora = cfg.lora if cfg.lora.applies_to("dpo") else None
-    actor = Actor(cfg, trainable=True, optimizer=d.optimizer, total_steps=d.steps, lora=lora)
+    actor = Actor(cfg.model, trainable=True, optimizer=d.optimizer, total_steps=d.steps, lora=lora, seed=cfg.seed,
+                  max_consecutive_nonfinite=cfg.resilience.max_consecutive_nonfinite)
     roles = {"actor": actor}
     state = resume(runner, roles, len(pairs.train), cfg.seed)
     resumed = DPOTrainerState.of(state) if runner.resumed else None
@@ -231,7 +232,7 @@ def gold_evaluation(cfg: Config, data, actor: Actor) -> PolicyEvaluation | None:
     prompts, _ = encode_prompt_records(data.splits["prompts_eval"], data.tokenizer,
                                        cfg.model.max_seq_length - cfg.sampling.max_new_tokens)
     pad = data.tokenizer.pad_id
-    engine = MegatronRolloutEngine(actor, eos_id=data.tokenizer.eos_id, pad_id=pad)
+    engine = MegatronRolloutEngine(cfg.model, actor, eos_id=data.tokenizer.eos_id, pad_id=pad)
     return PolicyEvaluation(engine, {}, data.tokenizer, data.task, prompts, SamplingParams.of(cfg.sampling),
                             cfg.seed + EVAL_SEED_OFFSET)
 
@@ -263,7 +264,7 @@ def build_reference(cfg: Config, saved: dict, start, data_id: str, pairs: Encode
     if actor.lora is not None:
         reference, role = AdapterFreeReference(actor), "the LoRA actor with its adapters off"
     else:
-        reference, role = Reference(cfg), "reference role freed"
+        reference, role = Reference(cfg.model), "reference role freed"
         load_start(cfg, reference, start)
     if not d.precompute_reference:
         return ReferenceSource(reference, None, micro_rows), f"reference log-probs: on the fly{switched}" + (

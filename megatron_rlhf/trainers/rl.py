@@ -286,17 +286,17 @@ def build_roles(cfg: Config) -> dict:
     # LR schedules run over every optimizer step: epochs x minibatches per iteration
     total_steps = rl.steps * rl.epochs * (rl.samples_per_iteration // rl.mini_batch_size)
     lora = cfg.lora if cfg.lora.applies_to("rl") else None
-    actor = Actor(cfg, trainable=True, temperature=cfg.sampling.temperature, optimizer=rl.actor_optimizer,
-                  total_steps=total_steps, lora=lora)
+    actor = Actor(cfg.model, trainable=True, temperature=cfg.sampling.temperature, optimizer=rl.actor_optimizer,
+                  total_steps=total_steps, lora=lora, seed=cfg.seed, max_consecutive_nonfinite=cfg.resilience.max_consecutive_nonfinite)
     # with LoRA the reference is the actor's frozen base: no second copy of the weights
-    roles = {"actor": actor, "reference": AdapterFreeReference(actor) if lora else Reference(cfg, temperature=cfg.sampling.temperature)}
+    roles = {"actor": actor, "reference": AdapterFreeReference(actor) if lora else Reference(cfg.model, temperature=cfg.sampling.temperature)}
     if rl.has_reward_model:
-        roles["reward"] = RewardModel(cfg)
+        roles["reward"] = RewardModel(cfg.model)
     if rl.has_critic:
-        roles["critic"] = Critic(cfg, trainable=True, optimizer=rl.critic_optimizer, total_steps=total_steps,
-                                 lora=lora if lora and lora.critic else None)
+        roles["critic"] = Critic(cfg.model, trainable=True, optimizer=rl.critic_optimizer, total_steps=total_steps,
+                                 lora=lora if lora and lora.critic else None, seed=cfg.seed, max_consecutive_nonfinite=cfg.resilience.max_consecutive_nonfinite)
     if cfg.rm.holdout_fraction > 0:  # the reward-hacking alarm's independent judge
-        roles["holdout_reward"] = RewardModel(cfg)
+        roles["holdout_reward"] = RewardModel(cfg.model)
     return roles
 
 
@@ -373,9 +373,11 @@ def train(cfg: Config) -> dict:
     roles = build_roles(cfg)
     sched = ColocationScheduler(roles, phases_for(roles, reward_in_generate=rl.dynamic_sampling,
                                                   engine=cfg.rollout.engine))
-    rewards = RewardSources(cfg, roles.get("reward"))
+    rewards = RewardSources(cfg.rl.rewards, roles.get("reward"), micro_batch_size=rl.micro_batch_size,
+                            micro_batch_tokens=rl.micro_batch_tokens)
     try:
-        with make_engine(cfg, roles["actor"], tok.eos_id, tok.pad_id, workdir=runner.out) as engine:
+        with make_engine(cfg.rollout, cfg.model, roles["actor"], tok.eos_id, tok.pad_id, workdir=runner.out,
+                         seed=cfg.seed, verbose=cfg.logging.verbose) as engine:
             return run_iterations(cfg, runner, data, roles, engine, sched, rewards, prompts)
     except RewardSourceError as err:  # stop once the checkpoints already started are committed
         runner.ckpt.wait()

@@ -22,7 +22,7 @@ from megatron_rlhf.data.jsonl import SFTExample
 from megatron_rlhf.models.batching import data_parallel, padded_forward
 from megatron_rlhf.models.roles import RewardModel, summed
 from megatron_rlhf.parallel.collectives import dp_sums, masked_moments
-from megatron_rlhf.trainers.runner import StageRunner
+from megatron_rlhf.trainers.runner import StageRunner, start_distributed
 from megatron_rlhf.trainers.stage_data import held_out, load_stage_data, stage_dir
 from megatron_rlhf.trainers.supervised import SupervisedSteps, encode_splits, fit, log_lines, resume, run_steps
 
@@ -67,7 +67,7 @@ def reward_statistics(rm: RewardModel, examples: list, pad_id: int, seq_len: int
 def train(cfg: Config) -> dict:
     """The reward model (<run>/rm); with rm.holdout_fraction > 0, first an independent one on
     the held-out pairs (<run>/rm_holdout), so that <run>/rm/summary.json marks both done."""
-    parallel.initialize(cfg)  # the data is read once for both: before the first stage runner
+    start_distributed(cfg)  # the data is read once for both: before the first stage runner
     data = load_stage_data(cfg, ("preference_train", "preference_eval"), optional=("sft_eval",), stage="rm")
     cfg = data.config  # the run's vocabulary and start architecture resolved (stage_data.RunContext)
     pairs, fraction = data.splits["preference_train"], cfg.rm.holdout_fraction
@@ -102,7 +102,8 @@ def train_reward_model(cfg: Config, name: str, data, train_pairs: list) -> dict:
     norm_examples, norm_source = normalization_samples(data)
     norm_samples, _ = encode_sft(norm_examples, **fitted)
 
-    rm = RewardModel(cfg, trainable=True, optimizer=st.optimizer, total_steps=st.steps)
+    rm = RewardModel(cfg.model, trainable=True, optimizer=st.optimizer, total_steps=st.steps,
+                     max_consecutive_nonfinite=cfg.resilience.max_consecutive_nonfinite)
     roles = {"reward": rm}
     resume(runner, roles, len(pairs.train), cfg.seed)
     init_note = runner.resumed

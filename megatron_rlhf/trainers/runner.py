@@ -29,7 +29,7 @@ from megatron_rlhf import parallel
 from megatron_rlhf.checkpoint.manager import CheckpointManager, rng_state, set_rng_state
 from megatron_rlhf.checkpoint.validate import iter_name
 from megatron_rlhf.colocation import current_memory_bytes, peak_memory_bytes, reset_peak_memory
-from megatron_rlhf.config import Config
+from megatron_rlhf.config import Config, validate
 from megatron_rlhf.logging.memory import memory_account
 from megatron_rlhf.logging.metrics import MetricsLogger, nonfinite_to_null
 from megatron_rlhf.resilience.faults import FAULTS
@@ -41,6 +41,14 @@ from megatron_rlhf.trainers.stage_inputs import stage_inputs
 STAGE_OF = {"rm_holdout": "rm"}  # runners that are part of a pipeline stage
 
 
+def start_distributed(cfg: Config) -> parallel.DistEnv:
+    """Validate `cfg` for the world size this process was launched with, then start
+    torch.distributed and megatron's parallel_state (parallel.initialize): a config error is
+    raised before any process group is made."""
+    validate(cfg, world_size=parallel.read_dist_env().world_size)
+    return parallel.initialize(cfg.parallel, cfg.seed)
+
+
 def periodic(step: int, interval: int, total: int) -> bool:
     """Every `interval` steps (0: never) and at the last step."""
     return (interval > 0 and step % interval == 0) or step == total
@@ -50,7 +58,7 @@ class StageRunner:
     def __init__(self, cfg: Config, stage: str, total_steps: int, log_interval: int, save_interval: int):
         self.start_time = time.perf_counter()
         self.preemption = PreemptionHandler()  # first: a signal during start-up is not lost
-        parallel.initialize(cfg)
+        start_distributed(cfg)
         reset_peak_memory()  # this stage's own peak, also after an earlier stage in the same process
         self.memory_at_start = current_memory_bytes()  # before any role is built
         self.heartbeat = Heartbeat.from_env()

@@ -108,6 +108,7 @@ def serve_reward(cfg, *, ckpt: str | None, host: str, port: int, max_batch: int,
     from megatron_rlhf import parallel  # first: it adapts megatron-core before its import
     from megatron_rlhf.checkpoint.dist import load_role
     from megatron_rlhf.config import ConfigError
+    from megatron_rlhf.trainers.runner import start_distributed
     from megatron_rlhf.trainers.stage_data import resolve_vocab_size, tokenizer_for
 
     if max_batch < 1 or max_wait_ms < 0:
@@ -119,11 +120,11 @@ def serve_reward(cfg, *, ckpt: str | None, host: str, port: int, max_batch: int,
     cfg, _ = resolve_vocab_size(cfg, tokenizer)
     check_one_replica(cfg, parallel.read_dist_env().world_size)
     stop = stop_on_signals()  # before the slow part: a signal while loading still stops cleanly
-    env = parallel.initialize(cfg)
+    env = start_distributed(cfg)
 
     from megatron_rlhf.models.roles import RewardModel
 
-    reward_model = RewardModel(cfg)
+    reward_model = RewardModel(cfg.model)
     load_role(reward_model, iter_dir / "reward", with_optimizer=False)
     scorer = RewardModelScorer(reward_model, tokenizer, cfg.model.max_seq_length, cfg.rl.micro_batch_size)
     exchange = broadcast_from_rank0 if env.world_size > 1 else (lambda message: message)

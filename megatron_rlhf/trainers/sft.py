@@ -74,7 +74,8 @@ def train(cfg: Config) -> dict:
                              fit(data, st.seq_length, "sft.seq_length"))
 
     lora = cfg.lora if cfg.lora.applies_to("sft") else None
-    actor = Actor(cfg, trainable=True, optimizer=st.optimizer, total_steps=st.steps, lora=lora)
+    actor = Actor(cfg.model, trainable=True, optimizer=st.optimizer, total_steps=st.steps, lora=lora, seed=cfg.seed,
+                  max_consecutive_nonfinite=cfg.resilience.max_consecutive_nonfinite)
     roles = {"actor": actor}
     resume(runner, roles, len(examples.train), cfg.seed)
     start = start_checkpoint(cfg)

@@ -31,7 +31,7 @@ def load_start(cfg: Config, role, start: tuple[str, str]) -> str:
     if kind == "hf":
         from megatron_rlhf.convert import check_model_matches_hf, load_hf_weights
 
-        check_model_matches_hf(role.cfg, where)
+        check_model_matches_hf(role.model_config, where)
         load_hf_weights(role, where)
     elif role.trainable:
         load_model_weights(role, Path(where) / "actor")

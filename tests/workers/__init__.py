@@ -4,11 +4,19 @@ import argparse
 from pathlib import Path
 
 
+def training_of(cfg, **given) -> dict:
+    """A trainable role's keyword arguments (models/roles.py: Role) from `cfg`, as the tests'
+    roles have always trained: cfg.optimizer, the run's seed and resilience limit; `given`
+    (e.g. optimizer=, lora=) replaces or adds to them."""
+    return {"optimizer": cfg.optimizer, "seed": cfg.seed,
+            "max_consecutive_nonfinite": cfg.resilience.max_consecutive_nonfinite, **given}
+
+
 def start_layout_worker():
     """Parse `--root DIR --layout NAME [--init] key=value...`, start distributed + megatron.
     Returns (args, config)."""
-    from megatron_rlhf import parallel
     from megatron_rlhf.config import load_config
+    from megatron_rlhf.trainers.runner import start_distributed
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--root", type=Path, required=True)
@@ -17,7 +25,7 @@ def start_layout_worker():
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
     cfg = load_config(None, args.overrides)
-    parallel.initialize(cfg)
+    start_distributed(cfg)
     return args, cfg
 
 
@@ -38,6 +46,7 @@ def run_layouts(body, extra_args=(), config=None) -> None:
 
     from megatron_rlhf import parallel
     from megatron_rlhf.config import load_config
+    from megatron_rlhf.trainers.runner import start_distributed
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--root", type=Path, required=True)
@@ -52,7 +61,7 @@ def run_layouts(body, extra_args=(), config=None) -> None:
         tp, pp = (int(x) for x in shape.split("x"))
         cfg = (config(args, tp, pp) if config else
                load_config(None, [*args.overrides, f"parallel.tensor_parallel={tp}", f"parallel.pipeline_parallel={pp}"]))
-        parallel.initialize(cfg)  # the process group stays; megatron's groups are new for each layout
+        start_distributed(cfg)  # the process group stays; megatron's groups are new for each layout
         body(args, cfg, name)
         parallel_state.destroy_model_parallel()
     parallel.destroy()

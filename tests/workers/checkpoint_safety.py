@@ -49,6 +49,8 @@ from megatron_rlhf.checkpoint.validate import validate
 from megatron_rlhf.config import load_config
 from megatron_rlhf.models.roles import Actor, summed
 from megatron_rlhf.parallel.collectives import errors_agreed
+from megatron_rlhf.trainers.runner import start_distributed
+from workers import training_of
 
 BATCH, SEQ, MBS, VOCAB = 4, 16, 2, 100
 
@@ -115,7 +117,7 @@ def catch(fn):
 
 
 def mode_train(cfg, overrides: list[str], root: Path, write) -> None:
-    actor = Actor(cfg)
+    actor = Actor(cfg.model, **training_of(cfg))
     roles, res = {"actor": actor}, {}
     sync = CheckpointManager(root / "sync", keep_last=2)
     asy = CheckpointManager(root / "async", keep_last=2, async_save=True)
@@ -143,13 +145,14 @@ def mode_train(cfg, overrides: list[str], root: Path, write) -> None:
     res["outputs"] = actor.forward(batch(100), MBS)
 
     # Same layout: the RNG streams continue from where they were at save time.
-    loaded = sync.load({"actor": Actor(cfg)})
+    loaded = sync.load({"actor": Actor(cfg.model, **training_of(cfg))})
     res["same_layout"] = {"warnings": loaded["checkpoint_warnings"], "checkpoint": loaded["checkpoint"],
                           "rng_restored": gather(all(map(torch.equal, after_save, (torch.rand(4), tracker_rand()))))}
 
     # A plain (non-distributed) optimizer's state, like everything on CPU, relies on the
     # snapshot the forked writer takes when save() returns.
-    plain = Actor(load_config(None, [*overrides, "optimizer.use_distributed_optimizer=false"]))
+    plain_cfg = load_config(None, [*overrides, "optimizer.use_distributed_optimizer=false"])
+    plain = Actor(plain_cfg.model, **training_of(plain_cfg))
     train(plain, 1)
     CheckpointManager(root / "plain_sync").save(1, {"actor": plain}, state(1))
     plain_async = CheckpointManager(root / "plain_async", async_save=True)
@@ -189,7 +192,7 @@ def mode_train(cfg, overrides: list[str], root: Path, write) -> None:
 
 
 def mode_kill(cfg, root: Path) -> None:
-    actor = Actor(cfg)
+    actor = Actor(cfg.model, **training_of(cfg))
     mgr = CheckpointManager(root / "kill_async", keep_last=2, async_save=True)
     for step in range(1, 7):
         train(actor, step)
@@ -201,7 +204,7 @@ def mode_kill(cfg, root: Path) -> None:
 
 
 def mode_relayout(cfg, root: Path, write) -> None:
-    actor = Actor(cfg)
+    actor = Actor(cfg.model, **training_of(cfg))
     res = {}
     mgr = CheckpointManager(root / "sync")
     loaded = mgr.load({"actor": actor})
@@ -214,7 +217,7 @@ def mode_relayout(cfg, root: Path, write) -> None:
         res[name] = gather(catch(lambda: mgr.load({"actor": actor}, where))[0])
 
     for stage in ("kill_sync", "kill_async"):
-        actor = Actor(cfg)
+        actor = Actor(cfg.model, **training_of(cfg))
         mgr = CheckpointManager(root / stage, keep_last=2, async_save=stage == "kill_async")
         loaded = mgr.load({"actor": actor})
         save_role(actor, root / f"{stage}_loaded" / "actor")
@@ -303,7 +306,7 @@ def next_random() -> list:
 
 
 def mode_payloads(cfg, root: Path, write) -> None:
-    actor = Actor(cfg)
+    actor = Actor(cfg.model, **training_of(cfg))
     train(actor, 1)
     CheckpointManager(root / "good").save(1, {"actor": actor}, state(1))
     expected = next_random()
@@ -315,12 +318,12 @@ def mode_payloads(cfg, root: Path, write) -> None:
     CheckpointManager(root / "common_state").save(1, {"actor": actor}, state(1))
 
     res = {}
-    loaded = CheckpointManager(root / "good").load({"actor": Actor(cfg)})
+    loaded = CheckpointManager(root / "good").load({"actor": Actor(cfg.model, **training_of(cfg))})
     res["good"] = {"step": loaded["step"], "warnings": loaded["checkpoint_warnings"],
                    "rng_restored": all(a == b if isinstance(a, float) else torch.equal(a, b)
                                        for a, b in zip(expected, next_random()))}
     for name in ("trainer_state", "metadata", "common_state"):
-        res[name] = {"error": catch(lambda: CheckpointManager(root / name).load({"actor": Actor(cfg)}))[0],
+        res[name] = {"error": catch(lambda: CheckpointManager(root / name).load({"actor": Actor(cfg.model, **training_of(cfg))}))[0],
                      "payload_ran": marker.exists()}
     actor.extra_state = extra_state
     res["symlinks"] = planted_symlinks(actor, root)
@@ -334,7 +337,7 @@ def main() -> None:
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
     cfg = load_config(None, args.overrides)
-    parallel.initialize(cfg)
+    start_distributed(cfg)
 
     def write(res):
         if dist.get_rank() == 0:

@@ -27,7 +27,7 @@ from megatron_rlhf.checkpoint.manager import CheckpointManager
 from megatron_rlhf.config import load_config
 from megatron_rlhf.convert import ConvertError, hf_overrides, import_hf, load_hf_weights
 from megatron_rlhf.models.roles import Actor, Critic, RewardModel, summed
-from workers import run_layouts
+from workers import run_layouts, training_of
 
 POLICIES = ("untied", "tied", "llama31", "qwen2", "qwen3")
 REWARD_MODELS = ("rm", "qwen2_rm", "qwen3_rm")
@@ -44,12 +44,12 @@ class LogitsActor(Actor):
 
         logits, _ = output_layer(hidden_states, weight=output_weight)
         full = gather_from_tensor_model_parallel_region(logits.float())
-        out["logits"] = full.transpose(0, 1)[..., : self.cfg.model.vocab_size].contiguous()
+        out["logits"] = full.transpose(0, 1)[..., : self.model_config.vocab_size].contiguous()
         return out
 
     def output_shapes(self, batch_size, seq_len):
         return {**super().output_shapes(batch_size, seq_len),
-                "logits": torch.Size([batch_size, seq_len, self.cfg.model.vocab_size])}
+                "logits": torch.Size([batch_size, seq_len, self.model_config.vocab_size])}
 
 
 class ValuesRewardModel(RewardModel):
@@ -85,15 +85,15 @@ def check_layout(args, cfg, layout: str) -> None:
     results = {"loaded": {}, "reloaded": {}, "trained": {}}
 
     for variant in POLICIES:
-        actor = LogitsActor(cfgs[variant], trainable=False)
+        actor = LogitsActor(cfgs[variant].model, trainable=False)
         load_hf_weights(actor, args.root / "hf" / variant)
         results["loaded"][variant] = outputs(actor, {"tokens": batch["tokens"]})
     for variant in REWARD_MODELS:
-        rm = ValuesRewardModel(cfgs[variant])
+        rm = ValuesRewardModel(cfgs[variant].model)
         load_hf_weights(rm, args.root / "hf" / variant)
         results["loaded"][variant] = outputs(rm, batch)
     try:  # a reward model's directory into a policy: refused on every rank
-        load_hf_weights(Actor(cfgs["rm"], trainable=False), args.root / "hf" / "rm")
+        load_hf_weights(Actor(cfgs["rm"].model, trainable=False), args.root / "hf" / "rm")
     except ConvertError as e:
         results["refused"] = str(e)
 
@@ -101,25 +101,25 @@ def check_layout(args, cfg, layout: str) -> None:
         for variant in (*POLICIES, *REWARD_MODELS, "bf16"):
             import_hf(cfgs[variant], args.root / "hf" / variant, args.root / "import" / variant)
         cfg = cfgs["untied"]
-        actor = LogitsActor(cfg, trainable=True)  # straight from HF: the optimizer must follow
+        actor = LogitsActor(cfg.model, trainable=True, **training_of(cfg))  # straight from HF: the optimizer must follow
         load_hf_weights(actor, args.root / "hf" / "untied")
         adv = torch.randn(batch["tokens"].shape, generator=torch.Generator().manual_seed(3))
         for _ in range(2):
             actor.train_step({"tokens": batch["tokens"], "adv": adv}, MBS,
                              lambda o, mb: (*summed(-o["logprobs"] * mb["adv"]), {}))
         rm_dir = args.root / "import" / "rm" / "iter_0000000" / "reward"
-        reward = ValuesRewardModel(cfgs["rm"], trainable=True)
+        reward = ValuesRewardModel(cfgs["rm"].model, trainable=True, **training_of(cfgs["rm"]))
         load_model_weights(reward, rm_dir)
         reward.train_step(batch, MBS, lambda o, mb: (*summed(-F.logsigmoid(o["rewards"][0::2] - o["rewards"][1::2])), {}))
         reward.reward_mean, reward.reward_std = 0.0, 2.0
-        critic = Critic(cfgs["rm"], trainable=True)
+        critic = Critic(cfgs["rm"].model, trainable=True, **training_of(cfgs["rm"]))
         load_model_weights(critic, rm_dir)
         returns = torch.randn(batch["tokens"].shape, generator=torch.Generator().manual_seed(4))
         critic.train_step({**batch, "returns": returns}, MBS, lambda o, mb: (*summed((o["values"] - mb["returns"]) ** 2), {}))
         trained = {"actor": actor, "reward": reward, "critic": critic}
         CheckpointManager(args.root / "trained").save(2, trained, {"step": 2})
         # bfloat16 parameters: the optimizer's float32 main params must be reloaded from HF
-        bf16 = Actor(cfgs["bf16"], trainable=True)
+        bf16 = Actor(cfgs["bf16"].model, trainable=True, **training_of(cfgs["bf16"]))
         load_hf_weights(bf16, args.root / "hf" / "bf16")
         bf16.train_step({"tokens": batch["tokens"], "adv": adv}, MBS, lambda o, mb: (*summed(-o["logprobs"] * mb["adv"]), {}))
         CheckpointManager(args.root / "trained_bf16").save(1, {"actor": bf16}, {"step": 1})
@@ -128,13 +128,13 @@ def check_layout(args, cfg, layout: str) -> None:
 
     if layout == args.reload:
         for variant in POLICIES:
-            actor = LogitsActor(cfgs[variant], trainable=False)
+            actor = LogitsActor(cfgs[variant].model, trainable=False)
             load_role(actor, args.root / "import" / variant / "iter_0000000" / "actor", with_optimizer=False)
             results["reloaded"][variant] = outputs(actor, {"tokens": batch["tokens"]})
             if variant == "tied":  # saved at this layout for the export test
                 CheckpointManager(args.root / "resaved_tied").save(0, {"actor": actor}, {"step": 0})
         for variant in REWARD_MODELS:
-            rm = ValuesRewardModel(cfgs[variant])
+            rm = ValuesRewardModel(cfgs[variant].model)
             load_role(rm, args.root / "import" / variant / "iter_0000000" / "reward", with_optimizer=False)
             results["reloaded"][variant] = outputs(rm, batch)
 

@@ -30,7 +30,7 @@ from megatron_rlhf.models.roles import Actor, AdapterFreeReference, Critic, Refe
 from megatron_rlhf.rollout.refit import RefitPlan, stream_hf_weights
 from megatron_rlhf.trainers.rl import critic_loss
 from megatron_rlhf.trainers.sft import sft_loss
-from workers import run_layouts
+from workers import run_layouts, training_of
 from workers.role_layouts import make_batch
 
 LORA = LoRAConfig(rank=4, alpha=8.0, targets=["qkv", "proj", "fc1", "fc2", "output"])
@@ -39,7 +39,7 @@ LOSSES = {"actor": sft_loss, "critic": partial(critic_loss, rl=RLConfig(value_cl
 
 
 def build(cfg, name: str):
-    return (Actor if name == "actor" else Critic)(cfg, trainable=True, lora=LORA)
+    return (Actor if name == "actor" else Critic)(cfg.model, trainable=True, **training_of(cfg, lora=LORA))
 
 
 def load(cfg, root, name: str):
@@ -55,7 +55,7 @@ def outputs(role, batch):
 
 def init(args, cfg, batch) -> None:
     for name, cls in (("actor", Reference), ("critic", Critic)):
-        base = cls(cfg) if cls is Reference else cls(cfg, trainable=False)
+        base = cls(cfg.model) if cls is Reference else cls(cfg.model, trainable=False)
         save_role(base, args.root / "init" / f"{name}_base", with_optimizer=False)
         role = build(cfg, name)
         load_model_weights(role, args.root / "init" / f"{name}_base")
@@ -84,7 +84,7 @@ def check_layout(args, cfg, layout: str) -> None:
     res = {"outputs": {}, "losses": {}, "resume": {}, "trainable": {}, "base_recorded": {}}
 
     actor = load(cfg, args.root, "actor")
-    base = Reference(cfg)
+    base = Reference(cfg.model)
     load_role(base, args.root / "init" / "actor_base", with_optimizer=False)
     reference = AdapterFreeReference(actor)
     res["outputs"]["actor"] = outputs(actor, batch)
@@ -102,7 +102,7 @@ def check_layout(args, cfg, layout: str) -> None:
 
     # A LoRA checkpoint as a later stage's start: frozen, its base with the adapters merged; under
     # a new LoRA actor (fresh adapters, B = 0, on top of the merged model) and its reference.
-    frozen = Reference(cfg)
+    frozen = Reference(cfg.model)
     load_role(frozen, args.root / "init" / "actor_adapters", with_optimizer=False)
     res["outputs"]["loaded_merged"] = outputs(frozen, batch)
     stacked = build(cfg, "actor")
@@ -116,8 +116,10 @@ def check_layout(args, cfg, layout: str) -> None:
     if layout == "tp1pp1":  # resuming across a LoRA change is refused, naming the settings
         res["refusals"] = {}
         for case, role, path in (
-                ("rank", lambda: Actor(cfg, lora=LoRAConfig(rank=2, alpha=8.0, targets=LORA.targets)), "actor_adapters"),
-                ("adapters_into_full", lambda: Actor(cfg), "actor_adapters"),
+                ("rank", lambda: Actor(cfg.model, **training_of(cfg, lora=LoRAConfig(rank=2, alpha=8.0,
+                                                                                   targets=LORA.targets))),
+                 "actor_adapters"),
+                ("adapters_into_full", lambda: Actor(cfg.model, **training_of(cfg)), "actor_adapters"),
                 ("full_into_lora", lambda: build(cfg, "actor"), "actor_base")):
             try:
                 load_role(role(), args.root / "init" / path)
@@ -126,7 +128,7 @@ def check_layout(args, cfg, layout: str) -> None:
 
     critic = load(cfg, args.root, "critic")
     res["outputs"]["critic"] = outputs(critic, batch)
-    frozen_critic = Critic(cfg, trainable=False)  # base + adapters merged + the LoRA run's own value head
+    frozen_critic = Critic(cfg.model, trainable=False)  # base + adapters merged + the LoRA run's own value head
     load_role(frozen_critic, args.root / "init" / "critic_adapters", with_optimizer=False)
     res["outputs"]["critic_loaded_merged"] = outputs(frozen_critic, batch)
     del frozen_critic

@@ -16,6 +16,7 @@ from megatron_rlhf.checkpoint.dist import load_role
 from megatron_rlhf.checkpoint.validate import recorded_model_config
 from megatron_rlhf.config import load_config
 from megatron_rlhf.models.roles import Reference
+from megatron_rlhf.trainers.runner import start_distributed
 
 
 def main() -> None:
@@ -25,8 +26,8 @@ def main() -> None:
     args = ap.parse_args()
     cfg = load_config(None, [])
     cfg = dataclasses.replace(cfg, model=recorded_model_config(args.ckpt))
-    parallel.initialize(cfg)
-    reference = Reference(cfg)
+    start_distributed(cfg)
+    reference = Reference(cfg.model)
     load_role(reference, args.ckpt / "actor", with_optimizer=False)
     tokens = torch.randint(0, cfg.model.token_vocab_size, (4, 24), generator=torch.Generator().manual_seed(0))
     logprobs = reference.forward({"tokens": tokens}, micro_batch_size=4)["logprobs"]

@@ -19,6 +19,7 @@ from megatron_rlhf.config import load_config
 from megatron_rlhf.models.gpt import build_model
 from megatron_rlhf.models.lora import adapters_disabled, apply_lora, lora_layers
 from megatron_rlhf.rollout.refit import RefitPlan, expected_hf_shapes, group_of, stream_hf_weights
+from megatron_rlhf.trainers.runner import start_distributed
 
 TARGETS = ["qkv", "proj", "fc1", "fc2", "output"]
 
@@ -44,8 +45,8 @@ def refit(model, cfg, plan, measure: bool):
 
 def main() -> None:
     cfg = load_config(None, [*TINY_MODEL, *sys.argv[2:]])
-    parallel.initialize(cfg)
-    model = build_model(cfg)
+    start_distributed(cfg)
+    model = build_model(cfg.model)
     apply_lora(model, rank=4, alpha=8.0, dropout=0.0, targets=TARGETS, seed=0)
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():

@@ -32,10 +32,12 @@ from megatron_rlhf.config import LoRAConfig, load_config
 from megatron_rlhf.models.optimizer import _inner_optimizers, _torch_adam
 from megatron_rlhf.models.roles import Actor, AdapterFreeReference, Critic, summed
 from megatron_rlhf.resilience.nonfinite import any_rank_nonfinite
+from megatron_rlhf.trainers.runner import start_distributed
 from megatron.core import dist_checkpointing, parallel_state  # noqa: E402  (after megatron_rlhf)
 
 from workers.checkpoint_safety import MBS, batch  # noqa: E402  (the same batches and actor loss)
 from workers.checkpoint_safety import loss as actor_loss  # noqa: E402
+from workers import training_of  # noqa: E402
 
 
 def critic_loss(out, mb):
@@ -94,7 +96,7 @@ def modes(role) -> set[bool]:
 
 
 def check_modes(cfg) -> dict:
-    actor = Actor(cfg, lora=LoRAConfig(rank=4, alpha=8.0, dropout=0.5))
+    actor = Actor(cfg.model, **training_of(cfg, lora=LoRAConfig(rank=4, alpha=8.0, dropout=0.5)))
     train(actor, [1])  # lora_B moves off zero: the adapters (and their dropout) now change outputs
     adapted = next(m for m in actor.model.modules() if getattr(m, "lora_dropout_p", 0))
     res = {}
@@ -143,18 +145,18 @@ def main() -> None:
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
     cfg = load_config(None, args.overrides)
-    parallel.initialize(cfg)
+    start_distributed(cfg)
     res = {"data_parallel": parallel_state.get_data_parallel_world_size()}
 
-    fused, critic = Actor(cfg), Critic(cfg)
+    fused, critic = Actor(cfg.model, **training_of(cfg)), Critic(cfg.model, **training_of(cfg))
     res["fused"] = {"actor": group_flags(fused), "critic": group_flags(critic)}
     critic.train_step(batch(1), MBS, critic_loss)
     res["fused"]["critic_after_step"] = group_flags(critic)
 
     parallel.seed_everything(cfg.seed)
-    fused = Actor(cfg)
+    fused = Actor(cfg.model, **training_of(cfg))
     parallel.seed_everything(cfg.seed)
-    single = Actor(cfg)
+    single = Actor(cfg.model, **training_of(cfg))
     as_megatron_builds_it(single)
     start = weights(fused)
     train(fused, [1, 2, 3])
@@ -168,7 +170,7 @@ def main() -> None:
     saved = dist_checkpointing.load_common_state_dict(str(args.root / "single_tensor"))
     res["old_ckpt"] = {"saved_flags": [(g.get("fused"), g.get("foreach"))
                                        for g in saved["optimizer"]["optimizer"]["param_groups"]]}
-    loaded = Actor(cfg)
+    loaded = Actor(cfg.model, **training_of(cfg))
     load_role(loaded, args.root / "single_tensor")
     res["old_ckpt"]["loaded_flags"] = group_flags(loaded)
     res["old_ckpt"]["loaded_equals_saved"] = max_diff(state(loaded), state(single))
@@ -176,7 +178,7 @@ def main() -> None:
     train(single, [4])
     res["old_ckpt"]["next_step_vs_single"] = max_diff(state(loaded), state(single))
 
-    resumed = Actor(cfg)
+    resumed = Actor(cfg.model, **training_of(cfg))
     load_role(resumed, args.root / "fused")
     train(resumed, [4])
     train(fused, [4])

@@ -1,6 +1,6 @@
 """torchrun worker for tests/test_reward_http.py: the in-process reward model's scores.
 
-Loads the reward model of an RM checkpoint the way the RL stage does (rl.py: RewardModel(cfg),
+Loads the reward model of an RM checkpoint the way the RL stage does (rl.py: RewardModel(cfg.model),
 load_role(<ckpt>/reward)) and writes its scores for the token sequences in --sequences
 (JSON list of lists) to --out: what `serve-reward` must answer for the same sequences.
 """
@@ -17,6 +17,7 @@ from megatron_rlhf.checkpoint.manager import resolve_checkpoint
 from megatron_rlhf.config import load_config
 from megatron_rlhf.models.batching import padded_forward
 from megatron_rlhf.models.roles import RewardModel
+from megatron_rlhf.trainers.runner import start_distributed
 from megatron_rlhf.trainers.stage_data import resolve_vocab_size, tokenizer_for
 
 
@@ -31,8 +32,8 @@ def main() -> None:
     cfg = load_config(args.config, args.overrides)
     tokenizer = tokenizer_for(cfg)
     cfg, _ = resolve_vocab_size(cfg, tokenizer)
-    parallel.initialize(cfg)
-    reward_model = RewardModel(cfg)
+    start_distributed(cfg)
+    reward_model = RewardModel(cfg.model)
     load_role(reward_model, resolve_checkpoint(args.ckpt) / "reward", with_optimizer=False)
     sequences = json.loads(args.sequences.read_text())
     lengths = torch.tensor([len(s) for s in sequences])

@@ -31,7 +31,7 @@ from megatron_rlhf.trainers.dpo import pair_loss
 from megatron_rlhf.trainers.rl import actor_loss, critic_loss
 from megatron_rlhf.trainers.rm import bradley_terry_loss
 from megatron_rlhf.trainers.sft import sft_loss
-from workers import run_layouts
+from workers import run_layouts, training_of
 
 ROLES = {"actor": Actor, "reference": Reference, "critic": Critic, "reward": RewardModel}
 TRAINABLE = ("actor", "critic", "reward")
@@ -179,13 +179,15 @@ def precomputed_reference(reference, batch) -> torch.Tensor:
 def check_layout(args, cfg, layout: str) -> None:
     rank = torch.distributed.get_rank()
     if layout == "init":
-        roles = {name: cls(cfg) for name, cls in ROLES.items()}
+        roles = {name: cls(cfg.model) if name == "reference" else cls(cfg.model, **training_of(cfg))
+                 for name, cls in ROLES.items()}
         for name, role in roles.items():
             save_role(role, args.root / "init" / name, with_optimizer=False)
         torch.save(ppo_inputs(roles, make_batch(seed=1)), args.root / "init" / "ppo_inputs.pt")
         return
 
-    roles = {name: cls(cfg) if name == "reference" else cls(cfg, trainable=True) for name, cls in ROLES.items()}
+    roles = {name: cls(cfg.model) if name == "reference" else cls(cfg.model, trainable=True, **training_of(cfg))
+             for name, cls in ROLES.items()}
     for name, role in roles.items():
         load_role(role, args.root / "init" / name, with_optimizer=False)
 
@@ -208,7 +210,7 @@ def check_layout(args, cfg, layout: str) -> None:
     batch2 = dp_shard(make_batch(seed=2))
     uninterrupted = actor.train_step(batch2, MBS, actor_loss_fn)
     save_role(actor, args.root / "after_two_steps" / layout / "actor", with_optimizer=False)
-    resumed_actor = Actor(cfg)
+    resumed_actor = Actor(cfg.model, **training_of(cfg))
     load_role(resumed_actor, resume_dir)
     resumed = resumed_actor.train_step(batch2, MBS, actor_loss_fn)
     expected, got = params(actor), params(resumed_actor)
@@ -218,7 +220,7 @@ def check_layout(args, cfg, layout: str) -> None:
         "adam_steps": sorted({float(s["step"]) for s in resumed_actor.optimizer.optimizer.state.values()}),
     }
     # The TP1-PP1 optimizer checkpoint, resharded to this layout, takes the same second step.
-    from_tp1 = Actor(cfg)
+    from_tp1 = Actor(cfg.model, **training_of(cfg))
     load_role(from_tp1, args.root / "resume" / "tp1pp1dp1")
     from_tp1.train_step(batch2, MBS, actor_loss_fn)
     save_role(from_tp1, args.root / "resharded_step" / layout / "actor", with_optimizer=False)

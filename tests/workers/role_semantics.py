@@ -13,6 +13,8 @@ from megatron_rlhf import parallel
 from megatron_rlhf.checkpoint.dist import save_role
 from megatron_rlhf.config import load_config
 from megatron_rlhf.models.roles import Actor, Critic, Reference, RewardModel, summed
+from megatron_rlhf.trainers.runner import start_distributed
+from workers import training_of
 
 TEMPERATURE = 0.7
 
@@ -23,22 +25,22 @@ def main() -> None:
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
     cfg = load_config(None, args.overrides)
-    parallel.initialize(cfg)
+    start_distributed(cfg)
     vocab = cfg.model.vocab_size
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, vocab, (4, 12), generator=g)
     lengths = torch.tensor([12, 7, 3, 9])
     res = {"tokens": tokens, "lengths": lengths, "vocab": vocab}
 
-    actor = Actor(cfg, temperature=TEMPERATURE)
+    actor = Actor(cfg.model, temperature=TEMPERATURE, **training_of(cfg))
     out = actor.forward({"tokens": tokens}, micro_batch_size=2)
     res.update(logprobs=out["logprobs"], entropy=out["entropy"])
     with torch.no_grad():  # full logits [b, s, padded_vocab] straight from megatron's GPTModel
         position_ids = torch.arange(tokens.size(1)).expand_as(tokens)
         res["logits"] = actor.module(tokens, position_ids, None)
 
-    reward_model = RewardModel(cfg)
-    critic = Critic(cfg)
+    reward_model = RewardModel(cfg.model)
+    critic = Critic(cfg.model, **training_of(cfg))
     critic.module.load_state_dict(reward_model.module.state_dict())  # same network, same weights
     res["rewards"] = reward_model.forward({"tokens": tokens, "lengths": lengths}, 2)["rewards"]
     res["values"] = critic.forward({"tokens": tokens}, 2)["values"]
@@ -55,7 +57,7 @@ def main() -> None:
     res["trimmed_widths"] = widths
     res.update(trimmed_logprobs=trimmed["logprobs"], trimmed_entropy=trimmed["entropy"],
                trimmed_values=critic.forward({"tokens": tokens, "lengths": lengths}, 2)["values"])
-    reference = Reference(cfg)
+    reference = Reference(cfg.model)
     res["reference_trainable_params"] = sum(p.requires_grad for p in reference.module.parameters())
     res["reference_training_mode"] = reference.module.training
     try:
@@ -67,7 +69,7 @@ def main() -> None:
 
     # Saving a never-stepped optimizer (its Adam state is materialised for megatron) must not
     # change the first step.
-    twin = Actor(cfg, temperature=TEMPERATURE)
+    twin = Actor(cfg.model, temperature=TEMPERATURE, **training_of(cfg))
     twin.module.load_state_dict(actor.module.state_dict())
     twin.optimizer.reload_model_params()
     save_role(twin, args.out.parent / "fresh_optimizer")
@@ -99,7 +101,7 @@ def main() -> None:
     for stage_says in (False, True):
         stage_optimizer = dataclasses.replace(cfg.optimizer, use_distributed_optimizer=stage_says)
         cfg = dataclasses.replace(cfg, optimizer=dataclasses.replace(cfg.optimizer, use_distributed_optimizer=not stage_says))
-        role = Actor(cfg, optimizer=stage_optimizer)
+        role = Actor(cfg.model, **training_of(cfg, optimizer=stage_optimizer))
         res["optimizer_sections"][stage_says] = (role.model.ddp_config.use_distributed_optimizer,
                                                  all(isinstance(o, DistributedOptimizer) for o in
                                                      getattr(role.optimizer, "chained_optimizers", [role.optimizer])))
@@ -123,7 +125,7 @@ def main() -> None:
     grads = {}
     for granularity, extra in ((None, {}), ("selective", {}), ("full", {"recompute_method": "uniform", "recompute_num_layers": 1})):
         model_cfg = dataclasses.replace(cfg.model, recompute_granularity=granularity, **extra)
-        role = Actor(dataclasses.replace(cfg, model=model_cfg), temperature=TEMPERATURE)
+        role = Actor(model_cfg, temperature=TEMPERATURE, **training_of(cfg))
         role.module.load_state_dict(actor.module.state_dict())
         role.optimizer.reload_model_params()
         role.gradients({"tokens": tokens, "lengths": lengths}, 2, full_loss)

@@ -25,19 +25,19 @@ def no_cache_greedy(actor: Actor, prompt: list[int]) -> list[int]:
     tokens = list(prompt)
     for _ in range(NEW):
         t = torch.tensor([tokens])
-        logits = actor.module(t, torch.arange(len(tokens))[None], None)[0, -1, : actor.cfg.model.vocab_size]
+        logits = actor.module(t, torch.arange(len(tokens))[None], None)[0, -1, : actor.model_config.vocab_size]
         tokens.append(int(logits.argmax()))
     return tokens
 
 
 def check_layout(args, cfg, layout: str) -> None:
-    actor = Actor(cfg, trainable=False, temperature=0.8)
+    actor = Actor(cfg.model, trainable=False, temperature=0.8)
     if args.init:
         save_role(actor, args.root / "actor_init", with_optimizer=False)
     else:
         load_role(actor, args.root / "actor_init", with_optimizer=False)
 
-    engine = MegatronRolloutEngine(actor, eos_id=EOS, pad_id=PAD)
+    engine = MegatronRolloutEngine(cfg.model, actor, eos_id=EOS, pad_id=PAD)
     res = {}
     greedy = engine.generate(PROMPTS, SamplingParams(temperature=0.8, max_new_tokens=NEW, greedy=True), seed=0)
     sampled = engine.generate(PROMPTS, SamplingParams(temperature=0.8, top_k=20, top_p=0.9, max_new_tokens=NEW), seed=3)
@@ -49,7 +49,7 @@ def check_layout(args, cfg, layout: str) -> None:
 
     # EOS: make row 0's third generated token the EOS id; row 0 must stop right there.
     eos = int(greedy.tokens[0, len(PROMPTS[0]) + 2])
-    stop = MegatronRolloutEngine(actor, eos_id=eos, pad_id=PAD).generate(
+    stop = MegatronRolloutEngine(cfg.model, actor, eos_id=eos, pad_id=PAD).generate(
         PROMPTS, SamplingParams(temperature=0.8, max_new_tokens=NEW, greedy=True), seed=0)
     res["eos_id"], res["eos_run"] = eos, vars(stop.to("cpu"))
     if layout == "tp1pp1":

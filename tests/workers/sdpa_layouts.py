@@ -254,8 +254,8 @@ def spec_differences(cfg) -> list[str]:
 
 def same_weights_models(cfg):
     """(sdpa model, local model), the local one holding the SDPA one's weights."""
-    sdpa = build_model(cfg)
-    local = build_model(cfg, spec=local_layer_spec(cfg.model))
+    sdpa = build_model(cfg.model)
+    local = build_model(cfg.model, spec=local_layer_spec(cfg.model))
     local.load_state_dict(sdpa.state_dict())
     return sdpa, local
 
@@ -332,13 +332,13 @@ def decoding(cfg) -> dict:
     """Greedy tokens and log-probs: KV-cached (in-place engine) with the SDPA spec and with the
     local spec, and full recomputation with the SDPA spec; plus the logits of a 3-token chunk
     fed after 5 cached positions vs the full sequence's (the SDPA spec)."""
-    actor = Actor(cfg, trainable=False)
+    actor = Actor(cfg.model, trainable=False)
     sdpa = actor.module
-    local = build_model(cfg, spec=local_layer_spec(cfg.model))
+    local = build_model(cfg.model, spec=local_layer_spec(cfg.model))
     local.load_state_dict(sdpa.state_dict())
     local.eval()
     greedy = SamplingParams(max_new_tokens=NEW, greedy=True)
-    engine = MegatronRolloutEngine(actor, eos_id=1, pad_id=0)
+    engine = MegatronRolloutEngine(cfg.model, actor, eos_id=1, pad_id=0)
     res = {"sdpa_cached": vars(engine.generate(PROMPTS, greedy, seed=0)),
            "sdpa_recomputed": [greedy_by_recomputation(sdpa, p, cfg.model.vocab_size) for p in PROMPTS]}
     actor.model = local  # the same engine, decoding with megatron's local core attention
@@ -362,7 +362,7 @@ def decoding(cfg) -> dict:
 def check_layout(args, cfg, layout: str) -> None:
     res = {"model": model_parity(cfg)}
     if layout == "tp1pp1":
-        base = transformer_config(cfg)
+        base = transformer_config(cfg.model)
         res.update(core=core_attention_cases(base), self_attention=self_attention_layers(base),
                    dropout=dropout_checks(base), refusals=refusals(base), spec_differences=spec_differences(cfg),
                    mask_builder_mismatches=mask_builder_mismatches(), visible_keys_mismatches=visible_keys_mismatches(),

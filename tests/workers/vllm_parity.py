@@ -60,9 +60,10 @@ def run(engine, eos: int, sampling: SamplingParams, seed: int):
 def main() -> None:
     args, cfg = start_layout_worker()
     torch.manual_seed(0)
-    actor = Actor(cfg, trainable=False, temperature=0.7)
-    megatron = MegatronRolloutEngine(actor, eos_id=1, pad_id=PAD)
-    vllm = VLLMRolloutEngine(actor, cfg, eos_id=1, pad_id=PAD, workdir=args.root / "vllm")
+    actor = Actor(cfg.model, trainable=False, temperature=0.7)
+    megatron = MegatronRolloutEngine(cfg.model, actor, eos_id=1, pad_id=PAD)
+    vllm = VLLMRolloutEngine(cfg.rollout, cfg.model, actor, eos_id=1, pad_id=PAD, workdir=args.root / "vllm",
+                             seed=cfg.seed, verbose=cfg.logging.verbose)
     greedy = SamplingParams(temperature=0.7, max_new_tokens=NEW, greedy=True)
     sampled = SamplingParams(temperature=0.7, max_new_tokens=NEW)
     res = {"rounds": []}
