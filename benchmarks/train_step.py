@@ -152,8 +152,7 @@ def run(batch: int, repeats: int, steps: int, new_tokens: int) -> dict:
 
     torch.set_num_threads(1)
     cfgs = {v: config(batch, distributed_optimizer=v != "after+plain", new_tokens=new_tokens) for v in VARIANTS}
-    for cfg in cfgs.values():
-        cfg, _ = resolve_vocab_size(cfg, tokenizer_for(cfg))
+    cfgs = {v: resolve_vocab_size(cfg, tokenizer_for(cfg))[0] for v, cfg in cfgs.items()}
     start_distributed(cfgs["before"])
     trained, totals = {}, {}
     for variant, cfg in cfgs.items():
