@@ -133,10 +133,10 @@ def test_missing_config_and_weights_are_reported(tmp_path):
 def test_sliding_window_limits_max_seq_length(tmp_path):
     mistral = write_config(tmp_path, model_type="mistral", architectures=["MistralForCausalLM"], sliding_window=32)
     cfg = load_config(None, hf_overrides(mistral))
-    check_model_matches_hf(cfg, mistral)
+    check_model_matches_hf(cfg.model, mistral)
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, max_seq_length=64))
     with pytest.raises(ConvertError, match=r"model.max_seq_length=64.*sliding_window=32"):
-        check_model_matches_hf(cfg, mistral)
+        check_model_matches_hf(cfg.model, mistral)
 
 
 def test_check_model_matches_hf_names_every_field(tmp_path):
@@ -144,14 +144,14 @@ def test_check_model_matches_hf_names_every_field(tmp_path):
     cfg = load_config(None, ["model.num_layers=4", "model.hidden_size=64", "model.num_attention_heads=4",
                              "model.ffn_hidden_size=128", "model.vocab_size=100"])
     with pytest.raises(ConvertError) as err:
-        check_model_matches_hf(cfg, directory)
+        check_model_matches_hf(cfg.model, directory)
     message = str(err.value)
     for line in ("model.num_query_groups=4", "set model.num_query_groups=2", "model.norm_epsilon=1e-05",
                  "set model.norm_epsilon=1e-06", "set model.share_embeddings_and_output_weights=true"):
         assert line in message
     assert "model.hidden_size" not in message.split("(all")[0]  # only what differs
     fixed = load_config(None, hf_overrides(directory))
-    check_model_matches_hf(fixed, directory)
+    check_model_matches_hf(fixed.model, directory)
 
 
 def write_recipe(path: Path, text: str) -> Path:
@@ -234,7 +234,7 @@ PUBLISHED["llama3_8b.yaml"] = {**PUBLISHED["llama3_70b.yaml"],  # Llama-3.1-8B: 
 def test_recipes_are_the_published_models(recipe, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(PUBLISHED[recipe]))
     cfg = load_config(Path(__file__).resolve().parent.parent / "pipelines" / recipe)
-    check_model_matches_hf(cfg, tmp_path)
+    check_model_matches_hf(cfg.model, tmp_path)
     # and with the weights named on the command line, the recipe's fields are the model's
     assert load_config(Path(__file__).resolve().parent.parent / "pipelines" / recipe,
                        [f"model.init_from_hf={tmp_path}"]).model == dataclasses.replace(cfg.model, init_from_hf=str(tmp_path))

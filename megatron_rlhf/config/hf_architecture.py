@@ -352,11 +352,11 @@ def model_mismatches(model_cfg: ModelConfig, hf: HFModel, fields=ARCHITECTURE_FI
     return lines
 
 
-def check_model_matches_hf(cfg, hf_dir: str | Path) -> None:
-    """Raise ConvertError naming each `model.<field>` of `cfg` (a Config or a ModelConfig)
-    that does not match the HF model at `hf_dir`, with the value to set."""
+def check_model_matches_hf(model_cfg: ModelConfig, hf_dir: str | Path) -> None:
+    """Raise ConvertError naming each `model.<field>` of `model_cfg` that does not match the HF
+    model at `hf_dir`, with the value to set."""
     hf = read_hf_config(hf_dir)
-    lines = model_mismatches(getattr(cfg, "model", cfg), hf)
+    lines = model_mismatches(model_cfg, hf)
     if lines:
         raise ConvertError(f"the model config does not match {hf.path / 'config.json'}:\n  " + "\n  ".join(lines)
                            + f"\n(or set model.from_hf_config={hf.path} and leave the architecture fields unset)")

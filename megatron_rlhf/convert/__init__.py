@@ -2,7 +2,7 @@
 
     model_config_from_hf(hf_dir)            ModelConfig fields from config.json
     resolve_from_hf(model_cfg, ...)         a config's architecture from model.from_hf_config / init_from_hf
-    check_model_matches_hf(cfg, hf_dir)     ConvertError naming each model.<field> that differs
+    check_model_matches_hf(model, hf_dir)   ConvertError naming each model.<field> that differs
     load_hf_weights(role, hf_dir)           collective: this rank's TP x PP shard from safetensors
     import_hf(cfg, hf_dir, out_dir)         collective: HF -> our stage-style checkpoint
     export_hf(checkpoint, role, out_dir)    one process: our checkpoint -> HF directory (LoRA: merged)

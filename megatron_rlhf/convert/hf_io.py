@@ -175,7 +175,7 @@ def import_hf(cfg, hf_dir: str | os.PathLike, out_dir: str | os.PathLike, role: 
         else:
             why = "a *ForCausalLM model; import this reward/value model as role 'reward' or 'critic'"
         raise ConvertError(f"{hf_dir}/config.json: architectures=[{hf.architecture!r}]: role {role!r} needs {why}")
-    check_model_matches_hf(cfg, hf_dir)
+    check_model_matches_hf(cfg.model, hf_dir)
     done, unfinished = checkpoint_dirs(out_dir)
     if done or unfinished or (out_dir / LATEST).exists():
         raise ConvertError(f"{out_dir}: already holds checkpoints; import into a new directory")
