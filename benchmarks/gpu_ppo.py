@@ -136,10 +136,10 @@ def child(args, offload: bool) -> dict:
     # model's alone, so nothing is ever decoded
     refit_note = None
     if args.engine == "vllm":
-        from megatron_rlhf.rollout.vllm_engine import check_can_run
+        from megatron_rlhf.rollout.vllm_engine import check_engine_can_run
 
         try:
-            check_can_run(cfg)
+            check_engine_can_run(cfg.model, cfg.logging.verbose)
         except ConfigError as err:
             refit_note = str(err)
             cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, engine="megatron"))

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from megatron_rlhf.config.hf_architecture import (  # noqa: F401  (re-exported)
-    REFUSED_ROPE, REFUSED_TYPES, SUPPORTED, ConvertError, HFModel, check_model_matches_hf, hf_overrides,
-    model_config_from_hf, model_mismatches, read_hf_config, resolve_from_hf,
+from megatron_rlhf.config.hf_architecture import (  # noqa: F401  (re-exported for convert/ and its users)
+    SUPPORTED, ConvertError, check_model_matches_hf, hf_overrides, model_config_from_hf, read_hf_config,
+    resolve_from_hf,
 )
 from megatron_rlhf.config.model import ModelConfig
 

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
-from megatron_rlhf.config import Config, ConfigError, ModelConfig, RolloutConfig, check_vllm_cpu_model
+from megatron_rlhf.config import ConfigError, ModelConfig, RolloutConfig, check_vllm_cpu_model
 from megatron_rlhf.convert.hf_config import hf_config_dict
 from megatron_rlhf.parallel import device
 from megatron_rlhf.parallel.collectives import errors_agreed, raise_on_every_rank
@@ -65,11 +65,6 @@ def vllm_available(verbose: bool = False) -> str | None:
     except Exception as e:  # noqa: BLE001  (any import failure means: not usable here)
         return f"{type(e).__name__}: {e}"
     return None
-
-
-def check_can_run(cfg: Config) -> None:
-    """The pre-flight of a run with rollout.engine=vllm (trainers/stage_data.py): check_engine_can_run."""
-    check_engine_can_run(cfg.model, cfg.logging.verbose)
 
 
 def check_engine_can_run(model: ModelConfig, verbose: bool = False) -> None:

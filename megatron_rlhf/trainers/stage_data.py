@@ -304,9 +304,9 @@ def preflight(cfg: Config, command: str) -> list[str]:
             if src.type == "function":
                 resolve_function_file(src.function, f"rl.rewards[{i}].function")
     if "rl" in stages and cfg.rollout.engine == "vllm":
-        from megatron_rlhf.rollout.vllm_engine import check_can_run  # imports vLLM: only when asked for
+        from megatron_rlhf.rollout.vllm_engine import check_engine_can_run  # imports vLLM: only when asked for
 
-        check_can_run(cfg)
+        check_engine_can_run(cfg.model, cfg.logging.verbose)
     cfg, tokenizer, notes = run_tokenizer(cfg)
     for stage in (s for s in stages if s in STAGE_SPLITS):
         cfg, more = architecture_from_start(cfg, stage)
