@@ -1,4 +1,4 @@
-"""TP2-PP1, TP1-PP2, TP2-PP2 and DP2 give the same role outputs, losses, gradients and updated
+"""TP2-PP1, TP1-PP2, TP2-PP2 (sequence parallel), TP2-PP1 without it and DP2 give the same role outputs, losses, gradients and updated
 weights as TP1-PP1 from identical weights (loaded from one megatron dist checkpoint); the
 gradient of every trainer loss does not depend on the micro batch size or the data-parallel
 size (true global-batch means, on very unequal sequence lengths); and a DistributedOptimizer
@@ -17,7 +17,11 @@ pytestmark = pytest.mark.slow
 # wrong gradient (e.g. scaled by TP) moves weights by >> 1e-5 while float noise does not.
 OVERRIDES = [*TINY_MODEL, "optimizer.lr=0.01", "optimizer.adam_eps=1e-4", "seed=7"]
 BASE = "tp1pp1dp1"
-LAYOUTS = {"tp2pp1dp1": (2, 1, 2), "tp1pp2dp1": (1, 2, 2), "tp2pp2dp1": (2, 2, 4), "tp1pp1dp2": (1, 1, 2)}
+# (TP, PP, processes[, overrides]). TP > 1 runs with sequence parallelism (parallel.sequence_parallel:
+# auto); one TP2 layout without it keeps the replicated-activation path checked too.
+NO_SP = ["parallel.sequence_parallel=false"]
+LAYOUTS = {"tp2pp1dp1": (2, 1, 2), "tp1pp2dp1": (1, 2, 2), "tp2pp2dp1": (2, 2, 4), "tp1pp1dp2": (1, 1, 2),
+           "tp2pp1dp1_nosp": (2, 1, 2, NO_SP)}
 ATOL = 1e-5
 GRAD_RTOL = 1e-6  # of the largest gradient entry: float32 rounding, while a split-dependent
 #                   weighting of tokens moves gradients by percents
@@ -33,8 +37,8 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("layouts")
     worker = "tests/workers/role_layouts.py"
     by_world = {1: {"init": (1, 1), BASE: (1, 1)}}
-    for layout, (tp, pp, nproc) in LAYOUTS.items():
-        by_world.setdefault(nproc, {})[layout] = (tp, pp)
+    for layout, (tp, pp, nproc, *overrides) in LAYOUTS.items():
+        by_world.setdefault(nproc, {})[layout] = (tp, pp, *overrides)
     for nproc, layouts in sorted(by_world.items()):
         torchrun(nproc, worker, f"--root={root}", *layout_args(layouts), *OVERRIDES)
     results = {name: torch.load(root / f"results_{name}.pt") for name in [BASE, *LAYOUTS]}
@@ -45,6 +49,14 @@ def assert_same_tensors(got: dict, want: dict, atol: float):
     assert got.keys() == want.keys()
     for key in want:
         torch.testing.assert_close(got[key], want[key], atol=atol, rtol=0, msg=lambda m: f"{key}: {m}")
+
+
+def test_tensor_parallel_layouts_run_with_sequence_parallelism_unless_switched_off(runs):
+    """The layouts below compare what they claim: auto turns sequence parallelism on at TP > 1."""
+    _, results = runs
+    for layout, (tp, _, _, *overrides) in LAYOUTS.items():
+        want = tp > 1 and not overrides
+        assert set(results[layout]["sequence_parallel"].values()) == {want}, layout
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))

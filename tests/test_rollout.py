@@ -1,5 +1,6 @@
 """The in-place Megatron rollout engine: KV-cached decoding equals full recomputation,
-TP2 / PP2 / TP2-PP2 generate exactly what TP1-PP1 does, rollout log-probs equal the
+TP2 / PP2 / TP2-PP2 generate exactly what TP1-PP1 does (decoding without the sequence
+parallelism TP2 scores with), rollout log-probs equal the
 actor's recomputed ones, EOS stops a row and the rest is padding."""
 
 import pytest
@@ -33,6 +34,14 @@ def test_kv_cached_greedy_equals_full_recomputation(runs):
         length = int(greedy["lengths"][row])
         assert length == len(want)
         assert greedy["tokens"][row, :length].tolist() == want
+
+
+@pytest.mark.parametrize("layout", ["tp1pp1", *LAYOUTS])
+def test_decoding_runs_without_sequence_parallelism_and_restores_it(runs, layout):
+    """TP > 1 scores with sequence parallelism (parallel.sequence_parallel: auto); generation
+    switches it off for decoding and every switch is back afterwards."""
+    assert runs[layout]["sequence_parallel"] == (LAYOUTS.get(layout, (1,))[0] > 1)
+    assert runs[layout]["switches_restored"]
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))

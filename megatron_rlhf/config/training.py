@@ -21,6 +21,26 @@ class ParallelConfig:
     pipeline_parallel: int = 1
     # "auto": NCCL when CUDA is available, gloo otherwise.
     backend: str = "auto"
+    # megatron's sequence parallelism: with TP > 1 the activations outside attention and the MLP
+    # (norms, residuals, dropout) are split along the sequence over the TP ranks instead of
+    # replicated (~(10 + 24/TP)*s*h bytes per layer become ~34*s*h/TP). auto: on when TP > 1
+    # (megatron refuses MoE layers with TP > 1 without it). Decoding runs without it, as
+    # megatron's own engines do.
+    sequence_parallel: bool | str = "auto"
+    # Mixture-of-experts models (model.num_experts): experts split over `expert_parallel` ranks
+    # (tokens go to their experts by all-to-all), each expert's matrices over
+    # `expert_tensor_parallel` ranks (null: the TP size, megatron's default; 1 is the usual
+    # choice with EP). The expert layers' data parallelism is what remains of the world
+    # (megatron's expert groups: world / (ETP x EP x PP)).
+    expert_parallel: int = 1
+    expert_tensor_parallel: int | None = None
+
+    @property
+    def sequence_parallel_on(self) -> bool:
+        """Whether the roles train and score with sequence parallelism."""
+        if self.sequence_parallel == "auto":
+            return self.tensor_parallel > 1
+        return bool(self.sequence_parallel)
 
     def check(self, m: ModelConfig, world_size: int | None) -> int:
         """The layout against the model's shape and the world size; returns the data-parallel size."""
@@ -32,6 +52,11 @@ class ParallelConfig:
         if p.backend not in ("auto", "nccl", "gloo"):
             raise ConfigError(f"parallel.backend={p.backend!r}: choose auto, nccl or gloo")
         tp = p.tensor_parallel
+        if p.sequence_parallel not in ("auto", True, False):
+            raise ConfigError(f"parallel.sequence_parallel={p.sequence_parallel!r}: choose auto, true or false")
+        if p.sequence_parallel is True and tp == 1:
+            raise ConfigError("parallel.sequence_parallel=true: sequence parallelism splits activations over the "
+                              "tensor-parallel ranks and needs parallel.tensor_parallel > 1; set it to auto or false")
         if m.num_attention_heads % tp:
             raise ConfigError(
                 f"parallel.tensor_parallel={tp}: does not divide model.num_attention_heads="
@@ -65,7 +90,39 @@ class ParallelConfig:
                 f"parallel.tensor_parallel={tp} x parallel.pipeline_parallel={pp} = {tp * pp} does not "
                 f"divide the world size {world_size}; launch a multiple of TP*PP processes"
             )
+        self._check_experts(m, world_size)
         return (world_size or tp * pp) // (tp * pp)
+
+    @property
+    def expert_tensor_parallel_size(self) -> int:
+        return self.tensor_parallel if self.expert_tensor_parallel is None else self.expert_tensor_parallel
+
+    def _check_experts(self, m: ModelConfig, world_size: int | None) -> None:
+        ep, etp, tp, pp = self.expert_parallel, self.expert_tensor_parallel_size, self.tensor_parallel, self.pipeline_parallel
+        for name, value in {"parallel.expert_parallel": ep, "parallel.expert_tensor_parallel": etp}.items():
+            if value < 1:
+                raise ConfigError(f"{name}={value}: must be >= 1")
+        experts = getattr(m, "num_experts", None)
+        if not experts:
+            if ep > 1 or self.expert_tensor_parallel not in (None, tp):
+                raise ConfigError(f"parallel.expert_parallel={ep}, parallel.expert_tensor_parallel="
+                                  f"{self.expert_tensor_parallel}: the model has no experts (model.num_experts is "
+                                  "null); remove them")
+            return
+        if experts % ep:
+            raise ConfigError(f"parallel.expert_parallel={ep}: does not divide model.num_experts={experts}; "
+                              "each expert-parallel rank holds the same number of experts")
+        if m.expert_ffn_hidden_size % etp:
+            raise ConfigError(f"parallel.expert_tensor_parallel={etp}: does not divide the experts' intermediate size "
+                              f"{m.expert_ffn_hidden_size} (model.moe_ffn_hidden_size)")
+        if tp > 1 and not self.sequence_parallel_on:
+            raise ConfigError(f"parallel.sequence_parallel=false with parallel.tensor_parallel={tp}: megatron's MoE "
+                              "layers need sequence parallelism when TP > 1; set parallel.sequence_parallel=auto")
+        if world_size is not None and world_size % (etp * ep * pp):
+            raise ConfigError(
+                f"parallel.expert_tensor_parallel={etp} x parallel.expert_parallel={ep} x "
+                f"parallel.pipeline_parallel={pp} = {etp * ep * pp} does not divide the world size {world_size}; "
+                "launch a multiple of it")
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,8 @@ TP-aware scalar head.
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import dataclasses
 import math
 
@@ -17,6 +19,7 @@ from megatron.core import parallel_state, tensor_parallel
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer import TransformerConfig
 
+from megatron_rlhf import parallel
 from megatron_rlhf.config import ModelConfig
 
 
@@ -30,13 +33,16 @@ def transformer_engine_available() -> bool:
     return True
 
 
-def layer_spec(m: ModelConfig):
-    """Transformer Engine's spec on GPU, else megatron-core's local spec with SDPA core attention."""
+def layer_spec(m: ModelConfig, config: TransformerConfig):
+    """The decoder's spec for this pipeline stage: Transformer Engine's modules on GPU, else
+    megatron-core's local modules with SDPA core attention and an RMSNorm that allows sequence
+    parallelism (cpu_modules)."""
     from megatron.core.models.gpt import gpt_layer_specs
 
     if transformer_engine_available():
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=m.qk_layernorm)
-    return sdpa_layer_spec(m)
+    block = gpt_layer_specs.get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
+    return dataclasses.replace(block, layer_specs=[cpu_modules(spec) for spec in block.layer_specs], layer_norm=RMSNorm)
 
 
 def local_layer_spec(m: ModelConfig):
@@ -47,15 +53,39 @@ def local_layer_spec(m: ModelConfig):
 
 
 def sdpa_layer_spec(m: ModelConfig):
-    """The local spec with its core attention computed by torch's SDPA (models/attention.py);
-    every other module is the local spec's."""
+    """The local spec of one layer with the CPU modules (cpu_modules)."""
+    return cpu_modules(local_layer_spec(m))
+
+
+class RMSNorm(torch.nn.RMSNorm):
+    """torch's RMSNorm, built as megatron builds its norms, that also runs under sequence
+    parallelism (megatron's WrappedTorchNorm refuses it). There each TP rank normalises its own
+    slice of the sequence, so the weight's gradient is a partial sum: marked `sequence_parallel`,
+    megatron's finalize_model_grads sums it over the TP group (as it does for TE's norms)."""
+
+    def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **_):
+        super().__init__(hidden_size, eps=eps)
+        self.weight.sequence_parallel = config.sequence_parallel
+
+
+def cpu_modules(spec):
+    """A local-spec transformer layer with torch's SDPA as its core attention (models/attention.py)
+    and RMSNorm in place of megatron's torch norm wrapper; every other module is the local spec's."""
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
     from megatron_rlhf.models.attention import SDPADotProductAttention
 
-    spec = local_layer_spec(m)
-    attention = spec.submodules.self_attention
-    attention = dataclasses.replace(
-        attention, submodules=dataclasses.replace(attention.submodules, core_attention=SDPADotProductAttention))
-    return dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, self_attention=attention))
+    def norm(module):
+        return RMSNorm if module is WrappedTorchNorm else module
+
+    layer = spec.submodules
+    attention = layer.self_attention
+    attention = dataclasses.replace(attention, submodules=dataclasses.replace(
+        attention.submodules, core_attention=SDPADotProductAttention,
+        q_layernorm=norm(attention.submodules.q_layernorm), k_layernorm=norm(attention.submodules.k_layernorm)))
+    return dataclasses.replace(spec, submodules=dataclasses.replace(
+        layer, self_attention=attention, input_layernorm=norm(layer.input_layernorm),
+        pre_mlp_layernorm=norm(layer.pre_mlp_layernorm)))
 
 
 def transformer_config(m: ModelConfig) -> TransformerConfig:
@@ -63,6 +93,7 @@ def transformer_config(m: ModelConfig) -> TransformerConfig:
     parallel_state was started with (parallel.initialize)."""
     tp = parallel_state.get_tensor_model_parallel_world_size()
     pp = parallel_state.get_pipeline_model_parallel_world_size()
+    sequence_parallel = parallel.sequence_parallel() and tp > 1
     dtype = getattr(torch, m.params_dtype)
     fused = transformer_engine_available()  # fused kernels need TE/apex on a GPU
     return TransformerConfig(
@@ -74,7 +105,7 @@ def transformer_config(m: ModelConfig) -> TransformerConfig:
         kv_channels=m.kv_channels,
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
-        sequence_parallel=False,
+        sequence_parallel=sequence_parallel,
         # Stages exchange each microbatch's shape first: microbatches are cut to their longest
         # row and sized by a token budget (Role._run), so shapes vary within a batch.
         variable_seq_lengths=pp > 1,
@@ -106,20 +137,35 @@ def transformer_config(m: ModelConfig) -> TransformerConfig:
     )
 
 
+def _without_sequence_parallel(config: TransformerConfig) -> TransformerConfig:
+    plain = copy.copy(config)
+    plain.sequence_parallel = False
+    return plain
+
+
 class ValueHead(tensor_parallel.RowParallelLinear):
     """hidden -> 1 scalar. Row-parallel: each TP rank holds hidden/TP input columns and the
     partial dot products are all-reduced, so the head shards like the rest of the model.
-    Initialised N(0, 1/sqrt(d_model + 1)), bias 0 (PPO checklist item 6)."""
+    Initialised N(0, 1/sqrt(d_model + 1)), bias 0 (PPO checklist item 6).
+
+    Under sequence parallelism the decoder's output is split along the sequence: the head
+    gathers it first (megatron's row-parallel layer would instead reduce-scatter its output,
+    and refuses a replicated input there). Everything after the gather is replicated over TP, so
+    the gather's backward keeps this rank's slice of the gradient instead of summing."""
 
     def __init__(self, config: TransformerConfig):
         std = 1.0 / math.sqrt(config.hidden_size + 1)
         super().__init__(
-            config.hidden_size, 1, config=config,
+            config.hidden_size, 1, config=_without_sequence_parallel(config),
             init_method=lambda w: torch.nn.init.normal_(w, mean=0.0, std=std),
             bias=True, input_is_parallel=False, skip_bias_add=False,
         )
+        self.gathers_sequence = config.sequence_parallel
 
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:  # [s, b, h] -> [b, s]
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:  # [s, b, h] (or [s/TP, b, h]) -> [b, s]
+        if self.gathers_sequence:
+            hidden_states = tensor_parallel.gather_from_sequence_parallel_region(
+                hidden_states, tensor_parallel_output_grad=False)
         values, _ = super().forward(hidden_states)
         return values.squeeze(-1).transpose(0, 1).float()
 
@@ -155,14 +201,43 @@ def scaled_inv_freq(inv_freq: torch.Tensor, m: ModelConfig) -> torch.Tensor:
     return torch.where(medium, blended, scaled)
 
 
+# Module attributes through which megatron's layers read sequence parallelism at forward time
+# (those megatron's own set_model_to_sequence_parallel switches).
+_SEQUENCE_PARALLEL_ATTRIBUTES = ("sequence_parallel", "scatter_to_sequence_parallel", "reduce_scatter_embeddings")
+
+
+@contextlib.contextmanager
+def sequence_parallel_disabled(model: torch.nn.Module):
+    """The model runs without sequence parallelism inside (decoding: one new token cannot be
+    split along the sequence, and megatron's static inference refuses it for dense layers); the
+    weights are the same either way. Every switched attribute is restored on exit. Megatron's
+    set_model_to_sequence_parallel does the same but caches modules by id() across models."""
+    config = model.config
+    if not config.sequence_parallel:
+        yield
+        return
+    saved = [(module, name, getattr(module, name)) for module in model.modules()
+             for name in _SEQUENCE_PARALLEL_ATTRIBUTES if hasattr(module, name)]
+    try:
+        config.sequence_parallel = False
+        for module, name, _ in saved:
+            setattr(module, name, False)
+        yield
+    finally:
+        config.sequence_parallel = True
+        for module, name, value in saved:
+            setattr(module, name, value)
+
+
 def build_model(m: ModelConfig, value_head: bool = False, spec=None) -> GPTModel:
     """The model of section `m`: the chunk for this rank's pipeline stage (no virtual pipeline)
-    at the layout parallel.initialize started. `spec`: the transformer layer spec (default:
-    layer_spec)."""
+    at the layout parallel.initialize started. `spec`: the transformer layer or block spec
+    (default: layer_spec)."""
     cls = GPTValueModel if value_head else GPTModel
+    config = transformer_config(m)
     model = cls(
-        config=transformer_config(m),
-        transformer_layer_spec=spec if spec is not None else layer_spec(m),
+        config=config,
+        transformer_layer_spec=spec if spec is not None else layer_spec(m, config),
         vocab_size=m.padded_vocab_size,
         max_sequence_length=m.max_seq_length,
         pre_process=parallel_state.is_pipeline_first_stage(),

@@ -17,6 +17,9 @@ depend on TP:
   columns like the weight, B is replicated; the partial rank-r activations are summed with
   `reduce_from_tensor_model_parallel_region` before B.
 So the merged weight W + (alpha/rank) B A of each shard is computed from the shard alone.
+Under sequence parallelism the rank-r activations follow the base layer instead: gathered along
+the sequence before a column-parallel B, reduce-scattered along it after a row-parallel A; the
+replicated matrix then sees one slice of the sequence and its gradient is summed over TP.
 
 Transformer Engine's spec fuses the RMSNorm into QKV and FC1 (TELayerNormColumnParallelLinear):
 the adapter then normalises the input with the layer's own norm weight, so it sees what the
@@ -84,6 +87,9 @@ class LoRAMixin:
         self.lora_B = torch.nn.Parameter(torch.zeros(out_local, rank, device=w.device, dtype=w.dtype))
         split = self.lora_B if column else self.lora_A
         tensor_parallel.set_tensor_model_parallel_attributes(split, True, 0 if column else 1, 1)
+        # Under sequence parallelism the replicated matrix sees one slice of the sequence per rank
+        # (see _adapter): megatron's finalize_model_grads sums such gradients over TP.
+        (self.lora_A if column else self.lora_B).sequence_parallel = getattr(self, "sequence_parallel", False)
         self.lora_scale, self.lora_dropout_p = alpha / rank, dropout
         self.lora_column, self.lora_swiglu = column, swiglu
 
@@ -93,15 +99,25 @@ class LoRAMixin:
 
     def _adapter(self, x: torch.Tensor) -> torch.Tensor:
         x = normalized_input(self, x)
+        sequence_parallel = getattr(self, "sequence_parallel", False)  # read per call: decoding switches it off
         if self.lora_dropout_p and self.training:
-            if self.lora_column:  # replicated input: the same mask on every TP rank
+            if self.lora_column and not sequence_parallel:  # replicated input: the same mask on every TP rank
                 x = F.dropout(x, self.lora_dropout_p)
-            else:  # split input: independent masks per shard
+            else:  # split input (hidden or sequence): independent masks per shard
                 with tensor_parallel.get_cuda_rng_tracker().fork():
                     x = F.dropout(x, self.lora_dropout_p)
         h = F.linear(x, self.lora_A)
-        if self.lora_column:
+        if self.lora_column and sequence_parallel:
+            # x is this rank's slice of the sequence: gather the rank-r activations (backward:
+            # reduce-scatter, summing every rank's B-slice gradient); A saw only this slice, so
+            # its gradient is summed over TP in finalize_model_grads (`sequence_parallel` below)
+            h = tensor_parallel.gather_from_sequence_parallel_region(h, tensor_parallel_output_grad=True)
+        elif self.lora_column:
             h = tensor_parallel.copy_to_tensor_model_parallel_region(h)
+        elif sequence_parallel:
+            # the base layer's output is reduce-scattered along the sequence: the summed rank-r
+            # activations likewise, so B sees only this rank's slice (its gradient summed over TP)
+            h = tensor_parallel.reduce_scatter_to_sequence_parallel_region(h)
         else:
             h = tensor_parallel.reduce_from_tensor_model_parallel_region(h)
         return F.linear(h, self.lora_B) * self.lora_scale

@@ -93,11 +93,37 @@ def real_positions(lengths: torch.Tensor, width: int, offset: int = 0) -> torch.
     return (torch.arange(width, device=lengths.device) < (lengths - offset)[:, None]).float()
 
 
-def pad_to_width(x: torch.Tensor, width: int) -> torch.Tensor:
-    """[b, s, ...] -> [b, width, ...] with zeros after s (a trimmed microbatch's outputs)."""
-    if x.dim() < 2 or x.size(1) >= width:
+def to_width(x: torch.Tensor, width: int) -> torch.Tensor:
+    """[b, s, ...] -> [b, width, ...]: zeros after s (a trimmed microbatch's outputs), or cut to
+    width (the columns sequence parallelism padded on)."""
+    if x.dim() < 2 or x.size(1) == width:
         return x
+    if x.size(1) > width:
+        return x[:, :width]
     return torch.nn.functional.pad(x, (0, 0) * (x.dim() - 2) + (0, width - x.size(1)))
+
+
+def pad_for_sequence_parallel(microbatches: list[Batch], tp: int) -> list[Batch]:
+    """Each microbatch's sequence-shaped tensors ([b, S, ...]) padded with zeros to a multiple of
+    the TP size: sequence parallelism splits the sequence evenly over the TP ranks. The padding
+    sits after every row's end, where a causal model's real positions do not look and every
+    loss and output mask is 0 (a batch without `lengths` gets them: its rows end at the old width)."""
+    out = []
+    for mb in microbatches:
+        width = mb["tokens"].size(1)
+        extra = -width % tp
+        if not extra:
+            out.append(mb)
+            continue
+        if "attention_mask" in mb:
+            raise ValueError(f"a batch with an explicit attention_mask of width {width} under sequence parallelism "
+                             f"needs a width divisible by the tensor-parallel size {tp}")
+        padded = {k: torch.nn.functional.pad(v, (0, 0) * (v.dim() - 2) + (0, extra))
+                  if v.dim() >= 2 and v.size(1) == width else v for k, v in mb.items()}
+        if "lengths" not in mb:
+            padded["lengths"] = torch.full((mb["tokens"].size(0),), width, device=mb["tokens"].device)
+        out.append(padded)
+    return out
 
 
 def broadcast_from_last_stage(tensors: dict[str, torch.Tensor], like: dict[str, torch.Size]) -> dict[str, torch.Tensor]:
@@ -259,7 +285,7 @@ class Role:
             self._meter.append(meter.bytes)
         if loss_fn is None:
             return out, lambda o: (torch.zeros((), device=tokens.device),
-                                   {k: pad_to_width(v.detach(), width) for k, v in o.items()})
+                                   {k: to_width(v.detach(), width) for k, v in o.items()})
 
         def loss_func(o):
             loss, units, stats = loss_fn(o, mb)
@@ -276,6 +302,8 @@ class Role:
         microbatches = split_microbatches({k: v.to(device()) for k, v in batch.items()}, micro_batch_size, token_budget)
         if "lengths" in batch and "attention_mask" not in batch:
             microbatches = trim_padding(microbatches)  # no compute on the padding past each one's longest row
+        if self.module.config.sequence_parallel:
+            microbatches = pad_for_sequence_parallel(microbatches, parallel_state.get_tensor_model_parallel_world_size())
         return get_forward_backward_func()(
             forward_step_func=partial(self._forward_step, loss_fn, batch["tokens"].size(1)),
             data_iterator=iter(microbatches),

@@ -90,6 +90,16 @@ def choose_backend(requested: str) -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
+# The parallel section this process started with (initialize): what models are built for.
+_started: ParallelConfig | None = None
+
+
+def sequence_parallel() -> bool:
+    """Whether models built now use sequence parallelism (parallel.sequence_parallel, resolved
+    for the TP size initialize started)."""
+    return _started is not None and _started.sequence_parallel_on
+
+
 def initialize(p: ParallelConfig, seed: int) -> DistEnv:
     """Start torch.distributed and megatron's parallel_state for the parallel section `p`; seed
     all RNGs with `seed`. The config is the caller's to validate first, for this launch's world
@@ -97,6 +107,7 @@ def initialize(p: ParallelConfig, seed: int) -> DistEnv:
     come before any process group is made."""
     from megatron.core import parallel_state
 
+    global _started
     env = read_dist_env()
     backend = choose_backend(p.backend)
     if backend == "nccl":
@@ -114,7 +125,10 @@ def initialize(p: ParallelConfig, seed: int) -> DistEnv:
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=p.tensor_parallel,
             pipeline_model_parallel_size=p.pipeline_parallel,
+            expert_model_parallel_size=p.expert_parallel,
+            expert_tensor_parallel_size=p.expert_tensor_parallel_size,
         )
+    _started = p
     seed_everything(seed)
     return env
 
@@ -130,6 +144,8 @@ def seed_everything(seed: int) -> None:
 
 
 def destroy() -> None:
+    global _started
+    _started = None
     if not dist.is_initialized():
         return
     from megatron.core import parallel_state

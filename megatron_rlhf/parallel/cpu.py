@@ -187,6 +187,19 @@ def _one_rank_is_identity(collective):
     return call
 
 
+def _split_sizes_as_lists(all_to_all_single):
+    """megatron's MoE all-to-all (tensor_parallel/mappings.py: _AllToAll) passes its split sizes
+    as CPU tensors or numpy arrays; NCCL's binding takes them, gloo's accepts only lists."""
+
+    def call(output, input, output_split_sizes=None, input_split_sizes=None, group=None, async_op=False):
+        as_list = lambda sizes: sizes.tolist() if hasattr(sizes, "tolist") else sizes  # noqa: E731
+        return all_to_all_single(output, input, as_list(output_split_sizes), as_list(input_split_sizes),
+                                 group=group, async_op=async_op)
+
+    call.__wrapped__ = all_to_all_single
+    return call
+
+
 class _DoneWork:
     """The handle of a collective that had nothing to do."""
 
@@ -245,6 +258,9 @@ def apply() -> bool:
 
     buffers.dist_reduce_scatter_func = _one_rank_is_identity(buffers.dist_reduce_scatter_func)
     buffers.dist_all_gather_func = _one_rank_is_identity(buffers.dist_all_gather_func)
+
+    # Expert parallelism's token all-to-all with split sizes gloo accepts.
+    dist.all_to_all_single = _split_sizes_as_lists(dist.all_to_all_single)
 
     _mode = _CudaToCpu()
     _mode.__enter__()  # stays active for the life of the process

@@ -30,6 +30,7 @@ from megatron.core.inference.contexts import StaticInferenceContext
 from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
 
 from megatron_rlhf.config import ModelConfig
+from megatron_rlhf.models.gpt import sequence_parallel_disabled
 from megatron_rlhf.parallel import cpu, device
 from megatron_rlhf.rollout.base import Rollout, RolloutEngine, SamplingParams, sample_next
 
@@ -157,7 +158,7 @@ class MegatronRolloutEngine(RolloutEngine):
         # model (which ran there already) it only does tensor math on the state's own device and
         # megatron's inference p2p / TP helpers, which name the device only through
         # torch.cuda.current_device() (patched on CPU). The mode costs ~2 us per op: ~30 ops a token.
-        with cpu.hot_path():
+        with cpu.hot_path(), sequence_parallel_disabled(self.actor.module):
             # `done.all()` is the one host sync per token, kept so a batch that has finished stops
             # at once: at PP > 1 megatron's p2p helpers synchronise every step anyway, and at PP = 1
             # decoding is launch-bound, so the sync costs about a kernel launch, far less than the

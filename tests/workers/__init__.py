@@ -29,13 +29,15 @@ def start_layout_worker():
     return args, cfg
 
 
-def layout_args(layouts: dict[str, tuple[int, int]]) -> list[str]:
-    """`--layout NAME=TPxPP` flags for run_layouts, one per entry {name: (tp, pp)}, in order."""
-    return [f"--layout={name}={tp}x{pp}" for name, (tp, pp) in layouts.items()]
+def layout_args(layouts: dict[str, tuple]) -> list[str]:
+    """`--layout NAME=TPxPP[:key=value...]` flags for run_layouts, one per entry {name: (tp, pp)}
+    or {name: (tp, pp, [overrides of that layout alone])}, in order."""
+    return [f"--layout={name}={shape[0]}x{shape[1]}" + "".join(f":{o}" for o in (shape[2] if len(shape) > 2 else ()))
+            for name, shape in layouts.items()]
 
 
 def run_layouts(body, extra_args=(), config=None) -> None:
-    """One launch, several layouts: parse `--root DIR --layout NAME=TPxPP [--layout ...]
+    """One launch, several layouts: parse `--root DIR --layout NAME=TPxPP[:key=value...] [--layout ...]
     [--init] key=value...`, then for each layout in turn start megatron's parallel_state at that
     TP x PP (DP: the rest of the world), seed as a fresh process would, run `body(args, cfg,
     name)`, and tear the model-parallel groups down again. A launch costs ~7 s of CPU in
@@ -50,17 +52,19 @@ def run_layouts(body, extra_args=(), config=None) -> None:
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--root", type=Path, required=True)
-    ap.add_argument("--layout", action="append", required=True, help="NAME=TPxPP, repeatable")
+    ap.add_argument("--layout", action="append", required=True, help="NAME=TPxPP[:key=value...], repeatable")
     ap.add_argument("--init", action="store_true")
     for flag, kwargs in extra_args:
         ap.add_argument(flag, **kwargs)
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
     for spec in args.layout:
-        name, shape = spec.split("=")
+        name, rest = spec.split("=", 1)
+        shape, *layout_overrides = rest.split(":")
         tp, pp = (int(x) for x in shape.split("x"))
         cfg = (config(args, tp, pp) if config else
-               load_config(None, [*args.overrides, f"parallel.tensor_parallel={tp}", f"parallel.pipeline_parallel={pp}"]))
+               load_config(None, [*args.overrides, f"parallel.tensor_parallel={tp}", f"parallel.pipeline_parallel={pp}",
+                                  *layout_overrides]))
         start_distributed(cfg)  # the process group stays; megatron's groups are new for each layout
         body(args, cfg, name)
         parallel_state.destroy_model_parallel()

@@ -1,6 +1,6 @@
 """torchrun worker for tests/test_role_layouts.py: the four roles at one TP x PP x DP layout.
 
-Layouts are given as `--layout NAME=TPxPP` (several per launch: workers.run_layouts).
+Layouts are given as `--layout NAME=TPxPP[:key=value...]` (several per launch: workers.run_layouts).
 "init" (one process, first) builds all roles from a seed and saves their weights, plus the PPO
 inputs (old and reference log-probs, old values) computed from them; the other layouts load
 both, so every layout starts from identical weights and identical loss inputs.
@@ -192,7 +192,7 @@ def check_layout(args, cfg, layout: str) -> None:
         load_role(role, args.root / "init" / name, with_optimizer=False)
 
     batch = {**make_batch(seed=1), **torch.load(args.root / "init" / "ppo_inputs.pt")}
-    results = {"outputs": {}, "losses": {}}
+    results = {"outputs": {}, "losses": {}, "sequence_parallel": {n: r.module.config.sequence_parallel for n, r in roles.items()}}
     for name, role in roles.items():
         results["outputs"][name] = role.forward(batch, MBS)
     results["dpo_reference"] = precomputed_reference(roles["reference"], batch)

@@ -30,6 +30,13 @@ def no_cache_greedy(actor: Actor, prompt: list[int]) -> list[int]:
     return tokens
 
 
+def sequence_parallel_switches(model) -> list:
+    """Every sequence-parallel switch of the model (megatron's layers read them per forward)."""
+    return [model.config.sequence_parallel] + [
+        (name, attr, getattr(m, attr)) for name, m in model.named_modules()
+        for attr in ("sequence_parallel", "scatter_to_sequence_parallel", "reduce_scatter_embeddings") if hasattr(m, attr)]
+
+
 def check_layout(args, cfg, layout: str) -> None:
     actor = Actor(cfg.model, trainable=False, temperature=0.8)
     if args.init:
@@ -38,11 +45,13 @@ def check_layout(args, cfg, layout: str) -> None:
         load_role(actor, args.root / "actor_init", with_optimizer=False)
 
     engine = MegatronRolloutEngine(cfg.model, actor, eos_id=EOS, pad_id=PAD)
-    res = {}
+    res = {"sequence_parallel": actor.module.config.sequence_parallel}
+    before = sequence_parallel_switches(actor.module)
     greedy = engine.generate(PROMPTS, SamplingParams(temperature=0.8, max_new_tokens=NEW, greedy=True), seed=0)
     sampled = engine.generate(PROMPTS, SamplingParams(temperature=0.8, top_k=20, top_p=0.9, max_new_tokens=NEW), seed=3)
     assert {t.device for t in vars(sampled).values()} == {parallel.device()}  # rollouts stay on the device
     res["greedy"], res["sampled"] = vars(greedy.to("cpu")), vars(sampled.to("cpu"))
+    res["switches_restored"] = sequence_parallel_switches(actor.module) == before  # decoding turned them off
     recomputed = actor.forward({"tokens": sampled.tokens}, micro_batch_size=2)["logprobs"]
     res["recomputed_logprobs"] = (recomputed * sampled.response_mask()).cpu()
     res["response_mask"] = sampled.response_mask().cpu()

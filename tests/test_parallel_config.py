@@ -1,0 +1,35 @@
+"""The parallel section's rules for sequence and expert parallelism (torch-free): each bad
+setting is refused naming its field, before any process group exists."""
+
+import pytest
+
+from megatron_rlhf.config import ConfigError, ModelConfig, ParallelConfig
+
+DENSE = ModelConfig(num_layers=4, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128, vocab_size=100)
+
+
+@pytest.mark.parametrize("tp, setting, on", [(1, "auto", False), (2, "auto", True), (2, False, False), (4, True, True)])
+def test_sequence_parallel_auto_is_on_exactly_with_tensor_parallelism(tp, setting, on):
+    p = ParallelConfig(tensor_parallel=tp, sequence_parallel=setting)
+    p.check(DENSE, world_size=tp)
+    assert p.sequence_parallel_on is on
+
+
+@pytest.mark.parametrize("p, field", [
+    (ParallelConfig(tensor_parallel=1, sequence_parallel=True), "parallel.sequence_parallel=true"),
+    (ParallelConfig(tensor_parallel=2, sequence_parallel="yes"), "parallel.sequence_parallel='yes'"),
+    (ParallelConfig(expert_parallel=2), "parallel.expert_parallel=2"),
+    (ParallelConfig(expert_parallel=0), "parallel.expert_parallel=0"),
+])
+def test_bad_sequence_or_expert_settings_name_their_field(p, field):
+    with pytest.raises(ConfigError, match=field.replace("(", r"\(")):
+        p.check(DENSE, world_size=4)
+
+
+def test_sequence_parallel_is_read_from_a_recipe_as_a_bool_or_auto():
+    from megatron_rlhf.config import load_config
+
+    assert load_config(None, ["parallel.sequence_parallel=false"]).parallel.sequence_parallel is False
+    assert load_config(None, []).parallel.sequence_parallel == "auto"
+    with pytest.raises(ConfigError, match="parallel.sequence_parallel"):
+        load_config(None, ["parallel.sequence_parallel=3"])
