@@ -208,6 +208,23 @@ def test_hf_overrides_give_the_same_config(tmp_path):
     check_model_matches_hf(from_overrides, hf)
 
 
+def test_kv_heads_that_equal_the_default_heads_are_taken(tmp_path):
+    """Qwen2.5-7B: 28 heads, 4 kv heads, and model.num_attention_heads defaults to 4. The null
+    num_query_groups (one kv head per query head) resolved against the default heads looked
+    equal to the HF kv heads and was kept: 28 kv heads. Resolved fields are compared last."""
+    hf = write_config(tmp_path, model_type="qwen2", architectures=["Qwen2ForCausalLM"], hidden_size=3584,
+                      intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+                      vocab_size=152064, rope_theta=1e6, rms_norm_eps=1e-6, max_position_embeddings=32768)
+    model = load_config(None, [f"model.from_hf_config={hf}"]).model
+    assert (model.num_attention_heads, model.num_query_groups, model.kv_heads) == (28, 4, 4)
+    check_model_matches_hf(model, hf)
+    # head_dim likewise: the defaults' 64 / 4 heads = 16 = this model's head_dim (512 / 8 heads would be 64)
+    hf = write_config(tmp_path / "hd", hidden_size=512, num_attention_heads=8, num_key_value_heads=8, head_dim=16)
+    model = load_config(None, [f"model.from_hf_config={hf}"]).model
+    assert (model.hidden_size, model.head_dim, model.kv_channels) == (512, 16, 16)
+    check_model_matches_hf(model, hf)
+
+
 # The architecture fields of published config.json files (copied from the model cards'
 # repositories), for the recipes that name them.
 PUBLISHED = {

@@ -306,6 +306,10 @@ def hf_overrides(hf_dir: str | Path) -> list[str]:
     return [f"model.{k}={_yaml(v)}" for k, v in _flat(model_config_from_hf(hf_dir)).items()]
 
 
+# Fields _comparable resolves from others (kv_heads, kv_channels).
+_RESOLVED = ("num_query_groups", "head_dim")
+
+
 def _comparable(model_cfg: ModelConfig, field: str) -> Any:
     if field == "num_query_groups":
         return model_cfg.kv_heads
@@ -382,12 +386,17 @@ def resolve_from_hf(model_cfg: ModelConfig, checked: set[str], replaceable: set[
         raise ConvertError(f"{where}={hf.path}: these model fields differ from its config.json:\n  "
                            + "\n  ".join(errors) + "\n(or remove them: unset architecture fields are read from config.json)")
     values, notes, comparable = {}, [], _hf_comparable(hf)
-    for field, value in hf.architecture_fields().items():
-        if set_in(checked, field) or (field == "max_seq_length" and set_in(given, field)):
-            continue
-        if _flat({field: _comparable(model_cfg, field)}) != _flat({field: comparable[field]}):
-            values[field] = value
-            if set_in(replaceable, field):
-                notes.append(f"model.{field}={_yaml(getattr(model_cfg, field))} (recipe) replaced by "
-                             f"{_yaml(value)} from {hf.path / 'config.json'}")
+    taken = {field: value for field, value in hf.architecture_fields().items()
+             if not (set_in(checked, field) or (field == "max_seq_length" and set_in(given, field)))}
+    # A field compared by what it resolves to (null num_query_groups: one kv head per query head)
+    # is compared once the fields it resolves from hold the HF values: against the recipe's
+    # num_attention_heads, a null would pass for 4 kv heads when the recipe has 4 heads.
+    for group in ([f for f in taken if f not in _RESOLVED], [f for f in taken if f in _RESOLVED]):
+        current = dataclasses.replace(model_cfg, **values)
+        for field in group:
+            if _flat({field: _comparable(current, field)}) != _flat({field: comparable[field]}):
+                values[field] = taken[field]
+                if set_in(replaceable, field):
+                    notes.append(f"model.{field}={_yaml(getattr(model_cfg, field))} (recipe) replaced by "
+                                 f"{_yaml(taken[field])} from {hf.path / 'config.json'}")
     return dataclasses.replace(model_cfg, **values), notes
