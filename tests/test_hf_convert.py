@@ -58,7 +58,10 @@ def test_model_config_from_hf_reads_both_config_styles(tmp_path):
                    "max_seq_length": 64, "max_position_embeddings": 64, "rotary_base": 10000.0,
                    "rope_scaling": RopeScalingConfig(),
                    "norm_epsilon": 1e-5, "qkv_bias": False, "qk_layernorm": False,
-                   "share_embeddings_and_output_weights": False}
+                   "share_embeddings_and_output_weights": False,
+                   # a dense model: no experts, the MoE fields at their defaults (tests/test_moe_config.py)
+                   "num_experts": None, "moe_router_topk": 2, "moe_ffn_hidden_size": None,
+                   "moe_router_score_function": "softmax", "moe_norm_topk_prob": True, "moe_dense_layers": []}
     new = write_config(tmp_path / "new", rope_theta="<drop>", rope_scaling="<drop>",
                        rope_parameters={"rope_type": "default", "rope_theta": 500000.0}, tie_word_embeddings=True)
     got = model_config_from_hf(new)
@@ -89,7 +92,7 @@ def test_model_config_from_hf_reads_both_config_styles(tmp_path):
 
 
 REFUSALS = {
-    "model_type='qwen3_moe'": {"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"]},
+    "model_type='qwen2_moe'": {"model_type": "qwen2_moe", "architectures": ["Qwen2MoeForCausalLM"]},
     "model_type='gemma2'": {"model_type": "gemma2"},
     "architectures": {"architectures": ["LlamaForTokenClassification"]},
     "rope_scaling.rope_type='dynamic'": {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}},
