@@ -58,7 +58,10 @@ def test_model_config_from_hf_reads_both_config_styles(tmp_path):
                    "max_seq_length": 64, "max_position_embeddings": 64, "rotary_base": 10000.0,
                    "rope_scaling": RopeScalingConfig(),
                    "norm_epsilon": 1e-5, "qkv_bias": False, "qk_layernorm": False,
-                   "share_embeddings_and_output_weights": False}
+                   "share_embeddings_and_output_weights": False,
+                   # a dense model: no experts, the MoE fields at their defaults (tests/test_moe_config.py)
+                   "num_experts": None, "moe_router_topk": 2, "moe_ffn_hidden_size": None,
+                   "moe_router_score_function": "softmax", "moe_norm_topk_prob": True, "moe_dense_layers": []}
     new = write_config(tmp_path / "new", rope_theta="<drop>", rope_scaling="<drop>",
                        rope_parameters={"rope_type": "default", "rope_theta": 500000.0}, tie_word_embeddings=True)
     got = model_config_from_hf(new)
@@ -89,7 +92,7 @@ def test_model_config_from_hf_reads_both_config_styles(tmp_path):
 
 
 REFUSALS = {
-    "model_type='qwen3_moe'": {"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"]},
+    "model_type='qwen2_moe'": {"model_type": "qwen2_moe", "architectures": ["Qwen2MoeForCausalLM"]},
     "model_type='gemma2'": {"model_type": "gemma2"},
     "architectures": {"architectures": ["LlamaForTokenClassification"]},
     "rope_scaling.rope_type='dynamic'": {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}},
@@ -206,6 +209,23 @@ def test_hf_overrides_give_the_same_config(tmp_path):
     from_config = load_config(None, [f"model.from_hf_config={hf}"]).model
     assert dataclasses.replace(from_config, from_hf_config=None) == from_overrides
     check_model_matches_hf(from_overrides, hf)
+
+
+def test_kv_heads_that_equal_the_default_heads_are_taken(tmp_path):
+    """Qwen2.5-7B: 28 heads, 4 kv heads, and model.num_attention_heads defaults to 4. The null
+    num_query_groups (one kv head per query head) resolved against the default heads looked
+    equal to the HF kv heads and was kept: 28 kv heads. Resolved fields are compared last."""
+    hf = write_config(tmp_path, model_type="qwen2", architectures=["Qwen2ForCausalLM"], hidden_size=3584,
+                      intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+                      vocab_size=152064, rope_theta=1e6, rms_norm_eps=1e-6, max_position_embeddings=32768)
+    model = load_config(None, [f"model.from_hf_config={hf}"]).model
+    assert (model.num_attention_heads, model.num_query_groups, model.kv_heads) == (28, 4, 4)
+    check_model_matches_hf(model, hf)
+    # head_dim likewise: the defaults' 64 / 4 heads = 16 = this model's head_dim (512 / 8 heads would be 64)
+    hf = write_config(tmp_path / "hd", hidden_size=512, num_attention_heads=8, num_key_value_heads=8, head_dim=16)
+    model = load_config(None, [f"model.from_hf_config={hf}"]).model
+    assert (model.hidden_size, model.head_dim, model.kv_channels) == (512, 16, 16)
+    check_model_matches_hf(model, hf)
 
 
 # The architecture fields of published config.json files (copied from the model cards'

@@ -135,6 +135,17 @@ def test_a_finished_stage_with_a_damaged_checkpoint_is_not_skipped(tmp_path):
         plan(cfg)
 
 
+def test_a_dense_stage_finished_before_the_expert_fields_existed_is_reused(tmp_path):
+    cfg = config(tmp_path, sft_data(tmp_path, "good"))
+    inputs = stage_inputs(cfg, "sft")
+    assert not [k for k in inputs if "moe" in k or "experts" in k]  # as recorded before model.num_experts existed
+    finish(cfg, "sft", inputs)
+    finish(cfg, "rm")
+    # and they do not change what a dense model trains
+    assert actions(plan(config(tmp_path, sft_data(tmp_path, "good"), "model.moe_aux_loss_coef=0.5",
+                               "model.moe_router_topk=4"))) == {"sft": "skip", "rm": "skip"}
+
+
 def test_a_summary_without_inputs_is_reused_with_a_note(tmp_path):
     cfg = config(tmp_path, "pipeline.stages=[sft]")
     finish(cfg, "sft", inputs="none")  # written before summaries recorded their inputs

@@ -2,8 +2,9 @@
 rules sit beside its fields (a `check(...)` taking the sections and facts it needs).
 
     errors.py           ConfigError
-    model.py            model: the architecture (ModelConfig, RopeScalingConfig)
+    model.py            model: the architecture (ModelConfig, RopeScalingConfig), experts included
     hf_architecture.py  a Hugging Face config.json read into the model section (no torch)
+    hf_moe.py           its mixture-of-experts fields, and the MoE architectures refused
     training.py         parallel, optimizer, lora, and the sft / rm / dpo stages
     rl.py               rl and its reward sources
     rollout.py          rollout: which engine generates
@@ -20,7 +21,8 @@ checkpoint recorded) is returned beside it (trainers/stage_data.py: RunContext).
 
 from megatron_rlhf.config.errors import ConfigError
 from megatron_rlhf.config.model import (
-    ARCHITECTURE_FIELDS, DTYPES, MODEL_FAMILIES, ROPE_SCALING_TYPES, ModelConfig, RopeScalingConfig,
+    ARCHITECTURE_FIELDS, DTYPES, MODEL_FAMILIES, MOE_ARCHITECTURE_FIELDS, MOE_FAMILIES, MOE_SCORE_FUNCTIONS,
+    ROPE_SCALING_TYPES, ModelConfig, RopeScalingConfig,
 )
 from megatron_rlhf.config.recipe import from_dict, load_config, parse_overrides, read_recipe, rename_legacy_keys, yaml_problem
 from megatron_rlhf.config.rl import (
@@ -43,9 +45,9 @@ __all__ = [
     "ARCHITECTURE_FIELDS", "CRITIC_FIELDS", "CRITIC_FREE", "CheckpointConfig", "Config", "ConfigError", "DEFAULT_STAGES",
     "DPOConfig", "DPO_LOSSES", "DTYPES", "DataConfig", "GROUP_BASELINES", "IMPORTANCE_RATIOS", "KL_CONTROLLERS",
     "KL_ESTIMATORS", "LORA_STAGES", "LORA_TARGETS", "LOSS_AGGREGATIONS", "LR_DECAY_STYLES", "LoRAConfig",
-    "LoggingConfig", "MODEL_FAMILIES", "ModelConfig", "OVERFLOW_POLICIES", "OptimizerConfig", "ParallelConfig",
-    "PipelineConfig", "REWARD_SOURCE_FIELDS", "REWARD_SOURCE_TYPES", "RLConfig", "RL_ALGORITHMS", "RMConfig",
-    "ROLLOUT_ENGINES", "ROPE_SCALING_TYPES", "RecipeFacts", "ResilienceConfig", "RewardSourceConfig", "RolloutConfig",
+    "LoggingConfig", "MODEL_FAMILIES", "MOE_ARCHITECTURE_FIELDS", "MOE_FAMILIES", "MOE_SCORE_FUNCTIONS", "ModelConfig",
+    "OVERFLOW_POLICIES", "OptimizerConfig", "ParallelConfig", "PipelineConfig", "REWARD_SOURCE_FIELDS",
+    "REWARD_SOURCE_TYPES", "RLConfig", "RL_ALGORITHMS", "RMConfig", "ROLLOUT_ENGINES", "ROPE_SCALING_TYPES", "RecipeFacts", "ResilienceConfig", "RewardSourceConfig", "RolloutConfig",
     "RopeScalingConfig", "SFTConfig", "STAGES", "SamplingConfig", "STAGE_INPUTS", "StageConfig", "VLLM_CPU_HEAD_DIMS",
     "check_vllm_cpu_model", "from_dict", "load_config", "parse_overrides", "policy_start", "read_recipe",
     "rename_legacy_keys", "validate", "warnings_for", "yaml_problem",

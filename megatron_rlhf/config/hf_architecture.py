@@ -3,7 +3,8 @@
 Reads a local HF directory's config.json (no transformers, no hub) and accepts the families
 our megatron GPTModel (megatron_rlhf/models/gpt.py) computes exactly: Llama 2 / 3.x (RoPE
 scaling 'llama3' or 'linear'), Mistral (sliding window only where it never applies), Qwen2 /
-Qwen2.5 (q/k/v biases) and dense Qwen3 (per-head q/k RMSNorm, head_dim of its own). Every
+Qwen2.5 (q/k/v biases) and dense Qwen3 (per-head q/k RMSNorm, head_dim of its own); and the
+mixture-of-experts Qwen3-MoE and Mixtral, whose expert fields hf_moe.py reads. Every
 refusal is a ConvertError naming the HF config field, its value and what to do. Both config
 styles are read: transformers 4's (`rope_theta`, `rope_scaling`) and 5's (`rope_parameters`).
 It lives in the config package (and imports no torch) because a recipe's model.from_hf_config /
@@ -20,12 +21,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from megatron_rlhf.config.errors import ConvertError
+from megatron_rlhf.config.hf_moe import HFMoE, dense_architecture_fields, read_moe, refused_moe_type
 from megatron_rlhf.config.model import ARCHITECTURE_FIELDS, ModelConfig, RopeScalingConfig
-
-
-class ConvertError(ValueError):
-    """A checkpoint or HF model that cannot be converted; the message names the HF config
-    field, tensor or `model.<field>` involved, and the fix."""
 
 
 # model_type -> (causal-LM class, sequence-classification class)
@@ -34,18 +32,20 @@ SUPPORTED = {
     "mistral": ("MistralForCausalLM", "MistralForSequenceClassification"),
     "qwen2": ("Qwen2ForCausalLM", "Qwen2ForSequenceClassification"),
     "qwen3": ("Qwen3ForCausalLM", "Qwen3ForSequenceClassification"),
+    "qwen3_moe": ("Qwen3MoeForCausalLM", "Qwen3MoeForSequenceClassification"),
+    "mixtral": ("MixtralForCausalLM", "MixtralForSequenceClassification"),
 }
-_MOE = "mixture-of-experts layers, which our GPTModel does not build (dense models only)"
-REFUSED_TYPES = {
-    "qwen2_moe": f"Qwen2-MoE has {_MOE}", "qwen3_moe": f"Qwen3-MoE has {_MOE}", "mixtral": f"Mixtral has {_MOE}",
-    "llama4": f"Llama 4 has {_MOE} and chunked attention", "deepseek_v3": f"DeepSeek-V3 has {_MOE} and MLA",
+REFUSED_TYPES = {  # qwen2_moe and deepseek_v2/v3: hf_moe.refused_moe_type names their fields
+    "llama4": "Llama 4 has mixture-of-experts layers with a shared expert, chunked attention and layers without RoPE",
     "gemma": "Gemma scales embeddings, uses (1 + weight) RMSNorm and GeGLU",
     "gemma2": "Gemma 2 uses soft-capping, sliding windows and extra norms",
     "gemma3": "Gemma 3 uses sliding windows, extra norms and (1 + weight) RMSNorm",
     "phi3": "Phi-3 fuses q/k/v and gate/up in its checkpoint and uses its own RoPE scaling",
     "olmo2": "OLMo 2 normalises after attention and MLP (and q/k over all heads), not before",
 }
-DEFAULT_SLIDING_WINDOW = {"mistral": 4096}  # transformers' MistralConfig default when the key is absent
+# transformers' default when the key is absent (MistralConfig; Qwen3MoeConfig, used only with
+# use_sliding_window; MixtralConfig's is null)
+DEFAULT_SLIDING_WINDOW = {"mistral": 4096, "qwen3_moe": 4096}
 # rope_type -> why we refuse it (the keys of transformers' ROPE_INIT_FUNCTIONS we do not implement)
 REFUSED_ROPE = {
     "dynamic": "dynamic NTK scaling changes the frequencies with the running sequence length",
@@ -80,6 +80,7 @@ class HFModel:
     tie_word_embeddings: bool
     sliding_window: int | None  # applies to some layer: caps the exact sequence length
     dtype: str | None
+    moe: HFMoE | None           # the experts (qwen3_moe, mixtral); None: a dense model
     bos_token_id: int | None
     eos_token_id: int | list | None
     pad_token_id: int | None
@@ -102,6 +103,7 @@ class HFModel:
             "rotary_base": self.rope_theta, "rope_scaling": self.rope_scaling,
             "norm_epsilon": self.rms_norm_eps, "qkv_bias": self.qkv_bias, "qk_layernorm": self.qk_norm,
             "share_embeddings_and_output_weights": self.tie_word_embeddings,
+            **(self.moe.architecture_fields() if self.moe else dense_architecture_fields()),
         }
 
 
@@ -190,8 +192,10 @@ def _sliding_window(raw: dict[str, Any], model_type: str, num_layers: int, where
         slides = "sliding_attention" in layer_types
     elif model_type in ("qwen2", "qwen3"):  # layers from max_window_layers on slide, if use_sliding_window
         slides = bool(raw.get("use_sliding_window")) and raw.get("max_window_layers", num_layers) < num_layers
+    elif model_type == "qwen3_moe":  # transformers 5: every layer slides if use_sliding_window (4: from max_window_layers)
+        slides = bool(raw.get("use_sliding_window"))
     else:
-        slides = model_type == "mistral"
+        slides = model_type in ("mistral", "mixtral")
     if raw.get("use_sliding_window") is False:
         slides = False
     if not slides or window is None:
@@ -209,7 +213,7 @@ def read_hf_config(hf_dir: str | Path) -> HFModel:
 
     model_type = raw.get("model_type")
     if model_type not in SUPPORTED:
-        why = REFUSED_TYPES.get(model_type, "not an architecture we convert")
+        why = refused_moe_type(raw, model_type) or REFUSED_TYPES.get(model_type, "not an architecture we convert")
         raise ConvertError(f"{where}: model_type={model_type!r}: {why}; supported model_type values: "
                            f"{sorted(SUPPORTED)} (their *ForCausalLM and *ForSequenceClassification classes)")
     causal, classifier = SUPPORTED[model_type]
@@ -235,7 +239,8 @@ def read_hf_config(hf_dir: str | Path) -> HFModel:
     max_pos = need("max_position_embeddings")
     if not isinstance(kv_heads, int) or heads % kv_heads:
         raise ConvertError(f"{where}: num_key_value_heads={kv_heads!r} must divide num_attention_heads={heads}")
-    head_dim = raw.get("head_dim") or (128 if model_type == "qwen3" else None)  # Qwen3Config's default
+    # Qwen3Config's default (Qwen3MoeConfig has none: hidden_size / heads, as the others)
+    head_dim = raw.get("head_dim") or (128 if model_type == "qwen3" else None)
     if head_dim is None:
         if hidden % heads:
             raise ConvertError(f"{where}: hidden_size={hidden} is not divisible by num_attention_heads={heads} "
@@ -254,9 +259,7 @@ def read_hf_config(hf_dir: str | Path) -> HFModel:
     if raw.get("quantization_config"):
         raise ConvertError(f"{where}: quantization_config is set: quantized weights are not converted; "
                            "use the unquantized (float32/bfloat16/float16) checkpoint")
-    for field in ("num_experts", "num_local_experts", "n_routed_experts"):
-        if raw.get(field):
-            raise ConvertError(f"{where}: {field}={raw[field]}: {_MOE}")
+    moe = read_moe(raw, model_type, num_layers, ffn, where)
     sliding = _sliding_window(raw, model_type, num_layers, where)
     eps = raw.get("rms_norm_eps", 1e-6)
     if not isinstance(eps, (int, float)) or isinstance(eps, bool) or eps <= 0:
@@ -273,8 +276,8 @@ def read_hf_config(hf_dir: str | Path) -> HFModel:
         num_layers=num_layers, hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=kv_heads,
         head_dim=head_dim, intermediate_size=ffn, vocab_size=vocab, max_position_embeddings=max_pos,
         rope_theta=theta, rope_scaling=scaling, rms_norm_eps=float(eps), qkv_bias=model_type == "qwen2",
-        qk_norm=model_type == "qwen3", tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        sliding_window=sliding, dtype=dtype if isinstance(dtype, str) else None,
+        qk_norm=model_type in ("qwen3", "qwen3_moe"), tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        sliding_window=sliding, dtype=dtype if isinstance(dtype, str) else None, moe=moe,
         bos_token_id=raw.get("bos_token_id"), eos_token_id=raw.get("eos_token_id"),
         pad_token_id=raw.get("pad_token_id"),
     )
@@ -306,11 +309,19 @@ def hf_overrides(hf_dir: str | Path) -> list[str]:
     return [f"model.{k}={_yaml(v)}" for k, v in _flat(model_config_from_hf(hf_dir)).items()]
 
 
+# Fields _comparable resolves from others (kv_heads, kv_channels, expert_ffn_hidden_size).
+_RESOLVED = ("num_query_groups", "head_dim", "moe_ffn_hidden_size")
+
+
 def _comparable(model_cfg: ModelConfig, field: str) -> Any:
     if field == "num_query_groups":
         return model_cfg.kv_heads
     if field == "head_dim":
         return model_cfg.kv_channels
+    if field == "moe_ffn_hidden_size" and model_cfg.num_experts is not None:
+        return model_cfg.expert_ffn_hidden_size  # null means ffn_hidden_size
+    if field == "moe_dense_layers":
+        return sorted(model_cfg.moe_dense_layers)  # a set of layers: the order is not the model's
     return getattr(model_cfg, field)
 
 
@@ -368,7 +379,9 @@ def resolve_from_hf(model_cfg: ModelConfig, checked: set[str], replaceable: set[
     `checked`: dotted `model.*` keys set where (or after where) the HF directory was named:
     each that differs is an error, all listed in one ConvertError. Other architecture fields
     take the HF value; `replaceable` (keys set earlier) that change get a note.
-    max_seq_length is the run's choice when set anywhere (checked against the HF limit)."""
+    max_seq_length is the run's choice when set anywhere (checked against the HF limit).
+    model.moe_aux_loss_coef, a training choice, is HF's router_aux_loss_coef (with a note)
+    unless set anywhere."""
     hf = read_hf_config(model_cfg.hf_source)
     given = checked | replaceable
 
@@ -382,12 +395,22 @@ def resolve_from_hf(model_cfg: ModelConfig, checked: set[str], replaceable: set[
         raise ConvertError(f"{where}={hf.path}: these model fields differ from its config.json:\n  "
                            + "\n  ".join(errors) + "\n(or remove them: unset architecture fields are read from config.json)")
     values, notes, comparable = {}, [], _hf_comparable(hf)
-    for field, value in hf.architecture_fields().items():
-        if set_in(checked, field) or (field == "max_seq_length" and set_in(given, field)):
-            continue
-        if _flat({field: _comparable(model_cfg, field)}) != _flat({field: comparable[field]}):
-            values[field] = value
-            if set_in(replaceable, field):
-                notes.append(f"model.{field}={_yaml(getattr(model_cfg, field))} (recipe) replaced by "
-                             f"{_yaml(value)} from {hf.path / 'config.json'}")
+    taken = {field: value for field, value in hf.architecture_fields().items()
+             if not (set_in(checked, field) or (field == "max_seq_length" and set_in(given, field)))}
+    # A field compared by what it resolves to (null num_query_groups: one kv head per query head)
+    # is compared once the fields it resolves from hold the HF values: against the recipe's
+    # num_attention_heads, a null would pass for 4 kv heads when the recipe has 4 heads.
+    for group in ([f for f in taken if f not in _RESOLVED], [f for f in taken if f in _RESOLVED]):
+        current = dataclasses.replace(model_cfg, **values)
+        for field in group:
+            if _flat({field: _comparable(current, field)}) != _flat({field: comparable[field]}):
+                values[field] = taken[field]
+                if set_in(replaceable, field):
+                    notes.append(f"model.{field}={_yaml(getattr(model_cfg, field))} (recipe) replaced by "
+                                 f"{_yaml(taken[field])} from {hf.path / 'config.json'}")
+    coef = hf.moe.router_aux_loss_coef if hf.moe else None
+    if coef is not None and not set_in(given, "moe_aux_loss_coef") and coef != model_cfg.moe_aux_loss_coef:
+        values["moe_aux_loss_coef"] = coef
+        notes.append(f"model.moe_aux_loss_coef={_yaml(coef)}: router_aux_loss_coef of {hf.path / 'config.json'} "
+                     "(the load-balancing loss; set model.moe_aux_loss_coef to choose another)")
     return dataclasses.replace(model_cfg, **values), notes

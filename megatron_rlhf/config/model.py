@@ -1,5 +1,6 @@
-"""The model section: a Llama-style decoder's architecture and its rules (no torch here, so a
-config error is reported before anything heavy is imported)."""
+"""The model section: a Llama-style decoder's architecture (dense, or with mixture-of-experts
+MLPs) and its rules (no torch here, so a config error is reported before anything heavy is
+imported)."""
 
 from __future__ import annotations
 
@@ -10,15 +11,26 @@ from megatron_rlhf.config.errors import ConfigError
 
 DTYPES = ("float32", "bfloat16", "float16")
 
-# Hugging Face model families our GPTModel computes exactly (megatron_rlhf/convert maps them).
-MODEL_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+# Hugging Face model families our GPTModel computes exactly (megatron_rlhf/convert maps them);
+# of qwen3_moe and mixtral only the model section and config.json so far (config/rules.py
+# refuses a run with experts until models/ builds them).
+MODEL_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral")
+# The families whose MLPs are mixtures of experts (model.num_experts set exactly for these).
+MOE_FAMILIES = ("qwen3_moe", "mixtral")
 ROPE_SCALING_TYPES = ("llama3", "linear")
+# How a router scores experts (megatron's moe_router_score_function).
+MOE_SCORE_FUNCTIONS = ("softmax", "sigmoid")
+# The mixture-of-experts fields an HF config.json fixes (moe_aux_loss_coef and moe_z_loss_coef
+# are training choices, not among them).
+MOE_ARCHITECTURE_FIELDS = ("num_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_router_score_function",
+                           "moe_norm_topk_prob", "moe_dense_layers")
 # ModelConfig fields that describe the network (what config.json of an HF model fixes);
 # params_dtype, init_method_std and make_vocab_size_divisible_by stay the run's choice.
 ARCHITECTURE_FIELDS = ("family", "num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "head_dim",
                        "ffn_hidden_size", "vocab_size", "max_seq_length", "max_position_embeddings", "rotary_base",
                        "rope_scaling",
-                       "norm_epsilon", "qkv_bias", "qk_layernorm", "share_embeddings_and_output_weights")
+                       "norm_epsilon", "qkv_bias", "qk_layernorm", "share_embeddings_and_output_weights",
+                       *MOE_ARCHITECTURE_FIELDS)
 
 @dataclass(frozen=True)
 class RopeScalingConfig:
@@ -36,11 +48,13 @@ class RopeScalingConfig:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """A Llama-style decoder: RMSNorm, SwiGLU MLP, RoPE, no biases except Qwen2's q/k/v."""
+    """A Llama-style decoder: RMSNorm, SwiGLU MLP (or a mixture of SwiGLU experts), RoPE, no
+    biases except Qwen2's q/k/v."""
 
     # The Hugging Face architecture export-hf writes (and import-hf read): llama (Llama 2, 3.x,
     # and models trained from scratch), mistral, qwen2 (Qwen2, Qwen2.5; needs qkv_bias), qwen3
-    # (dense Qwen3; needs qk_layernorm).
+    # (dense Qwen3; needs qk_layernorm), and with experts (num_experts): qwen3_moe (Qwen3-MoE;
+    # needs qk_layernorm) and mixtral.
     family: str = "llama"
     num_layers: int = 2
     hidden_size: int = 64
@@ -68,6 +82,28 @@ class ModelConfig:
     qkv_bias: bool = False       # Qwen2: biases on the q, k, v projections (none on the output projection)
     qk_layernorm: bool = False   # Qwen3: RMSNorm over each head's queries and keys, before RoPE
     share_embeddings_and_output_weights: bool = False
+    # Mixture of experts (qwen3_moe, mixtral). null: a dense model (every layer an MLP of
+    # ffn_hidden_size). Else each layer not in moe_dense_layers routes every token to
+    # moe_router_topk of num_experts SwiGLU experts.
+    num_experts: int | None = None
+    moe_router_topk: int = 2                 # experts per token (HF num_experts_per_tok)
+    # Each expert's intermediate size (HF Qwen3-MoE moe_intermediate_size, Mixtral's
+    # intermediate_size). null: ffn_hidden_size.
+    moe_ffn_hidden_size: int | None = None
+    moe_router_score_function: str = "softmax"  # softmax | sigmoid (megatron's moe_router_score_function)
+    # HF norm_topk_prob. true: the top-k probabilities renormalised to sum to 1, which is a
+    # softmax over the top-k logits (megatron moe_router_pre_softmax=false; Mixtral always).
+    # false: softmax over all experts, then top-k, not renormalised (moe_router_pre_softmax=true).
+    # megatron renormalises sigmoid scores whenever top-k > 1, so sigmoid needs true.
+    moe_norm_topk_prob: bool = True
+    # 0-based indices of the layers with a dense MLP (ffn_hidden_size) instead of experts: HF
+    # Qwen3-MoE's mlp_only_layers and the layers its decoder_sparse_step skips.
+    moe_dense_layers: list[int] = field(default_factory=list)
+    # Training choices, not architecture: the load-balancing loss coefficient (HF
+    # router_aux_loss_coef, which from_hf_config / init_from_hf take unless the recipe sets this)
+    # and the router z-loss coefficient (HF configs have none: off).
+    moe_aux_loss_coef: float = 0.0
+    moe_z_loss_coef: float = 0.0
     init_method_std: float = 0.02
     params_dtype: str = "float32"
     # megatron-core activation recomputation of trained roles (memory for compute): null |
@@ -120,6 +156,20 @@ class ModelConfig:
         return self.head_dim or self.hidden_size // self.num_attention_heads
 
     @property
+    def expert_ffn_hidden_size(self) -> int:
+        """Each expert's intermediate size: moe_ffn_hidden_size, else ffn_hidden_size."""
+        return self.moe_ffn_hidden_size or self.ffn_hidden_size
+
+    @property
+    def moe_layer_pattern(self) -> list[int] | None:
+        """None for a dense model; else one entry per layer, 1: experts, 0: a dense MLP (the list
+        form of megatron's moe_layer_freq)."""
+        if self.num_experts is None:
+            return None
+        dense = set(self.moe_dense_layers)
+        return [0 if i in dense else 1 for i in range(self.num_layers)]
+
+    @property
     def hf_source(self) -> str | None:
         """The HF directory whose config.json fixes the architecture, if any."""
         return self.from_hf_config or self.init_from_hf
@@ -158,14 +208,14 @@ class ModelConfig:
         if m.family not in MODEL_FAMILIES:
             raise ConfigError(f"model.family={m.family!r}: choose one of {MODEL_FAMILIES}")
         # Each family's attention is fixed by transformers: Qwen2 always has q/k/v biases, Qwen3
-        # always normalises q and k, Llama and Mistral do neither.
+        # and Qwen3-MoE always normalise q and k, Llama, Mistral and Mixtral do neither.
         if m.qkv_bias != (m.family == "qwen2"):
             raise ConfigError(f"model.qkv_bias={m.qkv_bias} with model.family={m.family!r}: q/k/v biases are Qwen2's "
                               f"(and only Qwen2's); set model.family=qwen2 with model.qkv_bias=true, or model.qkv_bias=false")
-        if m.qk_layernorm != (m.family == "qwen3"):
+        if m.qk_layernorm != (m.family in ("qwen3", "qwen3_moe")):
             raise ConfigError(f"model.qk_layernorm={m.qk_layernorm} with model.family={m.family!r}: per-head q/k RMSNorm "
-                              "is Qwen3's (and only Qwen3's); set model.family=qwen3 with model.qk_layernorm=true, or "
-                              "model.qk_layernorm=false")
+                              "is Qwen3's and Qwen3-MoE's (and only theirs); set model.family=qwen3 (or qwen3_moe) with "
+                              "model.qk_layernorm=true, or model.qk_layernorm=false")
         r = m.rope_scaling
         if r.type is not None and r.type not in ROPE_SCALING_TYPES:
             raise ConfigError(f"model.rope_scaling.type={r.type!r}: choose null (plain RoPE) or one of {ROPE_SCALING_TYPES}")
@@ -183,3 +233,44 @@ class ModelConfig:
                 f"model.num_query_groups={m.num_query_groups}: must divide "
                 f"model.num_attention_heads={m.num_attention_heads}"
             )
+        m._check_experts()
+
+    def _check_experts(self) -> None:
+        """The mixture-of-experts rules (check's)."""
+        m = self
+        for name in ("moe_aux_loss_coef", "moe_z_loss_coef"):
+            if not getattr(m, name) >= 0:
+                raise ConfigError(f"model.{name}={getattr(m, name)}: must be >= 0 (0: off)")
+        if m.moe_router_score_function not in MOE_SCORE_FUNCTIONS:
+            raise ConfigError(f"model.moe_router_score_function={m.moe_router_score_function!r}: choose one of "
+                              f"{MOE_SCORE_FUNCTIONS}")
+        if m.moe_ffn_hidden_size is not None and m.moe_ffn_hidden_size < 1:
+            raise ConfigError(f"model.moe_ffn_hidden_size={m.moe_ffn_hidden_size}: must be >= 1 (null: ffn_hidden_size)")
+        if m.num_experts is None:
+            if m.family in MOE_FAMILIES:
+                raise ConfigError(f"model.num_experts=null with model.family={m.family!r}: a mixture-of-experts family "
+                                  "needs its expert count; set model.num_experts (or model.from_hf_config=<HF directory>)")
+            # a dense model has no experts to size or skip: a value here is a mistake, not a no-op
+            for name, value in (("moe_ffn_hidden_size", m.moe_ffn_hidden_size), ("moe_dense_layers", m.moe_dense_layers)):
+                if value:
+                    raise ConfigError(f"model.{name}={value} with model.num_experts=null: only for a mixture-of-experts "
+                                      f"model (model.family qwen3_moe or mixtral with model.num_experts); unset it")
+            return
+        if m.family not in MOE_FAMILIES:
+            raise ConfigError(f"model.num_experts={m.num_experts} with model.family={m.family!r}: experts are in the "
+                              f"{MOE_FAMILIES} families only; set model.family to one of them, or model.num_experts=null")
+        if m.num_experts < 2:
+            raise ConfigError(f"model.num_experts={m.num_experts}: must be >= 2 (null: a dense model)")
+        if not 1 <= m.moe_router_topk <= m.num_experts:
+            raise ConfigError(f"model.moe_router_topk={m.moe_router_topk}: must be between 1 and model.num_experts="
+                              f"{m.num_experts}")
+        if m.moe_router_score_function == "sigmoid" and not m.moe_norm_topk_prob:
+            raise ConfigError("model.moe_norm_topk_prob=false with model.moe_router_score_function=sigmoid: megatron "
+                              "renormalises sigmoid top-k scores; set model.moe_norm_topk_prob=true")
+        dense = m.moe_dense_layers
+        if len(set(dense)) != len(dense) or any(not 0 <= i < m.num_layers for i in dense):
+            raise ConfigError(f"model.moe_dense_layers={dense}: list distinct layer indices in [0, model.num_layers="
+                              f"{m.num_layers})")
+        if len(dense) == m.num_layers:
+            raise ConfigError(f"model.moe_dense_layers={dense}: every layer is dense; leave at least one layer with "
+                              "experts, or make the model dense (model.num_experts=null and a dense model.family)")

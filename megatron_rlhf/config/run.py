@@ -163,6 +163,7 @@ class RecipeFacts:
     # The dotted keys the command-line overrides set (a subset of `given`): a later stage refuses
     # these when they contradict what its run recorded, and replaces a recipe's (stage_data.py).
     override_keys: frozenset[str] = frozenset()
-    # Architecture fields a recipe set that model.from_hf_config / init_from_hf replaced
-    # (printed by the pre-flight check).
+    # Architecture fields a recipe set that model.from_hf_config / init_from_hf replaced, and
+    # the training values taken from its config.json (model.moe_aux_loss_coef) (printed by the
+    # pre-flight check).
     hf_notes: tuple[str, ...] = ()

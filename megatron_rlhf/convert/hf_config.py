@@ -34,11 +34,47 @@ def _rope_json(m: ModelConfig) -> dict[str, Any] | None:
     return None
 
 
+def check_hf_expressible(m: ModelConfig) -> None:
+    """Refuse (ConvertError naming the field) expert settings model.family's HF class cannot
+    express: transformers routes by softmax, and Mixtral has experts of intermediate_size in
+    every layer and always renormalises its top-k."""
+    if m.num_experts is None:
+        return
+    if m.moe_router_score_function != "softmax":
+        raise ConvertError(f"model.moe_router_score_function={m.moe_router_score_function}: {SUPPORTED[m.family][0]} "
+                           "routes by softmax; a model trained with sigmoid scores does not export to it")
+    if m.family != "mixtral":
+        return
+    why = ("MixtralForCausalLM has experts in every layer, each of intermediate_size, and always renormalises "
+           "the top-k probabilities")
+    if m.moe_dense_layers:
+        raise ConvertError(f"model.moe_dense_layers={m.moe_dense_layers}: {why}; a model with dense layers exports as "
+                           "model.family=qwen3_moe")
+    if m.expert_ffn_hidden_size != m.ffn_hidden_size:
+        raise ConvertError(f"model.moe_ffn_hidden_size={m.moe_ffn_hidden_size} with model.ffn_hidden_size="
+                           f"{m.ffn_hidden_size}: {why}; set model.ffn_hidden_size={m.expert_ffn_hidden_size}")
+    if not m.moe_norm_topk_prob:
+        raise ConvertError(f"model.moe_norm_topk_prob=false: {why}; a model without renormalisation exports as "
+                           "model.family=qwen3_moe")
+
+
+def _moe_json(m: ModelConfig) -> dict[str, Any]:
+    """The expert fields of a qwen3_moe / mixtral config.json (check_hf_expressible has passed)."""
+    common = {"num_experts_per_tok": m.moe_router_topk, "router_aux_loss_coef": m.moe_aux_loss_coef,
+              "output_router_logits": False}
+    if m.family == "mixtral":
+        return {"num_local_experts": m.num_experts, **common, "router_jitter_noise": 0.0}
+    # each listed layer dense, every other with experts (decoder_sparse_step 1 skips none)
+    return {"num_experts": m.num_experts, **common, "moe_intermediate_size": m.expert_ffn_hidden_size,
+            "norm_topk_prob": m.moe_norm_topk_prob, "decoder_sparse_step": 1, "mlp_only_layers": sorted(m.moe_dense_layers)}
+
+
 def hf_config_dict(model_cfg: ModelConfig, value_model: bool, dtype: str, token_ids: dict[str, Any] | None = None,
                    extra: dict[str, Any] | None = None) -> dict[str, Any]:
     """config.json of an exported *ForCausalLM / *ForSequenceClassification of model.family,
     readable by transformers 4 (rope_theta, rope_scaling, torch_dtype) and 5 (rope_parameters, dtype)."""
     m = model_cfg
+    check_hf_expressible(m)
     causal, classifier = SUPPORTED[m.family]
     theta = float(int(m.rotary_base))
     scaling = _rope_json(m)
@@ -70,13 +106,18 @@ def hf_config_dict(model_cfg: ModelConfig, value_model: bool, dtype: str, token_
     }
     if m.family == "llama":
         config.update({"attention_bias": False, "mlp_bias": False, "pretraining_tp": 1})
-    elif m.family == "mistral":
+    elif m.family in ("mistral", "mixtral"):
         config["sliding_window"] = None  # full attention: what our model computed
+    elif m.family == "qwen3_moe":  # its config class has no layer_types
+        config.update({"use_sliding_window": False, "sliding_window": None, "max_window_layers": m.num_layers,
+                       "attention_bias": False})
     else:  # qwen2, qwen3
         config.update({"use_sliding_window": False, "sliding_window": None, "max_window_layers": m.num_layers,
                        "layer_types": ["full_attention"] * m.num_layers})
         if m.family == "qwen3":
             config["attention_bias"] = False
+    if m.num_experts is not None:
+        config.update(_moe_json(m))
     config.update({k: v for k, v in (token_ids or {}).items() if v is not None})
     if value_model:
         config.update({"num_labels": 1, "id2label": {"0": "LABEL_0"}, "label2id": {"LABEL_0": 0}})

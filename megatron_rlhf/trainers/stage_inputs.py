@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_rlhf.checkpoint.validate import CheckpointError, find_checkpoint
-from megatron_rlhf.config import Config, ConfigError, policy_start
+from megatron_rlhf.config import MOE_ARCHITECTURE_FIELDS, Config, ConfigError, policy_start
 from megatron_rlhf.trainers.stage_data import (
     STAGE_SPLITS, resolve_run, run_dir, split_source, stage_dir,
 )
@@ -49,6 +49,9 @@ NOT_INPUTS = ("steps", "log_interval", "eval_interval", "save_interval", "eval_s
               "init_from", "sft_from", "rm_from", "critic_from")  # the start checkpoint is fingerprinted instead
 MODEL_NOT_INPUTS = ("recompute_granularity", "recompute_method", "recompute_num_layers",  # memory for compute
                     "init_from_hf", "from_hf_config")  # the weights are `start`, the architecture the fields
+# The expert fields of a dense model (num_experts null) change nothing it trains; left out, a dense
+# stage finished before they existed is still reused.
+DENSE_NOT_INPUTS = (*MOE_ARCHITECTURE_FIELDS, "moe_aux_loss_coef", "moe_z_loss_coef")
 # Splits a stage reads when they have a source (rm.py: normalisation over SFT responses).
 OPTIONAL_SPLITS = {"rm": ("sft_eval",)}
 _TASK_SIZE = {"prompts_train": "ppo_prompts", "prompts_eval": "eval_prompts"}
@@ -63,7 +66,8 @@ def stage_inputs(cfg: Config, stage: str) -> dict[str, Any]:
     cfg, tokenizer = run.config, run.tokenizer
     inputs: dict[str, Any] = {"seed": cfg.seed}
     model = dataclasses.asdict(cfg.model)
-    inputs.update(_flat({k: v for k, v in model.items() if k not in MODEL_NOT_INPUTS}, "model."))
+    left_out = MODEL_NOT_INPUTS + (DENSE_NOT_INPUTS if cfg.model.num_experts is None else ())
+    inputs.update(_flat({k: v for k, v in model.items() if k not in left_out}, "model."))
     inputs["data.overflow"] = cfg.data.overflow
     for split in (*STAGE_SPLITS[stage], *OPTIONAL_SPLITS.get(stage, ())):
         if (source := _split_fingerprint(cfg, split, optional=split not in STAGE_SPLITS[stage])) is not None:
