@@ -9,18 +9,12 @@ from megatron_rlhf.config.errors import ConfigError
 from megatron_rlhf.config.rl import RL_ALGORITHMS
 from megatron_rlhf.config.run import STAGE_INPUTS, STAGES, Config
 
+
 def validate(cfg: Config, world_size: int | None = None) -> Config:
     """Every section's own rules, then those across sections; `world_size`: the processes the
     run is launched with (None: one data-parallel replica). Raises ConfigError naming the field."""
     m = cfg.model
     m.check()
-    # The model section reads experts (config.json included), but models/gpt.py builds dense
-    # layers only: a run would train another model than the config says. Remove this rule with
-    # the change that builds them.
-    if m.num_experts is not None:
-        raise ConfigError(f"model.num_experts={m.num_experts} (model.family={m.family}): mixture-of-experts layers "
-                          "are read from the config but not built yet (megatron_rlhf/models builds dense layers only); "
-                          "use a dense model (model.num_experts=null)")
     dp = cfg.parallel.check(m, world_size)
     cfg.data.check()
     for name in ("sft", "rm", "dpo"):

@@ -39,9 +39,11 @@ def layer_spec(m: ModelConfig, config: TransformerConfig):
     parallelism (cpu_modules)."""
     from megatron.core.models.gpt import gpt_layer_specs
 
-    if transformer_engine_available():
-        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=m.qk_layernorm)
-    block = gpt_layer_specs.get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
+    # megatron's block spec: a dense or an expert layer each (config.moe_layer_freq), this stage's only
+    te = transformer_engine_available()
+    block = gpt_layer_specs.get_gpt_decoder_block_spec(config, use_transformer_engine=te, normalization="RMSNorm")
+    if te:
+        return block
     return dataclasses.replace(block, layer_specs=[cpu_modules(spec) for spec in block.layer_specs], layer_norm=RMSNorm)
 
 
@@ -88,9 +90,10 @@ def cpu_modules(spec):
         pre_mlp_layernorm=norm(layer.pre_mlp_layernorm)))
 
 
-def transformer_config(m: ModelConfig) -> TransformerConfig:
+def transformer_config(m: ModelConfig, per_token_loss: bool = False) -> TransformerConfig:
     """megatron's TransformerConfig for the model section, at the TP x PP layout megatron's
-    parallel_state was started with (parallel.initialize)."""
+    parallel_state was started with (parallel.initialize). `per_token_loss`: megatron's
+    calculate_per_token_loss, for a trained role (models/roles.py; MoE routers read it when built)."""
     tp = parallel_state.get_tensor_model_parallel_world_size()
     pp = parallel_state.get_pipeline_model_parallel_world_size()
     sequence_parallel = parallel.sequence_parallel() and tp > 1
@@ -103,13 +106,14 @@ def transformer_config(m: ModelConfig) -> TransformerConfig:
         num_query_groups=m.kv_heads,
         ffn_hidden_size=m.ffn_hidden_size,
         kv_channels=m.kv_channels,
+        calculate_per_token_loss=per_token_loss,
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         sequence_parallel=sequence_parallel,
         # Stages exchange each microbatch's shape first: microbatches are cut to their longest
         # row and sized by a token budget (Role._run), so shapes vary within a batch.
         variable_seq_lengths=pp > 1,
-        moe_token_dispatcher_type="alltoall",  # no experts here; megatron refuses the default with the line above
+        **expert_settings(m),
         normalization="RMSNorm",
         layernorm_epsilon=m.norm_epsilon,
         gated_linear_unit=True,  # SwiGLU
@@ -141,6 +145,33 @@ def _without_sequence_parallel(config: TransformerConfig) -> TransformerConfig:
     plain = copy.copy(config)
     plain.sequence_parallel = False
     return plain
+
+
+def expert_settings(m: ModelConfig) -> dict:
+    """TransformerConfig's mixture-of-experts fields for the model section (none for a dense
+    model), at the expert-parallel layout parallel.initialize started. Dropless (no capacity
+    factor) as the HF models are; tokens reach their experts by all-to-all."""
+    if m.num_experts is None:
+        # megatron refuses its default (allgather) dispatcher with variable_seq_lengths, even without experts
+        return {"moe_token_dispatcher_type": "alltoall"}
+    aux = m.moe_aux_loss_coef
+    return dict(
+        num_moe_experts=m.num_experts,
+        moe_router_topk=m.moe_router_topk,
+        moe_ffn_hidden_size=m.expert_ffn_hidden_size,
+        moe_layer_freq=m.moe_layer_pattern,
+        moe_router_score_function=m.moe_router_score_function,
+        # HF's norm_topk_prob: top-k probabilities renormalised = a softmax over the top-k logits
+        moe_router_pre_softmax=not m.moe_norm_topk_prob,
+        moe_router_load_balancing_type="aux_loss" if aux > 0 else "none",
+        moe_aux_loss_coeff=aux,
+        moe_z_loss_coeff=m.moe_z_loss_coef or None,
+        moe_router_dtype="fp32",  # HF routes in fp32 too (softmax over float32 logits)
+        moe_token_dispatcher_type="alltoall",
+        moe_grouped_gemm=transformer_engine_available(),  # TE's grouped expert GEMM on GPU; SequentialMLP on CPU
+        expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size(),
+        expert_tensor_parallel_size=parallel_state.get_expert_tensor_parallel_world_size(),
+    )
 
 
 class ValueHead(tensor_parallel.RowParallelLinear):
@@ -229,12 +260,12 @@ def sequence_parallel_disabled(model: torch.nn.Module):
             setattr(module, name, value)
 
 
-def build_model(m: ModelConfig, value_head: bool = False, spec=None) -> GPTModel:
+def build_model(m: ModelConfig, value_head: bool = False, spec=None, per_token_loss: bool = False) -> GPTModel:
     """The model of section `m`: the chunk for this rank's pipeline stage (no virtual pipeline)
     at the layout parallel.initialize started. `spec`: the transformer layer or block spec
     (default: layer_spec)."""
     cls = GPTValueModel if value_head else GPTModel
-    config = transformer_config(m)
+    config = transformer_config(m, per_token_loss)
     model = cls(
         config=config,
         transformer_layer_spec=spec if spec is not None else layer_spec(m, config),

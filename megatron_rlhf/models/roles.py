@@ -64,8 +64,22 @@ def microbatch_rows(lengths: list[int], micro_batch_size: int, token_budget: int
     return rows + [count] if count else rows
 
 
-def split_microbatches(batch: Batch, micro_batch_size: int, token_budget: int = 0) -> list[Batch]:
-    """Consecutive microbatches; by `token_budget` when given and the batch has `lengths`."""
+def split_rows(rows: list[int], count: int) -> list[int]:
+    """`rows` (rows per microbatch) with the largest microbatches halved until there are `count`."""
+    rows = list(rows)
+    while len(rows) < count:
+        i = max(range(len(rows)), key=rows.__getitem__)
+        if rows[i] < 2:
+            raise ValueError(f"{sum(rows)} rows cannot make {count} microbatches: with expert parallelism every rank "
+                             "of an expert group runs as many microbatches as the one with the most; give the "
+                             "data-parallel ranks equal shares")
+        rows[i:i + 1] = [rows[i] - rows[i] // 2, rows[i] // 2]
+    return rows
+
+
+def split_microbatches(batch: Batch, micro_batch_size: int, token_budget: int = 0, count: int = 0) -> list[Batch]:
+    """Consecutive microbatches; by `token_budget` when given and the batch has `lengths`;
+    at least `count` of them (the largest halved)."""
     size = batch["tokens"].size(0)
     if token_budget and "lengths" in batch:
         rows = microbatch_rows(batch["lengths"].tolist(), micro_batch_size, token_budget)
@@ -73,6 +87,7 @@ def split_microbatches(batch: Batch, micro_batch_size: int, token_budget: int = 
         raise ValueError(f"batch of {size} is not a multiple of micro_batch_size={micro_batch_size}")
     else:
         rows = microbatch_rows([0] * size, micro_batch_size)
+    rows = split_rows(rows, count)
     starts = [0, *accumulate(rows)]
     return [{k: v[i : i + n] for k, v in batch.items()} for i, n in zip(starts, rows)]
 
@@ -208,7 +223,9 @@ class Role:
         # (logging/memory.py: SavedActivations); None until then.
         self.activation_bytes: int | None = None
         self._meter = None
-        module = build_model(model_config, value_head=self.value_head)
+        # A trained role's losses are global-batch means (megatron's per-token loss path): DDP then sums
+        # gradients over data-parallel ranks and finalize_model_grads divides by the global unit count.
+        module = build_model(model_config, value_head=self.value_head, per_token_loss=trainable)
         self.lora = lora if lora is not None and lora.rank > 0 else None
         # With LoRA: the weights trained besides the adapters (a value head), by name prefix
         self.trained_prefixes = ("output_layer.",) if self.lora is not None and self.value_head else ()
@@ -226,9 +243,6 @@ class Role:
         if trainable:
             assert optimizer is not None and max_consecutive_nonfinite is not None, \
                 "a trainable role needs its optimizer section and max_consecutive_nonfinite"
-            # Before DDP is built: DDP then sums gradients over data-parallel ranks instead of
-            # averaging them, and finalize_model_grads divides by the global unit count.
-            module.config.calculate_per_token_loss = True
             self.model = wrap_ddp(module, optimizer)
             self.optimizer = build_optimizer(self.model, optimizer, model_config.params_dtype)
             self.scheduler = build_scheduler(self.optimizer, optimizer, total_steps)
@@ -236,6 +250,9 @@ class Role:
             config.finalize_model_grads_func = finalize_model_grads
             config.grad_scale_func = self.optimizer.scale_loss
             config.no_sync_func = self.model.no_sync
+            if config.num_moe_experts and (config.moe_aux_loss_coeff or config.moe_z_loss_coeff):
+                self._router_loss_scale = torch.ones((), device=device())  # set per step (_forward_backward)
+                config.moe_grad_scale_func = lambda: self._router_loss_scale
             self.guard = NonFiniteGuard(type(self).__name__, max_consecutive_nonfinite)
         else:
             module.requires_grad_(False)
@@ -270,15 +287,51 @@ class Role:
     def output_shapes(self, batch_size: int, seq_len: int) -> dict[str, torch.Size]:
         raise NotImplementedError
 
+    # --- mixture of experts
+    @property
+    def _has_experts(self) -> bool:
+        return bool(self.module.config.num_moe_experts)
+
+    def _router_loss_scale_for(self, batch: Batch, loss_fn: LossFn) -> torch.Tensor:
+        """The scale megatron's routers give their load-balancing and z-loss gradients
+        (config.moe_grad_scale_func) so that the coefficient means what it says whatever the
+        loss divides by. Under the per-token loss path a router attaches its per-microbatch loss
+        times the microbatch's real tokens, assuming finalize_model_grads divides by the global
+        count of real tokens T; ours divides by the loss's units U (response tokens, sequences,
+        pairs). Scaling by U / T makes the auxiliary gradient the token-weighted mean of the
+        microbatches' losses, times the coefficient, for any split, DP size or aggregation.
+        U comes from the loss function itself on zero outputs: a LossFn's units depend on the
+        batch alone (its masks), never on the outputs."""
+        b, s = batch["tokens"].shape
+        with torch.no_grad():
+            zeros = {k: torch.zeros(shape, device=device()) for k, shape in self.output_shapes(b, s).items()}
+            _, units, _ = loss_fn(zeros, batch)
+        tokens = batch["lengths"].sum() if "lengths" in batch else torch.tensor(b * s, device=device())
+        units, tokens = dp_sum(torch.stack([units.to(device()), tokens.to(device())]).double())
+        return self.optimizer.scale_loss((units / tokens.clamp(min=1)).float())
+
+    def _padding_mask(self, mb: Batch, width: int) -> torch.Tensor | None:
+        """MoE routers leave padding out of their load-balancing statistics (megatron's
+        padding_mask, True = padding). megatron scatters it for sequence parallelism on the first
+        pipeline stage only; later stages get their slice here."""
+        if not self._has_experts or "lengths" not in mb:
+            return None
+        padding = ~real_positions(mb["lengths"], width).bool()
+        if self.module.config.sequence_parallel and not parallel_state.is_pipeline_first_stage():
+            tp, rank = parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_tensor_model_parallel_rank()
+            padding = padding[:, rank * width // tp:(rank + 1) * width // tp]
+        return padding
+
     # --- megatron schedule plumbing
     def _forward_step(self, loss_fn: LossFn | None, width: int, data_iterator, model):
         mb = next(data_iterator)
         tokens = mb["tokens"]
         position_ids = torch.arange(tokens.size(1), device=tokens.device).expand_as(tokens)
+        padding = self._padding_mask(mb, tokens.size(1))
         meter = SavedActivations(self.module.parameters()) if self._meter is not None else nullcontext()
         with meter:
             out = model(
-                tokens, position_ids, mb.get("attention_mask"),
+                tokens, position_ids, mb.get("attention_mask"), **({"padding_mask": padding} if padding is not None else {}),
                 output_processor=self.outputs, output_processor_context=mb,
             )
         if self._meter is not None:
@@ -299,7 +352,15 @@ class Role:
 
     def _run(self, batch: Batch, micro_batch_size: int, loss_fn: LossFn | None,
              force_all_reduce: bool = False, token_budget: int = 0) -> list[dict]:
-        microbatches = split_microbatches({k: v.to(device()) for k, v in batch.items()}, micro_batch_size, token_budget)
+        batch = {k: v.to(device()) for k, v in batch.items()}
+        microbatches = split_microbatches(batch, micro_batch_size, token_budget)
+        if self._has_experts and parallel_state.get_expert_model_parallel_world_size() > 1:
+            # megatron's expert all-to-all pairs the microbatches of the ranks of an expert group,
+            # which hold different data: all run as many as the rank that needs the most
+            count = torch.tensor([len(microbatches)], device=device())
+            torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.MAX, group=parallel_state.get_data_parallel_group())
+            if int(count) > len(microbatches):
+                microbatches = split_microbatches(batch, micro_batch_size, token_budget, count=int(count))
         if "lengths" in batch and "attention_mask" not in batch:
             microbatches = trim_padding(microbatches)  # no compute on the padding past each one's longest row
         if self.module.config.sequence_parallel:
@@ -327,6 +388,8 @@ class Role:
     def _forward_backward(self, batch: Batch, micro_batch_size: int, loss_fn: LossFn,
                           force_all_reduce: bool = False, token_budget: int = 0) -> list[dict]:
         assert self.trainable, f"{type(self).__name__} is frozen"
+        if getattr(self.module.config, "moe_grad_scale_func", None) is not None:
+            self._router_loss_scale = self._router_loss_scale_for({k: v.to(device()) for k, v in batch.items()}, loss_fn)
         set_training(self.model, True)
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()

@@ -1,0 +1,85 @@
+"""A mixture-of-experts model (4 experts, top-2, one dense layer, megatron's alltoall dispatcher)
+as all four roles: expert parallelism EP2 (with DP2 for the dense weights), TP2 x EP2 with
+expert-TP 1 (sequence parallel) and PP2 give the same outputs, gradients of every trainer loss
+(micro batch 1, 2, whole, by token budget) and updated weights as one process, from one
+checkpoint written at EP1 and resharded on load; DistributedOptimizer resume is exact at each.
+The load-balancing loss is off here: it is a product of per-microbatch statistics, so it cannot
+be split-invariant (tests/test_moe_aux_loss.py checks its gradient scale)."""
+
+import pytest
+import torch
+
+from distributed import TINY_MODEL, read_global_tensors, torchrun
+from test_role_layouts import ATOL, GRAD_RTOL, LOOSER, assert_same_tensors, relative_difference
+from workers import layout_args
+from workers.role_layouts import LOSSES
+
+pytestmark = pytest.mark.slow
+
+MOE = ["model.family=mixtral", "model.num_experts=4", "model.moe_router_topk=2", "model.moe_dense_layers=[0]",
+       "model.moe_ffn_hidden_size=96", "model.moe_aux_loss_coef=0.0"]
+OVERRIDES = [*TINY_MODEL, *MOE, "optimizer.lr=0.01", "optimizer.adam_eps=1e-4", "seed=7"]
+BASE = "tp1pp1dp1"
+EP2 = ["parallel.expert_parallel=2"]
+LAYOUTS = {"ep2dp2": (1, 1, 2, EP2), "tp1pp2": (1, 2, 2, []),
+           "tp2ep2": (2, 1, 4, [*EP2, "parallel.expert_tensor_parallel=1"])}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("moe_layouts")
+    worker = "tests/workers/role_layouts.py"
+    by_world = {1: {"init": (1, 1), BASE: (1, 1)}}
+    for layout, (tp, pp, nproc, overrides) in LAYOUTS.items():
+        by_world.setdefault(nproc, {})[layout] = (tp, pp, overrides)
+    for nproc, layouts in sorted(by_world.items()):
+        torchrun(nproc, worker, f"--root={root}", *layout_args(layouts), *OVERRIDES)
+    results = {name: torch.load(root / f"results_{name}.pt") for name in [BASE, *LAYOUTS]}
+    return root, results
+
+
+def test_the_roles_have_experts(runs):
+    root, _ = runs
+    names = read_global_tensors(root / "init" / "actor").keys()
+    experts = {n for n in names if ".mlp.experts." in n}
+    assert any("layers.1.mlp.router.weight" in n for n in names) and experts
+    assert not any("layers.0.mlp.router" in n or "layers.0.mlp.experts" in n for n in names)  # the dense layer
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_outputs_match_one_process(runs, layout):
+    _, results = runs
+    for role, outputs in results[BASE]["outputs"].items():
+        assert_same_tensors(results[layout]["outputs"][role], outputs, ATOL)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_loss_and_updated_weights_match_one_process(runs, layout):
+    root, results = runs
+    for role, loss in results[BASE]["losses"].items():
+        assert results[layout]["losses"][role] == pytest.approx(loss, abs=ATOL), role
+        want = read_global_tensors(root / "after_step" / BASE / role)
+        assert_same_tensors(read_global_tensors(root / "after_step" / layout / role), want, ATOL)
+
+
+@pytest.mark.parametrize("layout", [BASE, *LAYOUTS])
+def test_distributed_optimizer_resume_is_exact_and_reshards(runs, layout):
+    root, results = runs
+    resume = results[layout]["resume"]
+    assert resume["loss_resumed"] == resume["loss_uninterrupted"]
+    assert resume["max_param_diff"] == 0.0
+    want = read_global_tensors(root / "after_two_steps" / BASE / "actor")
+    assert_same_tensors(read_global_tensors(root / "resharded_step" / layout / "actor"), want, ATOL)
+
+
+@pytest.mark.parametrize("layout", [BASE, *LAYOUTS])
+@pytest.mark.parametrize("loss", list(LOSSES))
+def test_gradients_do_not_depend_on_the_split_or_the_layout(runs, layout, loss):
+    root, results = runs
+    checks = results[layout]["gradients"][loss]
+    for mbs, diff in checks["rel_diff"].items():
+        assert diff <= LOOSER.get(loss, GRAD_RTOL), f"micro batch {mbs}: gradients differ by {diff:.2e}"
+    if layout != BASE:
+        got, want = (read_global_tensors(root / "grads" / name / loss) for name in (layout, BASE))
+        assert got.keys() == want.keys()
+        assert relative_difference(got, want) <= LOOSER.get(loss, GRAD_RTOL)
