@@ -243,6 +243,13 @@ class Role:
         if trainable:
             assert optimizer is not None and max_consecutive_nonfinite is not None, \
                 "a trainable role needs its optimizer section and max_consecutive_nonfinite"
+            if module.config.num_moe_experts:
+                # Expert weights reduce over megatron's expert data-parallel group and get their own
+                # optimizer. megatron marks them so only at EP > 1 (or ETP != TP); marked at every
+                # layout, the optimizer has the same two parts at any EP and its checkpoints reshard.
+                for name, param in module.named_parameters():
+                    if ".experts." in name:
+                        param.allreduce = False
             self.model = wrap_ddp(module, optimizer)
             self.optimizer = build_optimizer(self.model, optimizer, model_config.params_dtype)
             self.scheduler = build_scheduler(self.optimizer, optimizer, total_steps)
