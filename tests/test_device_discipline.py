@@ -202,7 +202,9 @@ def test_expert_and_sequence_parallel_glue_stays_on_the_device(fake):
     zero outputs), the sequence-parallel padding and the cut back to width follow the batch."""
     from functools import partial
 
-    from megatron_rlhf.models.roles import loss_units, pad_for_sequence_parallel, padding_positions, routed_tokens, to_width
+    from megatron_rlhf.models.microbatches import (
+        loss_units, pad_for_sequence_parallel, padding_positions, routed_tokens, to_width,
+    )
 
     cfg = RLConfig(algorithm="grpo", n_samples_per_prompt=2, kl_in_reward=False, kl_estimator="k3")
     _, batch = rl_batch(cfg)
@@ -221,7 +223,7 @@ def test_expert_and_sequence_parallel_glue_stays_on_the_device(fake):
 
 
 def test_microbatches_are_halved_to_the_count_an_expert_group_agrees_on():
-    from megatron_rlhf.models.roles import split_rows
+    from megatron_rlhf.models.microbatches import split_rows
 
     assert split_rows([4, 1], 4) == [1, 1, 2, 1]  # the largest first, in place: rows stay in order
     assert split_rows([3], 3) == [1, 1, 1]

@@ -33,3 +33,30 @@ def test_sequence_parallel_is_read_from_a_recipe_as_a_bool_or_auto():
     assert load_config(None, []).parallel.sequence_parallel == "auto"
     with pytest.raises(ConfigError, match="parallel.sequence_parallel"):
         load_config(None, ["parallel.sequence_parallel=3"])
+
+
+MOE = ["model.family=mixtral", "model.num_experts=4", "model.moe_router_topk=2", "model.vocab_size=100"]
+
+
+@pytest.mark.parametrize("overrides, field", [
+    (["parallel.expert_parallel=3"], "parallel.expert_parallel=3: does not divide model.num_experts=4"),
+    (["parallel.tensor_parallel=2", "parallel.sequence_parallel=false"], "parallel.sequence_parallel=false"),
+    (["parallel.expert_tensor_parallel=3"], "parallel.expert_tensor_parallel=3"),
+    (["rollout.engine=vllm"], "rollout.engine=vllm with model.num_experts=4"),
+    (["lora.rank=4"], "lora.targets="),
+])
+def test_expert_model_settings_we_cannot_run_are_refused_by_name(overrides, field):
+    from megatron_rlhf.config import load_config, validate
+
+    with pytest.raises(ConfigError, match=field.replace("(", r"\(").replace("[", r"\[")):
+        validate(load_config(None, [*MOE, *overrides]), world_size=2)
+
+
+def test_an_expert_layout_takes_megatrons_expert_groups():
+    from megatron_rlhf.config import load_config, validate
+
+    cfg = validate(load_config(None, [*MOE, "parallel.expert_parallel=2", "parallel.tensor_parallel=2",
+                                      "parallel.expert_tensor_parallel=1"]), world_size=4)
+    assert cfg.parallel.expert_tensor_parallel_size == 1 and cfg.parallel.sequence_parallel_on
+    with pytest.raises(ConfigError, match="does not divide the world size 2"):
+        validate(load_config(None, [*MOE, "parallel.expert_parallel=4"]), world_size=2)

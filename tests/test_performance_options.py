@@ -9,7 +9,7 @@ import torch
 
 from megatron_rlhf.config import ConfigError, load_config, validate
 from megatron_rlhf.models.batching import by_length, padding_sums
-from megatron_rlhf.models.roles import microbatch_rows, split_microbatches
+from megatron_rlhf.models.microbatches import microbatch_rows, split_microbatches
 from megatron_rlhf.trainers.rl import recomputes_old_logprobs
 
 

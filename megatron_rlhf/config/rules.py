@@ -31,6 +31,9 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
         raise ConfigError("lora.stages has sft: adapters train on a pretrained model, and sft would start from a "
                           "fresh initialisation; set sft.init_from=<a checkpoint with an actor: an earlier stage, "
                           "import-hf's output> or model.init_from_hf=<a Hugging Face directory>, or remove sft")
+    if cfg.lora.rank > 0 and m.num_experts is not None and {"fc1", "fc2"} & set(cfg.lora.targets):
+        raise ConfigError(f"lora.targets={cfg.lora.targets} with model.num_experts={m.num_experts}: adapters on the "
+                          "expert MLPs are not built yet; keep lora.targets to qkv, proj and output for an MoE model")
     if cfg.lora.rank > 0 and "output" in cfg.lora.targets and m.share_embeddings_and_output_weights:
         raise ConfigError("lora.targets has output with model.share_embeddings_and_output_weights=true: an adapter on "
                           "a tied LM head would change the input embedding's twin only; remove output from lora.targets")

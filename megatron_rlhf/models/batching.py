@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_rlhf.models.roles import microbatch_rows
+from megatron_rlhf.models.microbatches import microbatch_rows
 
 
 def data_parallel() -> tuple[int, int]:

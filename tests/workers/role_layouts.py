@@ -129,6 +129,8 @@ def gradient_checks(args, layout: str, roles, batch) -> dict:
     rows = shard["tokens"].size(0)
     out = {}
     for name, (role_name, loss_fn) in LOSSES.items():
+        if args.losses and name not in args.losses.split(","):
+            continue
         role = roles[role_name]
         # Pairs stay whole at fixed sizes; the others also split by a token budget: microbatches
         # of 1 and 4 rows and of different widths (PP: megatron's variable_seq_lengths).
@@ -232,4 +234,5 @@ def check_layout(args, cfg, layout: str) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(run_layouts(check_layout))
+    sys.exit(run_layouts(check_layout, extra_args=[("--losses", {"default": "", "help": "names of LOSSES to check "
+                                                                 "(comma-separated; default: all)"})]))
