@@ -2,10 +2,10 @@
 megatron checkpoints.
 
 - load_hf_weights(role, hf_dir): collective; every rank reads only the slices of its own
-  TP x PP shard from the HF safetensors.
+  TP x PP x EP shard from the HF safetensors.
 - import_hf(cfg, hf_dir, out_dir): collective; a frozen role loaded from HF, saved as a
   stage-style checkpoint (CheckpointManager: iter_0000000/<role> + commit.json + latest)
-  that loads at any TP x PP (ppo.sft_from, rm.init_from, ppo.rm_from). It keeps the HF
+  that loads at any TP x PP x EP (ppo.sft_from, rm.init_from, ppo.rm_from). It keeps the HF
   model's tokenizer (out_dir/tokenizer/), special-token ids and generation_config.json.
 - export_hf(checkpoint, role, out_dir, ...): one process, no torch.distributed; reads our
   torch_dist checkpoint (any layout) one layer at a time and writes an HF directory,
@@ -117,7 +117,7 @@ def _load_shards(role, hf_dir: Path) -> None:
 
 
 def load_hf_weights(role, hf_dir: str | os.PathLike) -> None:
-    """Collective. Fill this rank's TP x PP shard of `role.module` from the HF model at
+    """Collective. Fill this rank's TP x PP x EP shard of `role.module` from the HF model at
     `hf_dir` (reading only this rank's slices). Value models (Critic, RewardModel) get
     everything but the value head, which is loaded (bias 0) only from a
     *ForSequenceClassification checkpoint's `score.weight`. A trainable role's optimizer
@@ -151,7 +151,7 @@ def _record_hf_tokenizer(hf_dir: Path, out_dir: Path) -> None:
 
 def import_hf(cfg, hf_dir: str | os.PathLike, out_dir: str | os.PathLike, role: str | None = None) -> Path:
     """Collective. The HF model at `hf_dir` as our checkpoint under `out_dir` (a new stage
-    directory): out_dir/iter_0000000/<role> + commit.json + latest, loadable at any TP x PP.
+    directory): out_dir/iter_0000000/<role> + commit.json + latest, loadable at any TP x PP x EP.
     `role` defaults to "actor" for *ForCausalLM and "reward" for *ForSequenceClassification
     (so `ppo.sft_from`, `rm.init_from` and `ppo.rm_from` can point at out_dir). Its
     tokenizer is recorded in out_dir/tokenizer/, config.json's bos/eos/pad ids and
@@ -374,7 +374,7 @@ def export_hf(checkpoint: str | os.PathLike, role: str, out_dir: str | os.PathLi
     """Write role `role` of our checkpoint as a Hugging Face model directory `out_dir`.
 
     `checkpoint`: a stage directory (its latest complete checkpoint), an iter_* directory or
-    a role directory; saved at any TP x PP x DP. One process, no torch.distributed; reads one
+    a role directory; saved at any TP x PP x EP x DP. One process, no torch.distributed; reads one
     layer at a time. `model_cfg`: the ModelConfig (or its dict) of the run; optional for
     checkpoints that record it (every stage and import_hf write it). Policies (actor,
     reference) become <model.family>ForCausalLM, value models (reward, critic)
