@@ -13,7 +13,7 @@ PYTHON312 ?= $(shell (python3.12 -c 'import sys' >/dev/null 2>&1 && command -v p
 	(v=$$(pyenv versions --bare 2>/dev/null | grep '^3\.12' | tail -n1); \
 	 [ -n "$$v" ] && PYENV_VERSION=$$v pyenv which python3.12 2>/dev/null))
 
-.PHONY: setup test test-fast pipeline pipeline-vllm pipeline-arithmetic pipeline-dpo smoke sft rm dpo rl ppo bench bench-vllm clean-venv
+.PHONY: setup test test-fast pipeline pipeline-moe pipeline-vllm pipeline-arithmetic pipeline-dpo smoke sft rm dpo rl ppo bench bench-vllm clean-venv
 
 setup: $(STAMP)
 
@@ -90,6 +90,12 @@ PIPELINE_NPROC ?= 1
 pipeline: setup
 	$(PY) -m megatron_rlhf.torchrun --nproc-per-node $(PIPELINE_NPROC) \
 	  pipeline --config $(CONFIG) $(ARGS)
+
+# SFT -> RM -> GRPO with a tiny mixture-of-experts model, expert parallel over 2 processes
+# (pipelines/tiny_cpu_moe.yaml; README "Mixture-of-experts models").
+pipeline-moe: setup
+	$(PY) -m megatron_rlhf.torchrun --nproc-per-node 2 \
+	  pipeline --config pipelines/tiny_cpu_moe.yaml $(ARGS)
 
 # The same pipeline generating with vLLM (pipelines/tiny_cpu_vllm.yaml; README "Rollout engines").
 VLLM_CONFIG ?= pipelines/tiny_cpu_vllm.yaml

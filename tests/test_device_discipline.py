@@ -194,3 +194,36 @@ def test_nccl_refuses_host_tensors_with_a_clear_error():
         check_backend_device(torch.ones(2), "nccl")
     with FakeTensorMode():
         check_backend_device(torch.ones(2, device=CUDA), "nccl")
+
+
+def test_expert_and_sequence_parallel_glue_stays_on_the_device(fake):
+    """Role glue for MoE routers and sequence parallelism (models/roles.py): the padding mask,
+    the routed-token count, the units of the load-balancing scale (from the loss function on
+    zero outputs), the sequence-parallel padding and the cut back to width follow the batch."""
+    from functools import partial
+
+    from megatron_rlhf.models.roles import loss_units, pad_for_sequence_parallel, padding_positions, routed_tokens, to_width
+
+    cfg = RLConfig(algorithm="grpo", n_samples_per_prompt=2, kl_in_reward=False, kl_estimator="k3")
+    _, batch = rl_batch(cfg)
+    rl_stage.add_advantages(batch, cfg, kl_coef=0.05, max_new_tokens=NEW)
+    rows = batch.tensors()
+    on_cuda(padding=padding_positions(batch.lengths, S), routed=routed_tokens(rows),
+            routed_without_lengths=routed_tokens({"tokens": batch.tokens}),
+            units=loss_units(partial(rl_stage.actor_loss, rl=cfg, kl_coef=0.05), rows,
+                             {"logprobs": torch.Size([B, S]), "entropy": torch.Size([B, S])}))
+    odd = {k: v[:, : S - 1] if v.dim() == 2 else v for k, v in rows.items()}
+    padded = pad_for_sequence_parallel([odd, {"tokens": batch.tokens[:, : S - 1]}], tp=2)
+    for mb in padded:
+        on_cuda(**mb)
+        assert mb["tokens"].size(1) == S
+    on_cuda(cut=to_width(padded[0]["mask"], S - 1))
+
+
+def test_microbatches_are_halved_to_the_count_an_expert_group_agrees_on():
+    from megatron_rlhf.models.roles import split_rows
+
+    assert split_rows([4, 1], 4) == [1, 1, 2, 1]  # the largest first, in place: rows stay in order
+    assert split_rows([3], 3) == [1, 1, 1]
+    with pytest.raises(ValueError, match="equal shares"):
+        split_rows([1, 1], 3)

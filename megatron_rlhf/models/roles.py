@@ -108,6 +108,26 @@ def real_positions(lengths: torch.Tensor, width: int, offset: int = 0) -> torch.
     return (torch.arange(width, device=lengths.device) < (lengths - offset)[:, None]).float()
 
 
+def padding_positions(lengths: torch.Tensor, width: int) -> torch.Tensor:
+    """[b, width] bool: True past each row's length (megatron's MoE padding_mask)."""
+    return ~real_positions(lengths, width).bool()
+
+
+def routed_tokens(batch: Batch) -> torch.Tensor:
+    """How many real tokens the batch sends through the routers (on the batch's device)."""
+    if "lengths" in batch:
+        return batch["lengths"].sum()
+    return torch.tensor(batch["tokens"].numel(), device=batch["tokens"].device)
+
+
+def loss_units(loss_fn: LossFn, batch: Batch, output_shapes: dict[str, torch.Size]) -> torch.Tensor:
+    """The units `loss_fn` divides by over the whole batch, from zero outputs: a LossFn's units
+    depend on the batch alone (its masks), never on the outputs."""
+    with torch.no_grad():
+        zeros = {k: torch.zeros(shape, device=batch["tokens"].device) for k, shape in output_shapes.items()}
+        return loss_fn(zeros, batch)[1]
+
+
 def to_width(x: torch.Tensor, width: int) -> torch.Tensor:
     """[b, s, ...] -> [b, width, ...]: zeros after s (a trimmed microbatch's outputs), or cut to
     width (the columns sequence parallelism padded on)."""
@@ -243,6 +263,13 @@ class Role:
         if trainable:
             assert optimizer is not None and max_consecutive_nonfinite is not None, \
                 "a trainable role needs its optimizer section and max_consecutive_nonfinite"
+            if module.config.num_moe_experts:
+                # Expert weights reduce over megatron's expert data-parallel group and get their own
+                # optimizer. megatron marks them so only at EP > 1 (or ETP != TP); marked at every
+                # layout, the optimizer has the same two parts at any EP and its checkpoints reshard.
+                for name, param in module.named_parameters():
+                    if ".experts." in name:
+                        param.allreduce = False
             self.model = wrap_ddp(module, optimizer)
             self.optimizer = build_optimizer(self.model, optimizer, model_config.params_dtype)
             self.scheduler = build_scheduler(self.optimizer, optimizer, total_steps)
@@ -251,7 +278,8 @@ class Role:
             config.grad_scale_func = self.optimizer.scale_loss
             config.no_sync_func = self.model.no_sync
             if config.num_moe_experts and (config.moe_aux_loss_coeff or config.moe_z_loss_coeff):
-                self._router_loss_scale = torch.ones((), device=device())  # set per step (_forward_backward)
+                # set per step (_forward_backward); shape [1] as megatron's own (it copies into the first one)
+                self._router_loss_scale = torch.ones(1, device=device())
                 config.moe_grad_scale_func = lambda: self._router_loss_scale
             self.guard = NonFiniteGuard(type(self).__name__, max_consecutive_nonfinite)
         else:
@@ -302,13 +330,9 @@ class Role:
         microbatches' losses, times the coefficient, for any split, DP size or aggregation.
         U comes from the loss function itself on zero outputs: a LossFn's units depend on the
         batch alone (its masks), never on the outputs."""
-        b, s = batch["tokens"].shape
-        with torch.no_grad():
-            zeros = {k: torch.zeros(shape, device=device()) for k, shape in self.output_shapes(b, s).items()}
-            _, units, _ = loss_fn(zeros, batch)
-        tokens = batch["lengths"].sum() if "lengths" in batch else torch.tensor(b * s, device=device())
-        units, tokens = dp_sum(torch.stack([units.to(device()), tokens.to(device())]).double())
-        return self.optimizer.scale_loss((units / tokens.clamp(min=1)).float())
+        units = loss_units(loss_fn, batch, self.output_shapes(*batch["tokens"].shape))
+        units, tokens = dp_sum(torch.stack([units, routed_tokens(batch)]).double())
+        return self.optimizer.scale_loss((units / tokens.clamp(min=1)).float().reshape(1))
 
     def _padding_mask(self, mb: Batch, width: int) -> torch.Tensor | None:
         """MoE routers leave padding out of their load-balancing statistics (megatron's
@@ -316,7 +340,7 @@ class Role:
         pipeline stage only; later stages get their slice here."""
         if not self._has_experts or "lengths" not in mb:
             return None
-        padding = ~real_positions(mb["lengths"], width).bool()
+        padding = padding_positions(mb["lengths"], width)
         if self.module.config.sequence_parallel and not parallel_state.is_pipeline_first_stage():
             tp, rank = parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_tensor_model_parallel_rank()
             padding = padding[:, rank * width // tp:(rank + 1) * width // tp]

@@ -138,6 +138,25 @@ class MegatronRolloutEngine(RolloutEngine):
             logits[:, tokens:] = float("-inf")  # padding, ids past the tokenizer
         return logits
 
+    def _experts_across_ranks(self) -> bool:
+        return bool(self.actor.module.config.num_moe_experts) and ps.get_expert_model_parallel_world_size() > 1
+
+    @staticmethod
+    def _agree_on_span(shortest: int, total: int) -> tuple[int, int]:
+        span = torch.tensor([-shortest, total], device=device())
+        torch.distributed.all_reduce(span, op=torch.distributed.ReduceOp.MAX, group=ps.get_data_parallel_group())
+        return -int(span[0]), int(span[1])
+
+    @staticmethod
+    def _all_done(done: torch.Tensor, across_ranks: bool) -> bool:
+        """Whether decoding can stop: every row here is done (and on every rank of the
+        data-parallel group, with experts across ranks). The one host read per token."""
+        if not across_ranks:
+            return bool(done.all())
+        flag = done.all().to(torch.int32).reshape(1)
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN, group=ps.get_data_parallel_group())
+        return bool(flag)
+
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], sampling: SamplingParams, seed: int) -> Rollout:
         """Rollout tensors on the actor's device. Collective over the model-parallel group."""
@@ -148,6 +167,12 @@ class MegatronRolloutEngine(RolloutEngine):
             raise ValueError(f"longest prompt + max_new_tokens = {total} exceeds model.max_seq_length="
                              f"{self.model.max_seq_length}")
         layout = StageLayout.current()
+        # With expert parallelism the ranks of a data-parallel group exchange tokens in every
+        # forward (megatron's all-to-all), so they run the same decoding steps: from the shortest
+        # prompt of any of them to the longest end, until every one is done.
+        across_ranks = self._experts_across_ranks()
+        if across_ranks:
+            shortest, total = self._agree_on_span(shortest, total)
         state = Decoding.start(prompts, total, self.pad_id, device())
         generator = torch.Generator(device=device()).manual_seed(seed)
         context = StaticInferenceContext(batch, total)
@@ -163,7 +188,7 @@ class MegatronRolloutEngine(RolloutEngine):
             # at once: at PP > 1 megatron's p2p helpers synchronise every step anyway, and at PP = 1
             # decoding is launch-bound, so the sync costs about a kernel launch, far less than the
             # extra forward steps that checking only every k tokens could run.
-            while pos < total and not bool(state.done.all()):
+            while pos < total and not self._all_done(state.done, across_ranks):
                 logits = self._next_token_logits(state.tokens[:, prev:pos], positions[:, prev:pos], context, layout)
                 ids, logprob = sample_next(logits, generator, sampling) if layout.last else (None, None)
                 ids = from_last_stage_tp0(ids, [batch], torch.long, layout)

@@ -75,7 +75,7 @@ def megatron_reference(actor, batch) -> dict[str, torch.Tensor]:
     actor.model.train()
     for router in routers:
         router.calculate_per_token_loss = False
-    MoEAuxLossAutoScaler.set_loss_scale(torch.ones(()))
+    MoEAuxLossAutoScaler.set_loss_scale(torch.ones(1))
     tokens = batch["tokens"]
     logits = actor.model(tokens, torch.arange(SEQ).expand_as(tokens), None)
     (logits.sum() * 0.0).backward()

@@ -217,7 +217,9 @@ def check_layout(args, cfg, layout: str) -> None:
     results["resume"] = {
         "loss_uninterrupted": uninterrupted["loss"], "loss_resumed": resumed["loss"],
         "max_param_diff": max((expected[n] - got[n]).abs().max().item() for n in expected),
-        "adam_steps": sorted({float(s["step"]) for s in resumed_actor.optimizer.optimizer.state.values()}),
+        "adam_steps": sorted({float(s["step"]) for inner in getattr(resumed_actor.optimizer, "chained_optimizers",
+                                                                   [resumed_actor.optimizer])
+                              for s in inner.optimizer.state.values()}),  # chained: dense + expert parameters
     }
     # The TP1-PP1 optimizer checkpoint, resharded to this layout, takes the same second step.
     from_tp1 = Actor(cfg.model, **training_of(cfg))
