@@ -2,10 +2,10 @@
 megatron checkpoints.
 
 - load_hf_weights(role, hf_dir): collective; every rank reads only the slices of its own
-  TP x PP shard from the HF safetensors.
+  TP x PP x EP shard from the HF safetensors.
 - import_hf(cfg, hf_dir, out_dir): collective; a frozen role loaded from HF, saved as a
   stage-style checkpoint (CheckpointManager: iter_0000000/<role> + commit.json + latest)
-  that loads at any TP x PP (ppo.sft_from, rm.init_from, ppo.rm_from). It keeps the HF
+  that loads at any TP x PP x EP (ppo.sft_from, rm.init_from, ppo.rm_from). It keeps the HF
   model's tokenizer (out_dir/tokenizer/), special-token ids and generation_config.json.
 - export_hf(checkpoint, role, out_dir, ...): one process, no torch.distributed; reads our
   torch_dist checkpoint (any layout) one layer at a time and writes an HF directory,
@@ -41,6 +41,7 @@ from megatron_rlhf.convert.hf_config import (
     RECORDED_SAMPLING, RECORDED_TOKENIZER, ConvertError, check_model_matches_hf, hf_config_dict, read_hf_config,
 )
 from megatron_rlhf.convert.checkpoint_roles import POLICY_ROLES, VALUE_ROLES, model_config_for, resolve_role_dir
+from megatron_rlhf.convert.hf_moe_weights import ExpertRanks, check_checkpoint_experts, fused_experts_hint
 from megatron_rlhf.convert.hf_weights import (
     CKPT_LAYER_KEYS, Dims, hf_expected_shapes, hf_layer_tensors, layer_kinds, shard_for_param,
 )
@@ -65,7 +66,8 @@ _IGNORED_HF = ("rotary_emb.inv_freq",)
 def _check_hf_tensors(weights: HFWeights, expected: dict[str, tuple[int, ...]], optional: set[str]) -> None:
     for name, shape in expected.items():
         if name not in weights:
-            raise ConvertError(f"{weights.dir}: tensor {name!r} is missing (expected shape {list(shape)})")
+            raise ConvertError(f"{weights.dir}: tensor {name!r} is missing (expected shape {list(shape)})"
+                               + fused_experts_hint(weights.files))
         if weights.shape(name) != shape:
             raise ConvertError(f"{weights.dir}: tensor {name!r} has shape {list(weights.shape(name))}, "
                                f"expected {list(shape)} from config.json")
@@ -99,12 +101,13 @@ def _load_shards(role, hf_dir: Path) -> None:
         return layers[i].layer_number - 1
 
     tp_rank, tp_size = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
+    experts = ExpertRanks.current() if d.moe is not None else ExpertRanks()
     with torch.no_grad():
         for name, param in module.state_dict(keep_vars=True).items():
             if name.endswith("_extra_state"):
                 continue
             shard = shard_for_param(name, weights.read, d, tp_rank, tp_size, global_layer, value_model,
-                                    hf.is_value_model, param.dtype)
+                                    hf.is_value_model, param.dtype, experts)
             if shard is None:
                 continue
             if tuple(shard.shape) != tuple(param.shape):
@@ -114,7 +117,7 @@ def _load_shards(role, hf_dir: Path) -> None:
 
 
 def load_hf_weights(role, hf_dir: str | os.PathLike) -> None:
-    """Collective. Fill this rank's TP x PP shard of `role.module` from the HF model at
+    """Collective. Fill this rank's TP x PP x EP shard of `role.module` from the HF model at
     `hf_dir` (reading only this rank's slices). Value models (Critic, RewardModel) get
     everything but the value head, which is loaded (bias 0) only from a
     *ForSequenceClassification checkpoint's `score.weight`. A trainable role's optimizer
@@ -148,7 +151,7 @@ def _record_hf_tokenizer(hf_dir: Path, out_dir: Path) -> None:
 
 def import_hf(cfg, hf_dir: str | os.PathLike, out_dir: str | os.PathLike, role: str | None = None) -> Path:
     """Collective. The HF model at `hf_dir` as our checkpoint under `out_dir` (a new stage
-    directory): out_dir/iter_0000000/<role> + commit.json + latest, loadable at any TP x PP.
+    directory): out_dir/iter_0000000/<role> + commit.json + latest, loadable at any TP x PP x EP.
     `role` defaults to "actor" for *ForCausalLM and "reward" for *ForSequenceClassification
     (so `ppo.sft_from`, `rm.init_from` and `ppo.rm_from` can point at out_dir). Its
     tokenizer is recorded in out_dir/tokenizer/, config.json's bos/eos/pad ids and
@@ -224,64 +227,61 @@ def checkpoint_model_config(checkpoint: str | os.PathLike, role: str, overrides=
 
 class _Layers:
     """Full tensors of one layer, from layer-stacked keys (decoder.layers.<name> [L, ...]) or
-    per-layer keys (decoder.layers.<i>.<name>, megatron's non-homogeneous format)."""
+    per-layer keys (decoder.layers.<i>.<name>, megatron's non-homogeneous format: models with experts)."""
 
     def __init__(self, ck: TorchDistCheckpoint, d: Dims):
         self.ck = ck
-        self.kinds = layer_kinds(d)  # _check_checkpoint has checked the optional ones are there
+        self.kinds = [layer_kinds(d, i) for i in range(d.num_layers)]  # _check_checkpoint: they are there
 
     def key(self, kind: str, layer: int) -> tuple[str, tuple[int, int] | None]:
-        for name in self.kinds[kind]:
+        for name in self.kinds[layer][kind]:
             if f"decoder.layers.{name}" in self.ck:
                 return f"decoder.layers.{name}", (layer, layer + 1)
             if f"decoder.layers.{layer}.{name}" in self.ck:
                 return f"decoder.layers.{layer}.{name}", None
-        raise ConvertError(f"{self.ck.path}: no tensor for decoder.layers.{self.kinds[kind][0]} "
+        raise ConvertError(f"{self.ck.path}: no tensor for decoder.layers.{self.kinds[layer][kind][0]} "
                            f"(layer {layer}) in the checkpoint")
 
+    def shape(self, kind: str, layer: int) -> tuple[int, ...]:
+        key, span = self.key(kind, layer)
+        return self.ck.shape(key)[1:] if span else self.ck.shape(key)
+
     def read(self, layer: int) -> dict[str, torch.Tensor]:
-        keys = {kind: self.key(kind, layer) for kind in self.kinds}
+        keys = {kind: self.key(kind, layer) for kind in self.kinds[layer]}
         got = self.ck.read_many(dict(keys.values()))
         return {kind: got[key][0] if span else got[key] for kind, (key, span) in keys.items()}
 
 
 def _check_checkpoint(ck: TorchDistCheckpoint, layers: _Layers, d: Dims, value_model: bool) -> None:
     """The checkpoint's shapes against model_cfg, naming the model.* field that is off."""
-    emb = "embedding.word_embeddings.weight"
+    emb, fix = "embedding.word_embeddings.weight", "give `export-hf --config <the run's recipe>` (or model.* overrides)"
     if emb not in ck:
         raise ConvertError(f"{ck.path}: no {emb} (a checkpoint of a GPT model of ours?)")
     rows, hidden = ck.shape(emb)
     if hidden != d.hidden:
-        raise ConvertError(f"{ck.path}: hidden size {hidden}, but model.hidden_size={d.hidden}; "
-                           "give `export-hf --config <the run's recipe>` (or model.* overrides)")
+        raise ConvertError(f"{ck.path}: hidden size {hidden}, but model.hidden_size={d.hidden}; {fix}")
     if rows != d.padded_vocab:
         raise ConvertError(f"{ck.path}: {rows} embedding rows, but model.vocab_size={d.vocab} padded to "
-                           f"model.make_vocab_size_divisible_by gives {d.padded_vocab}; "
-                           "give `export-hf --config <the run's recipe>` (or model.* overrides)")
-    hd = d.head_dim
-    checks = {"qkv": ((d.heads + 2 * d.kv_heads) * hd, "model.num_attention_heads / model.num_query_groups / "
-                      "model.head_dim"),
-              "fc1": (2 * d.ffn, "model.ffn_hidden_size")}
-    for kind, (want, field) in checks.items():
-        key, span = layers.key(kind, 0)
-        shape = ck.shape(key)
-        got = shape[1] if span else shape[0]
-        if got != want:
-            raise ConvertError(f"{ck.path}: {key} has {got} rows, {field} give {want}; "
-                               "give `export-hf --config <the run's recipe>` (or model.* overrides)")
+                           f"model.make_vocab_size_divisible_by gives {d.padded_vocab}; {fix}")
     key, span = layers.key("qkv", 0)
     stored = ck.shape(key)[0] if span else sum(
         1 for k in ck.tensors if k.startswith("decoder.layers.") and k.endswith(CKPT_LAYER_KEYS["qkv"][0]))
     if stored != d.num_layers:
-        raise ConvertError(f"{ck.path}: {stored} layers, but model.num_layers={d.num_layers}; "
-                           "give `export-hf --config <the run's recipe>` (or model.* overrides)")
+        raise ConvertError(f"{ck.path}: {stored} layers, but model.num_layers={d.num_layers}; {fix}")
+    check_checkpoint_experts(ck.path, ck.tensors, layers.shape, d.family, d.num_layers, d.hidden, d.moe)
+    dense = [i for i in range(d.num_layers) if not d.has_experts(i)]
+    checks = {"qkv": (0, (d.heads + 2 * d.kv_heads) * d.head_dim, "model.num_attention_heads / model.num_query_groups "
+                      "/ model.head_dim"), **({"fc1": (dense[0], 2 * d.ffn, "model.ffn_hidden_size")} if dense else {})}
+    for kind, (layer, want, field) in checks.items():
+        key, _ = layers.key(kind, layer)
+        if (got := layers.shape(kind, layer)[0]) != want:
+            raise ConvertError(f"{ck.path}: {key} has {got} rows, {field} give {want}; {fix}")
     for kind, (keys, field, wanted) in {"qkv_bias": (("linear_qkv.bias",), "model.qkv_bias", d.qkv_bias),
                                         "qk_norm": (("q_layernorm.weight",), "model.qk_layernorm", d.qk_norm)}.items():
         present = any(k.startswith("decoder.layers.") and k.endswith(keys) for k in ck.tensors)
         if present != wanted:
             raise ConvertError(f"{ck.path}: the checkpoint {'has' if present else 'has no'} {kind.replace('_', ' ')} "
-                               f"tensors, but {field}={wanted}; give `export-hf --config <the run's recipe>` "
-                               "(or model.* overrides)")
+                               f"tensors, but {field}={wanted} (model.family={d.family!r}); {fix}")
     head = ck.shape("output_layer.weight") if "output_layer.weight" in ck else None
     is_value = head is not None and head[0] == 1 and "output_layer.bias" in ck
     if is_value != value_model:
@@ -374,7 +374,7 @@ def export_hf(checkpoint: str | os.PathLike, role: str, out_dir: str | os.PathLi
     """Write role `role` of our checkpoint as a Hugging Face model directory `out_dir`.
 
     `checkpoint`: a stage directory (its latest complete checkpoint), an iter_* directory or
-    a role directory; saved at any TP x PP x DP. One process, no torch.distributed; reads one
+    a role directory; saved at any TP x PP x EP x DP. One process, no torch.distributed; reads one
     layer at a time. `model_cfg`: the ModelConfig (or its dict) of the run; optional for
     checkpoints that record it (every stage and import_hf write it). Policies (actor,
     reference) become <model.family>ForCausalLM, value models (reward, critic)
@@ -426,8 +426,11 @@ def export_hf(checkpoint: str | os.PathLike, role: str, out_dir: str | os.PathLi
     shapes = hf_expected_shapes(d, value_model)
     element = torch.empty((), dtype=out_dtype).element_size()
     groups = [("embed", group_bytes([shapes["model.embed_tokens.weight"]], element))]
-    layer_bytes = group_bytes([s for n, s in shapes.items() if n.startswith("model.layers.0.")], element)
-    groups += [(f"layer.{i}", layer_bytes) for i in range(d.num_layers)]
+    per_layer: list[list[tuple[int, ...]]] = [[] for _ in range(d.num_layers)]
+    for name, shape in shapes.items():
+        if name.startswith("model.layers."):
+            per_layer[int(name.split(".")[2])].append(shape)
+    groups += [(f"layer.{i}", group_bytes(s, element)) for i, s in enumerate(per_layer)]
     groups.append(("final", group_bytes([s for n, s in shapes.items() if n in ("model.norm.weight", "lm_head.weight",
                                                                                  "score.weight")], element)))
 

@@ -1,6 +1,6 @@
 """The tensor mapping between our megatron GPTModel and Hugging Face Llama / Mistral / Qwen2 /
 Qwen3 (one naming scheme: model.layers.<i>.self_attn.{q,k,v,o}_proj, mlp.{gate,up,down}_proj),
-both directions.
+both directions; the expert layers of Qwen3-MoE and Mixtral: hf_moe_weights.py.
 
 megatron-core fuses what HF keeps apart:
 - `linear_qkv.weight` [(nq + 2 nkv) * d, h]: rows grouped per key/value group g,
@@ -36,6 +36,9 @@ from dataclasses import dataclass
 import torch
 
 from megatron_rlhf.convert.hf_config import ConvertError
+from megatron_rlhf.convert.hf_moe_weights import (
+    CKPT_MOE_KEYS, ExpertRanks, MoEDims, expert_layer_tensors, expert_shard, hf_expert_shapes, is_expert_param,
+)
 
 
 @dataclass(frozen=True)
@@ -51,6 +54,8 @@ class Dims:
     head_dim: int
     qkv_bias: bool = False
     qk_norm: bool = False
+    moe: MoEDims | None = None  # the experts (qwen3_moe, mixtral); None: a dense model
+    family: str = "llama"       # model.family (named in refusals)
 
     @property
     def q_per_group(self) -> int:
@@ -61,7 +66,10 @@ class Dims:
         m = model_cfg
         return cls(m.num_layers, m.hidden_size, m.num_attention_heads, m.kv_heads, m.ffn_hidden_size,
                    m.vocab_size, m.padded_vocab_size, bool(m.share_embeddings_and_output_weights), m.kv_channels,
-                   m.qkv_bias, m.qk_layernorm)
+                   m.qkv_bias, m.qk_layernorm, MoEDims.of(m), m.family)
+
+    def has_experts(self, layer: int) -> bool:
+        return self.moe is not None and self.moe.has_experts(layer)
 
 
 def hf_layer(layer: int) -> str:
@@ -81,10 +89,12 @@ def hf_expected_shapes(d: Dims, value_model: bool, has_output: bool = True) -> d
             f"{p}.self_attn.v_proj.weight": (d.kv_heads * hd, h),
             f"{p}.self_attn.o_proj.weight": (h, d.heads * hd),
             f"{p}.post_attention_layernorm.weight": (h,),
-            f"{p}.mlp.gate_proj.weight": (d.ffn, h),
-            f"{p}.mlp.up_proj.weight": (d.ffn, h),
-            f"{p}.mlp.down_proj.weight": (h, d.ffn),
         })
+        if d.has_experts(layer):
+            shapes.update(hf_expert_shapes(d.moe, layer, h))
+        else:
+            shapes.update({f"{p}.mlp.gate_proj.weight": (d.ffn, h), f"{p}.mlp.up_proj.weight": (d.ffn, h),
+                           f"{p}.mlp.down_proj.weight": (h, d.ffn)})
         if d.qkv_bias:
             shapes.update({f"{p}.self_attn.q_proj.bias": (d.heads * hd,), f"{p}.self_attn.k_proj.bias": (d.kv_heads * hd,),
                            f"{p}.self_attn.v_proj.bias": (d.kv_heads * hd,)})
@@ -151,12 +161,19 @@ def _qkv_rows(read: Read, p: str, d: Dims, tp_rank: int, tp_size: int, part: str
 
 
 def shard_for_param(name: str, read: Read, d: Dims, tp_rank: int, tp_size: int, global_layer: Callable[[int], int],
-                    value_model: bool, hf_value_head: bool, dtype) -> torch.Tensor | None:
+                    value_model: bool, hf_value_head: bool, dtype,
+                    experts: ExpertRanks = ExpertRanks()) -> torch.Tensor | None:
     """This rank's shard of our parameter `name`, read from the HF tensors; None: keep the
-    parameter as it is (a value model's fresh head when the HF model has no score)."""
+    parameter as it is (a value model's fresh head when the HF model has no score).
+    `experts`: this rank's expert-parallel place (expert layers only)."""
     if m := _LAYER.match(name):
         layer, suffix = global_layer(int(m.group(1))), m.group(2)
+        if is_expert_param(suffix):
+            return expert_shard(name, suffix, layer, read, d.moe, experts)
         kind, p = LAYER_PARAMS.get(suffix), hf_layer(layer)
+        if kind in ("fc1", "down") and d.has_experts(layer):
+            raise ConvertError(f"our model parameter {name!r}: a dense MLP in layer {layer}, but the model config "
+                               "gives it experts (model.moe_dense_layers out of sync with the model?)")
         if kind == "input_norm":
             return read(f"{p}.input_layernorm.weight")
         if kind == "post_norm":
@@ -213,9 +230,12 @@ OPTIONAL_LAYER_KEYS = {  # present when the Dims flag is set
 }
 
 
-def layer_kinds(d: Dims) -> dict[str, tuple[str, ...]]:
-    """The checkpoint keys of one layer of a model with `d`'s features."""
+def layer_kinds(d: Dims, layer: int = 0) -> dict[str, tuple[str, ...]]:
+    """The checkpoint keys of layer `layer` of a model with `d`'s features."""
     kinds = dict(CKPT_LAYER_KEYS)
+    if d.has_experts(layer):
+        del kinds["fc1"], kinds["down"]
+        kinds.update(CKPT_MOE_KEYS)
     if d.qkv_bias:
         kinds["qkv_bias"] = OPTIONAL_LAYER_KEYS["qkv_bias"]
     if d.qk_norm:
@@ -233,7 +253,6 @@ def hf_layer_tensors(layer: int, get: Callable[[str], torch.Tensor], d: Dims) ->
         return [t.reshape(-1, *cols) for t in (q, k, v)]
 
     q, k, v = unfuse(get("qkv"))
-    fc1 = get("fc1")
     out = {
         f"{p}.input_layernorm.weight": get("input_norm"),
         f"{p}.self_attn.q_proj.weight": q,
@@ -241,10 +260,13 @@ def hf_layer_tensors(layer: int, get: Callable[[str], torch.Tensor], d: Dims) ->
         f"{p}.self_attn.v_proj.weight": v,
         f"{p}.self_attn.o_proj.weight": get("o_proj"),
         f"{p}.post_attention_layernorm.weight": get("post_norm"),
-        f"{p}.mlp.gate_proj.weight": fc1[: d.ffn],
-        f"{p}.mlp.up_proj.weight": fc1[d.ffn:],
-        f"{p}.mlp.down_proj.weight": get("down"),
     }
+    if d.has_experts(layer):
+        out.update(expert_layer_tensors(layer, get, d.moe))
+    else:
+        fc1 = get("fc1")
+        out.update({f"{p}.mlp.gate_proj.weight": fc1[: d.ffn], f"{p}.mlp.up_proj.weight": fc1[d.ffn:],
+                    f"{p}.mlp.down_proj.weight": get("down")})
     if d.qkv_bias:
         out.update(zip([f"{p}.self_attn.{x}_proj.bias" for x in "qkv"], unfuse(get("qkv_bias"))))
     if d.qk_norm:
