@@ -518,7 +518,7 @@ def max_diff(a, b):
 
 def real_values_diff(ours, theirs, batch):
     """max |diff| of per-token values at real positions (< lengths): past them our roles'
-    microbatches are trimmed (models/roles.py: trim_padding) and nothing reads them."""
+    microbatches are trimmed (models/microbatches.py: trim_padding) and nothing reads them."""
     real = (torch.arange(SEQ) < batch["lengths"][:, None]).float()
     return max_diff(ours * real, theirs * real)
 

@@ -200,6 +200,28 @@ def _split_sizes_as_lists(all_to_all_single):
     return call
 
 
+def _uneven_all_gather(all_gather):
+    """Expert tensor parallelism (ETP > 1) gathers each rank's routed tokens, a different number
+    per rank (tensor_parallel/mappings.py: _gather_along_first_dim with output_split_sizes, a list
+    all_gather); NCCL takes unequal first dimensions, gloo refuses them ("invalid tensor size").
+    Unequal ones are padded to the largest, gathered and trimmed: the same values arrive."""
+
+    def call(tensor_list, tensor, group=None, async_op=False):
+        sizes = [t.shape[0] if t.dim() else 0 for t in tensor_list]
+        if len(set(sizes)) <= 1 or tensor.dim() == 0:
+            return all_gather(tensor_list, tensor, group=group, async_op=async_op)
+        padded = [tensor.new_zeros((max(sizes), *tensor.shape[1:])) for _ in sizes]
+        own = tensor.new_zeros((max(sizes), *tensor.shape[1:]))
+        own[: tensor.shape[0]] = tensor
+        all_gather(padded, own, group=group)
+        for out, got, n in zip(tensor_list, padded, sizes):
+            out.copy_(got[:n])
+        return _DoneWork() if async_op else None
+
+    call.__wrapped__ = all_gather
+    return call
+
+
 class _DoneWork:
     """The handle of a collective that had nothing to do."""
 
@@ -261,6 +283,7 @@ def apply() -> bool:
 
     # Expert parallelism's token all-to-all with split sizes gloo accepts.
     dist.all_to_all_single = _split_sizes_as_lists(dist.all_to_all_single)
+    dist.all_gather = _uneven_all_gather(dist.all_gather)
 
     _mode = _CudaToCpu()
     _mode.__enter__()  # stays active for the life of the process

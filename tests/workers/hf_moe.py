@@ -32,29 +32,6 @@ BROKEN = ("missing_expert", "wrong_shape", "fused")  # copies of qwen3_moe
 MBS = 2
 
 
-def uneven_all_gather_on_gloo() -> None:
-    """Expert tensor parallelism > 1 gathers each rank's routed tokens, a different number per
-    rank (megatron tensor_parallel/mappings.py: _gather_along_first_dim with output_split_sizes,
-    a list all_gather); NCCL takes unequal sizes, gloo refuses them. Here (test only): pad to the
-    largest, gather, trim. parallel/cpu.py has no such adaptation yet."""
-    import torch.distributed as dist
-
-    all_gather = dist.all_gather
-
-    def call(tensor_list, tensor, group=None, async_op=False):
-        sizes = [t.shape[0] for t in tensor_list]
-        if len(set(sizes)) == 1 or async_op:
-            return all_gather(tensor_list, tensor, group=group, async_op=async_op)
-        padded = [torch.zeros(max(sizes), *tensor.shape[1:], dtype=tensor.dtype) for _ in sizes]
-        own = torch.zeros_like(padded[0])
-        own[: tensor.shape[0]] = tensor
-        all_gather(padded, own, group=group)
-        for out, got, n in zip(tensor_list, padded, sizes):
-            out.copy_(got[:n])
-
-    dist.all_gather = call
-
-
 def variant_cfg(args, variant: str, parallel):
     cfg = load_config(None, hf_overrides(args.root / "hf" / variant) + ["model.max_seq_length=64"])
     return dataclasses.replace(cfg, parallel=parallel)  # the layout's (megatron's groups are started)
@@ -98,7 +75,6 @@ def check_layout(args, cfg, layout: str) -> None:
 
 
 if __name__ == "__main__":
-    uneven_all_gather_on_gloo()
     sys.exit(run_layouts(check_layout, extra_args=[
         ("--import-at", {"metavar": "LAYOUT", "help": "the layout that imports every variant"}),
         ("--reload", {"metavar": "LAYOUT", "action": "append", "help": "a layout that loads the imports (repeatable)"})]))
