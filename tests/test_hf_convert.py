@@ -245,6 +245,18 @@ PUBLISHED = {
         "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 1000000, "sliding_window": None,
         "tie_word_embeddings": False, "use_sliding_window": False, "vocab_size": 151936},
 }
+PUBLISHED["qwen3_30b_a3b_grpo.yaml"] = {  # Qwen3-30B-A3B
+    "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "attention_bias": False, "head_dim": 128,
+    "hidden_act": "silu", "hidden_size": 2048, "intermediate_size": 6144, "max_position_embeddings": 40960,
+    "max_window_layers": 48, "num_attention_heads": 32, "num_hidden_layers": 48, "num_key_value_heads": 4,
+    "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 1000000.0, "sliding_window": None,
+    "tie_word_embeddings": False, "use_sliding_window": False, "vocab_size": 151936,
+    "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768, "norm_topk_prob": True,
+    "decoder_sparse_step": 1, "mlp_only_layers": [], "router_aux_loss_coef": 0.001, "output_router_logits": False}
+PUBLISHED["qwen3_235b_a22b_grpo.yaml"] = {**PUBLISHED["qwen3_30b_a3b_grpo.yaml"],  # Qwen3-235B-A22B
+                                         "hidden_size": 4096, "intermediate_size": 12288, "max_window_layers": 94,
+                                         "num_attention_heads": 64, "num_hidden_layers": 94,
+                                         "moe_intermediate_size": 1536}
 PUBLISHED["llama3_8b.yaml"] = {**PUBLISHED["llama3_70b.yaml"],  # Llama-3.1-8B: a smaller Llama 3.3 70B
                                "hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32,
                                "num_hidden_layers": 32}
