@@ -103,11 +103,11 @@ def check_memory(res: dict) -> None:
                  "peak_over_account")
         # the account covers weights, gradients and both Adam moments: at least 4 x fp32 weights
         assert row["model_state_bytes"] >= 16 * row["params"], row
-        positive(row, "train_peak_bytes", "save_peak_bytes", "checkpoint_save_bytes", "save_over_train",
-                 "peak_raised_by_save", "save_s")
+        positive(row, "train_peak_bytes", "save_peak_bytes", "save_over_train", "peak_raised_by_save", "save_s")
         # a save copies one tensor at a time, not the state (measured at this size: 0.25 x the state;
-        # megatron's own up-front copies: 2.2 x)
-        assert row["checkpoint_save_bytes"] < row["model_state_bytes"], row
+        # megatron's own up-front copies: 2.2 x). The growth is sampled by a thread: with the suite
+        # on both cores it can miss the short-lived copy and read 0 (seen once in CI).
+        assert 0 <= row["checkpoint_save_bytes"] < row["model_state_bytes"], row
         assert row["save_over_train"] < 1.1 and row["peak_raised_by_save"] < 1.1, row
 
 
