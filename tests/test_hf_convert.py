@@ -563,16 +563,29 @@ def runs(tmp_path_factory):
     return root, models, batch, results
 
 
+def assert_policy_matches_transformers(model, batch, ours: dict, label: str) -> None:
+    """Our loaded policy's logits and log-probs equal transformers' `model`'s within ATOL."""
+    want = hf_policy_outputs(model, batch["tokens"])
+    diffs = {k: max_diff(ours[k], want[k]) for k in ("logits", "logprobs")}
+    print(f"\n{label}: max |logit diff| {diffs['logits']:.2e}, max |logprob diff| {diffs['logprobs']:.2e}")
+    assert diffs["logits"] < ATOL and diffs["logprobs"] < ATOL
+
+
+def assert_reward_model_matches_transformers(model, batch, ours: dict, label: str) -> None:
+    """Our loaded reward model's scores, and its values at real positions, equal transformers'."""
+    scores, values = hf_value_outputs(model, batch)
+    print(f"\n{label}: max |score diff| {max_diff(ours['rewards'], scores):.2e}, "
+          f"max |value diff| {real_values_diff(ours['values'], values, batch):.2e}")
+    assert max_diff(ours["rewards"], scores) < ATOL
+    assert real_values_diff(ours["values"], values, batch) < ATOL
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("variant", POLICIES)
 def test_loaded_policy_matches_transformers(runs, layout, variant):
     _, models, batch, results = runs
-    want = hf_policy_outputs(models[variant], batch["tokens"])
-    ours = results[layout]["loaded"][variant]
-    diffs = {k: max_diff(ours[k], want[k]) for k in ("logits", "logprobs")}
-    print(f"\n{variant} {layout}: max |logit diff| {diffs['logits']:.2e}, max |logprob diff| {diffs['logprobs']:.2e}")
-    assert diffs["logits"] < ATOL and diffs["logprobs"] < ATOL
+    assert_policy_matches_transformers(models[variant], batch, results[layout]["loaded"][variant], f"{variant} {layout}")
 
 
 @pytest.mark.slow
@@ -580,12 +593,8 @@ def test_loaded_policy_matches_transformers(runs, layout, variant):
 @pytest.mark.parametrize("variant", REWARD_MODELS)
 def test_loaded_reward_model_matches_transformers(runs, layout, variant):
     _, models, batch, results = runs
-    scores, values = hf_value_outputs(models[variant], batch)
-    ours = results[layout]["loaded"][variant]
-    print(f"\n{variant} {layout}: max |score diff| {max_diff(ours['rewards'], scores):.2e}, "
-          f"max |value diff| {real_values_diff(ours['values'], values, batch):.2e}")
-    assert max_diff(ours["rewards"], scores) < ATOL
-    assert real_values_diff(ours["values"], values, batch) < ATOL
+    assert_reward_model_matches_transformers(models[variant], batch, results[layout]["loaded"][variant],
+                                             f"{variant} {layout}")
 
 
 @pytest.mark.slow

@@ -28,9 +28,11 @@ from megatron_rlhf.convert import ConvertError, export_hf, hf_overrides
 from megatron_rlhf.convert.hf_weights import Dims, hf_expected_shapes, hf_layer_tensors, layer_kinds, shard_for_param
 from megatron_rlhf.convert.hf_moe_weights import ExpertRanks, MoEDims
 from megatron_rlhf.convert.torch_dist_reader import TorchDistCheckpoint
+from test_hf_convert import (  # the dense conversion tests' batch, transformers' outputs and parity checks
+    ATOL, VOCAB, assert_policy_matches_transformers, assert_reward_model_matches_transformers,
+    hf_policy_outputs, make_batch, max_diff,
+)
 
-ATOL = 1e-5
-VOCAB, SEQ, BATCH = 100, 40, 4
 BASE = dict(vocab_size=VOCAB, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
             initializer_range=0.1, rope_theta=1e6)
 # variant -> (family, config); *_rm: *ForSequenceClassification reward models
@@ -182,34 +184,6 @@ def test_expected_names_are_what_transformers_writes(variant, tmp_path):
 # ----------------------------------------------------------------------------- slow: real models
 
 
-def make_batch():
-    g = torch.Generator().manual_seed(1)
-    tokens = torch.randint(2, VOCAB, (BATCH, SEQ), generator=g)
-    lengths = torch.tensor([SEQ, 9, 35, 5])
-    tokens = tokens.masked_fill(torch.arange(SEQ) >= lengths[:, None], 0)  # right padding, pad id 0
-    return {"tokens": tokens, "lengths": lengths}
-
-
-def max_diff(a, b):
-    return (a.float() - b.float()).abs().max().item()
-
-
-def hf_policy_outputs(model, tokens):
-    with torch.no_grad():
-        logits = model(tokens).logits.float()
-    lp = torch.log_softmax(logits, -1)[:, :-1].gather(-1, tokens[:, 1:, None])[..., 0]
-    return {"logits": logits, "logprobs": torch.cat([lp, torch.zeros_like(lp[:, :1])], dim=1)}
-
-
-def hf_value_outputs(model, batch):
-    with torch.no_grad():
-        valid = (torch.arange(SEQ) < batch["lengths"][:, None]).long()
-        scores = model(batch["tokens"], attention_mask=valid).logits[:, 0].float()
-        hidden = model.model(batch["tokens"]).last_hidden_state
-        values = (hidden @ model.score.weight.T)[..., 0].float()
-    return scores, values
-
-
 def write_broken(root: Path, source: Path) -> None:
     """Copies of `source` (qwen3_moe) missing an expert tensor, with one of the wrong shape, and
     in transformers' fused in-memory layout."""
@@ -257,24 +231,14 @@ def runs(tmp_path_factory):
 @pytest.mark.parametrize("variant", POLICIES)
 def test_loaded_policy_matches_transformers(runs, layout, variant):
     _, models, batch, results = runs
-    want = hf_policy_outputs(models[variant], batch["tokens"])
-    ours = results[layout]["loaded"][variant]
-    diffs = {k: max_diff(ours[k], want[k]) for k in ("logits", "logprobs")}
-    print(f"\n{variant} {layout}: max |logit diff| {diffs['logits']:.2e}, max |logprob diff| {diffs['logprobs']:.2e}")
-    assert diffs["logits"] < ATOL and diffs["logprobs"] < ATOL
+    assert_policy_matches_transformers(models[variant], batch, results[layout]["loaded"][variant], f"{variant} {layout}")
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("variant", REWARD_MODELS)
 def test_loaded_reward_model_matches_transformers(runs, variant):
     _, models, batch, results = runs
-    scores, values = hf_value_outputs(models[variant], batch)
-    ours = results["ep2"]["loaded"][variant]
-    real = (torch.arange(SEQ) < batch["lengths"][:, None]).float()  # past the lengths nothing reads values
-    print(f"\n{variant} ep2: max |score diff| {max_diff(ours['rewards'], scores):.2e}, "
-          f"max |value diff| {max_diff(ours['values'] * real, values * real):.2e}")
-    assert max_diff(ours["rewards"], scores) < ATOL
-    assert max_diff(ours["values"] * real, values * real) < ATOL
+    assert_reward_model_matches_transformers(models[variant], batch, results["ep2"]["loaded"][variant], f"{variant} ep2")
 
 
 @pytest.mark.slow

@@ -10,7 +10,10 @@ import pytest
 import torch
 
 from distributed import TINY_MODEL, read_global_tensors, torchrun
-from test_role_layouts import ATOL, GRAD_RTOL, LOOSER, assert_same_tensors, relative_difference
+from test_role_layouts import (
+    BASE, GRAD_RTOL, LOOSER, assert_outputs_match_base, assert_resharded_step_matches_base, assert_resume_is_exact,
+    assert_step_matches_base, relative_difference, run_role_layouts,
+)
 from workers import layout_args
 
 pytestmark = pytest.mark.slow
@@ -18,7 +21,6 @@ pytestmark = pytest.mark.slow
 MOE = ["model.family=mixtral", "model.num_experts=4", "model.moe_router_topk=2", "model.moe_dense_layers=[0]",
        "model.moe_ffn_hidden_size=96", "model.moe_aux_loss_coef=0.0"]
 OVERRIDES = [*TINY_MODEL, *MOE, "optimizer.lr=0.01", "optimizer.adam_eps=1e-4", "seed=7"]
-BASE = "tp1pp1dp1"
 EP2 = ["parallel.expert_parallel=2"]
 # The losses whose gradients the MoE layouts check: every trainer kind and both aggregations (DPO's
 # are the policy's log-probs again, checked by the dense layouts).
@@ -30,14 +32,7 @@ LAYOUTS = {"ep2dp2": (1, 1, 2, EP2), "tp1pp2": (1, 2, 2, []),
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("moe_layouts")
-    worker = "tests/workers/role_layouts.py"
-    by_world = {1: {"init": (1, 1), BASE: (1, 1)}}
-    for layout, (tp, pp, nproc, overrides) in LAYOUTS.items():
-        by_world.setdefault(nproc, {})[layout] = (tp, pp, overrides)
-    for nproc, layouts in sorted(by_world.items()):
-        torchrun(nproc, worker, f"--root={root}", f"--losses={','.join(MOE_LOSSES)}", *layout_args(layouts), *OVERRIDES)
-    results = {name: torch.load(root / f"results_{name}.pt") for name in [BASE, *LAYOUTS]}
-    return root, results
+    return root, run_role_layouts(root, LAYOUTS, f"--losses={','.join(MOE_LOSSES)}", *OVERRIDES)
 
 
 def test_the_roles_have_experts(runs):
@@ -50,28 +45,18 @@ def test_the_roles_have_experts(runs):
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_outputs_match_one_process(runs, layout):
-    _, results = runs
-    for role, outputs in results[BASE]["outputs"].items():
-        assert_same_tensors(results[layout]["outputs"][role], outputs, ATOL)
+    assert_outputs_match_base(runs[1], layout)
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_loss_and_updated_weights_match_one_process(runs, layout):
-    root, results = runs
-    for role, loss in results[BASE]["losses"].items():
-        assert results[layout]["losses"][role] == pytest.approx(loss, abs=ATOL), role
-        want = read_global_tensors(root / "after_step" / BASE / role)
-        assert_same_tensors(read_global_tensors(root / "after_step" / layout / role), want, ATOL)
+    assert_step_matches_base(*runs, layout)
 
 
 @pytest.mark.parametrize("layout", [BASE, *LAYOUTS])
 def test_distributed_optimizer_resume_is_exact_and_reshards(runs, layout):
-    root, results = runs
-    resume = results[layout]["resume"]
-    assert resume["loss_resumed"] == resume["loss_uninterrupted"]
-    assert resume["max_param_diff"] == 0.0
-    want = read_global_tensors(root / "after_two_steps" / BASE / "actor")
-    assert_same_tensors(read_global_tensors(root / "resharded_step" / layout / "actor"), want, ATOL)
+    assert_resume_is_exact(runs[1], layout)
+    assert_resharded_step_matches_base(runs[0], layout)
 
 
 @pytest.mark.parametrize("layout", [BASE, *LAYOUTS])

@@ -31,24 +31,57 @@ GRAD_RTOL = 1e-6  # of the largest gradient entry: float32 rounding, while a spl
 LOOSER = {"dpo_sigmoid": 1e-5, "dpo_ipo": 1e-5}
 
 
+def run_role_layouts(root, layouts: dict, *args: str) -> dict:
+    """tests/workers/role_layouts.py at `layouts` {name: (TP, PP, processes[, overrides])}, after
+    "init" and the TP1-PP1 base in one process: one launch per world size, each checking all of its
+    layouts (workers.run_layouts). `args`: the worker's flags and config overrides. Results by name."""
+    by_world = {1: {"init": (1, 1), BASE: (1, 1)}}
+    for layout, (tp, pp, nproc, *overrides) in layouts.items():
+        by_world.setdefault(nproc, {})[layout] = (tp, pp, *overrides)
+    for nproc, group in sorted(by_world.items()):
+        torchrun(nproc, "tests/workers/role_layouts.py", f"--root={root}", *layout_args(group), *args)
+    return {name: torch.load(root / f"results_{name}.pt") for name in [BASE, *layouts]}
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """One launch per world size, each checking all of its layouts (workers.run_layouts)."""
     root = tmp_path_factory.mktemp("layouts")
-    worker = "tests/workers/role_layouts.py"
-    by_world = {1: {"init": (1, 1), BASE: (1, 1)}}
-    for layout, (tp, pp, nproc, *overrides) in LAYOUTS.items():
-        by_world.setdefault(nproc, {})[layout] = (tp, pp, *overrides)
-    for nproc, layouts in sorted(by_world.items()):
-        torchrun(nproc, worker, f"--root={root}", *layout_args(layouts), *OVERRIDES)
-    results = {name: torch.load(root / f"results_{name}.pt") for name in [BASE, *LAYOUTS]}
-    return root, results
+    return root, run_role_layouts(root, LAYOUTS, *OVERRIDES)
 
 
 def assert_same_tensors(got: dict, want: dict, atol: float):
     assert got.keys() == want.keys()
     for key in want:
         torch.testing.assert_close(got[key], want[key], atol=atol, rtol=0, msg=lambda m: f"{key}: {m}")
+
+
+def assert_outputs_match_base(results: dict, layout: str) -> None:
+    for role, outputs in results[BASE]["outputs"].items():
+        assert_same_tensors(results[layout]["outputs"][role], outputs, ATOL)
+
+
+def assert_step_matches_base(root, results: dict, layout: str) -> None:
+    """Each trained role's loss and updated weights at `layout` equal the base's (which moved)."""
+    for role, loss in results[BASE]["losses"].items():
+        assert results[layout]["losses"][role] == pytest.approx(loss, abs=ATOL), role
+        want = read_global_tensors(root / "after_step" / BASE / role)
+        initial = read_global_tensors(root / "init" / role)
+        moved = max((want[k] - initial[k]).abs().max().item() for k in want)
+        assert moved > 100 * ATOL, f"{role}: the optimizer step did not move the weights"
+        assert_same_tensors(read_global_tensors(root / "after_step" / layout / role), want, ATOL)
+
+
+def assert_resume_is_exact(results: dict, layout: str) -> None:
+    resume = results[layout]["resume"]
+    assert resume["loss_resumed"] == resume["loss_uninterrupted"]
+    assert resume["max_param_diff"] == 0.0
+    assert resume["adam_steps"] == [2.0]
+
+
+def assert_resharded_step_matches_base(root, layout: str) -> None:
+    """The base's optimizer checkpoint, loaded at `layout`, takes the base's second step."""
+    want = read_global_tensors(root / "after_two_steps" / BASE / "actor")
+    assert_same_tensors(read_global_tensors(root / "resharded_step" / layout / "actor"), want, ATOL)
 
 
 def test_tensor_parallel_layouts_run_with_sequence_parallelism_unless_switched_off(runs):
@@ -61,37 +94,22 @@ def test_tensor_parallel_layouts_run_with_sequence_parallelism_unless_switched_o
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_outputs_match_tp1pp1(runs, layout):
-    _, results = runs
-    for role, outputs in results[BASE]["outputs"].items():
-        assert_same_tensors(results[layout]["outputs"][role], outputs, ATOL)
+    assert_outputs_match_base(runs[1], layout)
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_loss_and_updated_weights_match_tp1pp1(runs, layout):
-    root, results = runs
-    for role, loss in results[BASE]["losses"].items():
-        assert results[layout]["losses"][role] == pytest.approx(loss, abs=ATOL), role
-        want = read_global_tensors(root / "after_step" / BASE / role)
-        initial = read_global_tensors(root / "init" / role)
-        moved = max((want[k] - initial[k]).abs().max().item() for k in want)
-        assert moved > 100 * ATOL, f"{role}: the optimizer step did not move the weights"
-        assert_same_tensors(read_global_tensors(root / "after_step" / layout / role), want, ATOL)
+    assert_step_matches_base(*runs, layout)
 
 
 @pytest.mark.parametrize("layout", [BASE, *LAYOUTS])
 def test_distributed_optimizer_resume_is_exact(runs, layout):
-    _, results = runs
-    resume = results[layout]["resume"]
-    assert resume["loss_resumed"] == resume["loss_uninterrupted"]
-    assert resume["max_param_diff"] == 0.0
-    assert resume["adam_steps"] == [2.0]
+    assert_resume_is_exact(runs[1], layout)
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_optimizer_checkpoint_reshards_from_tp1pp1(runs, layout):
-    root, _ = runs
-    want = read_global_tensors(root / "after_two_steps" / BASE / "actor")
-    assert_same_tensors(read_global_tensors(root / "resharded_step" / layout / "actor"), want, ATOL)
+    assert_resharded_step_matches_base(runs[0], layout)
 
 
 @pytest.mark.parametrize("layout", [BASE, *LAYOUTS])
