@@ -102,7 +102,7 @@ class ParallelConfig:
         for name, value in {"parallel.expert_parallel": ep, "parallel.expert_tensor_parallel": etp}.items():
             if value < 1:
                 raise ConfigError(f"{name}={value}: must be >= 1")
-        experts = getattr(m, "num_experts", None)
+        experts = m.num_experts
         if not experts:
             if ep > 1 or self.expert_tensor_parallel not in (None, tp):
                 raise ConfigError(f"parallel.expert_parallel={ep}, parallel.expert_tensor_parallel="

@@ -23,7 +23,7 @@ from functools import partial
 from typing import Callable
 
 import torch
-from megatron.core import parallel_state
+from megatron.core import parallel_state, tensor_parallel
 from megatron.core.distributed import finalize_model_grads
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -40,7 +40,7 @@ from megatron_rlhf.models.vocab_parallel import (
     mask_padded_vocab, vocab_parallel_logprobs_and_entropy,
 )
 from megatron_rlhf.parallel import device
-from megatron_rlhf.parallel.collectives import dp_sum
+from megatron_rlhf.parallel.collectives import dp_max, dp_sum
 from megatron_rlhf.resilience.faults import FAULTS
 from megatron_rlhf.resilience.nonfinite import NonFiniteGuard
 
@@ -234,8 +234,7 @@ class Role:
             return None
         padding = padding_positions(mb["lengths"], width)
         if self.module.config.sequence_parallel and not parallel_state.is_pipeline_first_stage():
-            tp, rank = parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_tensor_model_parallel_rank()
-            padding = padding[:, rank * width // tp:(rank + 1) * width // tp]
+            padding = tensor_parallel.scatter_to_sequence_parallel_region(padding.t().contiguous()).t()
         return padding
 
     # --- megatron schedule plumbing
@@ -273,8 +272,7 @@ class Role:
         if self._has_experts and parallel_state.get_expert_model_parallel_world_size() > 1:
             # megatron's expert all-to-all pairs the microbatches of the ranks of an expert group,
             # which hold different data: all run as many as the rank that needs the most
-            count = torch.tensor([len(microbatches)], device=device())
-            torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.MAX, group=parallel_state.get_data_parallel_group())
+            count = dp_max(torch.tensor([len(microbatches)], device=device()))
             if int(count) > len(microbatches):
                 microbatches = split_microbatches(batch, micro_batch_size, token_budget, count=int(count))
         if "lengths" in batch and "attention_mask" not in batch:

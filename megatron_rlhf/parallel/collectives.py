@@ -53,6 +53,12 @@ def dp_sum(values: Tensor) -> Tensor:
     return values if group is None else all_reduce(values, group=group)
 
 
+def dp_max(values: Tensor) -> Tensor:
+    """Elementwise maximum over data-parallel ranks."""
+    group = dp_group()
+    return values if group is None else all_reduce(values, op=dist.ReduceOp.MAX, group=group)
+
+
 def dp_mean(values: Tensor) -> Tensor:
     """Mean over data-parallel ranks of per-rank values."""
     group = dp_group()

@@ -32,6 +32,7 @@ from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_para
 from megatron_rlhf.config import ModelConfig
 from megatron_rlhf.models.gpt import sequence_parallel_disabled
 from megatron_rlhf.parallel import cpu, device
+from megatron_rlhf.parallel.collectives import dp_max
 from megatron_rlhf.rollout.base import Rollout, RolloutEngine, SamplingParams, sample_next
 
 
@@ -143,8 +144,7 @@ class MegatronRolloutEngine(RolloutEngine):
 
     @staticmethod
     def _agree_on_span(shortest: int, total: int) -> tuple[int, int]:
-        span = torch.tensor([-shortest, total], device=device())
-        torch.distributed.all_reduce(span, op=torch.distributed.ReduceOp.MAX, group=ps.get_data_parallel_group())
+        span = dp_max(torch.tensor([-shortest, total], device=device()))
         return -int(span[0]), int(span[1])
 
     @staticmethod
@@ -153,9 +153,7 @@ class MegatronRolloutEngine(RolloutEngine):
         data-parallel group, with experts across ranks). The one host read per token."""
         if not across_ranks:
             return bool(done.all())
-        flag = done.all().to(torch.int32).reshape(1)
-        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN, group=ps.get_data_parallel_group())
-        return bool(flag)
+        return not bool(dp_max((~done).any().to(torch.int32).reshape(1)))
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], sampling: SamplingParams, seed: int) -> Rollout:
