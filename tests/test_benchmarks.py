@@ -42,6 +42,17 @@ def check_bench_roles(res: dict) -> None:
         assert row["step_ms_min"] <= row["step_ms"]
 
 
+def check_routing_replay(res: dict) -> None:
+    assert res["quick"] and res["rows"]
+    for row in res["rows"]:
+        finite(row, "routing_disagreement_mean", "routing_disagreement_max", "mismatch_without_replay",
+               "mismatch_with_replay")
+        assert 0 <= row["routing_disagreement_mean"] <= row["routing_disagreement_max"] <= 1, row
+    first = res["rows"][0]  # sampled and scored by the same float32 weights: the same routes
+    assert first["optimizer_steps"] == 0 and first["routing_disagreement_max"] == 0, first
+    assert {row["rollout"] for row in res["rows"]} == {"fp32 in-place", "bf16 copy"}
+
+
 def check_rl_step(res: dict) -> None:
     assert res["quick"] and res["rows"]
     for row in res["rows"]:
@@ -148,6 +159,7 @@ BENCHMARKS = {
     "hf_import": check_hf_import,
     "split_invariance": check_split_invariance,
     "rl_algorithms": check_rl_algorithms,
+    "routing_replay": check_routing_replay,
     "reward_server": check_reward_server,
     "train_step": check_train_step,
     "rollout_engines": check_rollout_engines,

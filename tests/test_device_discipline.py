@@ -137,7 +137,7 @@ def test_dynamic_sampling_selection_stays_on_the_device(fake):
     informative = rl_stage.group_informative(scores, 2)
     on_cuda(informative=informative)
     joined = Rollout.cat([rollout(), rollout()], pad_id=1).select(torch.tensor([0, 1, 6, 7], device=CUDA))
-    on_cuda(**vars(joined))
+    on_cuda(**{k: v for k, v in vars(joined).items() if v is not None})  # routes: none recorded
 
 
 def test_sft_glue_stays_on_the_device(fake):
@@ -229,3 +229,27 @@ def test_microbatches_are_halved_to_the_count_an_expert_group_agrees_on():
     assert split_rows([3], 3) == [1, 1, 1]
     with pytest.raises(ValueError, match="equal shares"):
         split_rows([1, 1], 3)
+
+
+def test_routing_replay_glue_stays_on_the_device(fake):
+    """Rollout routing replay (models/routing.py): the routes a rollout records per decoding step,
+    the replay targets of a microbatch (a sequence-parallel rank's slice too), the top-k set
+    comparison, the expert loads and the rollout's selection and concatenation (dynamic sampling)
+    all stay where the routes are; only the iteration's metrics are read on the host."""
+    from megatron_rlhf.models.routing import RoleRouterReplay, RoutingReplay, expert_load
+
+    routers = RoutingReplay([RoleRouterReplay(1), RoleRouterReplay(2)], num_experts=4, topk=2)
+    routes = routers.new_routes(B, S, CUDA)
+    for router in routers.routers:  # what megatron's routers record for a 2-position step: [2 * B, k]
+        router.recorded_topk_idx = torch.zeros(2 * B, 2, dtype=torch.long, device=CUDA)
+    routers.write_step(routes, 3, 5)
+    lengths = torch.full((B,), S, device=CUDA)
+    targets, routed = routers.targets(routes, lengths, (1, 2))
+    on_cuda(routes=routes, routed=routed, load=expert_load(routes, 4), **{f"targets_{i}": t for i, t in enumerate(targets)})
+    for router in routers.routers:  # a whole-sequence forward's choices: [S * B, k]
+        router.recorded_topk_idx = torch.zeros(S * B, 2, dtype=torch.long, device=CUDA)
+    routers.compare(routes, lengths, None)
+    on_cuda(**routers.take_disagreement(sequence_parallel=False))
+    r = dataclasses.replace(rollout(), routes=routes)
+    both = Rollout.cat([r, r.select(torch.tensor([1, 0], device=CUDA))], pad_id=0)
+    on_cuda(selected=r.select(torch.tensor([2, 3], device=CUDA)).routes, concatenated=both.routes)

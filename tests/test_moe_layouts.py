@@ -4,7 +4,12 @@ expert-TP 1 (sequence parallel) and PP2 give the same outputs, gradients of ever
 (micro batch 1, 2, whole, by token budget) and updated weights as one process, from one
 checkpoint written at EP1 and resharded on load; DistributedOptimizer resume is exact at each.
 The load-balancing loss is off here: it is a product of per-microbatch statistics, so it cannot
-be split-invariant (tests/test_moe_aux_loss.py checks its gradient scale)."""
+be split-invariant (tests/test_moe_aux_loss.py checks its gradient scale).
+
+Rollout routing replay at every layout (tests/workers/routing_checks.py): the in-place engine's
+recorded routes are what the trainer's full-sequence forward chooses at the same weights; after
+the routers move, replay routes every token as the rollout did (hooks on megatron's routers), the
+gradient reaches only the replayed experts, and activation recomputation replays in schedule order."""
 
 import pytest
 import torch
@@ -32,7 +37,7 @@ LAYOUTS = {"ep2dp2": (1, 1, 2, EP2), "tp1pp2": (1, 2, 2, []),
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("moe_layouts")
-    return root, run_role_layouts(root, LAYOUTS, f"--losses={','.join(MOE_LOSSES)}", *OVERRIDES)
+    return root, run_role_layouts(root, LAYOUTS, f"--losses={','.join(MOE_LOSSES)}", "--routes", *OVERRIDES)
 
 
 def test_the_roles_have_experts(runs):
@@ -86,3 +91,66 @@ def test_expert_parallel_decoding_of_unequal_shares_equals_one_process(rollouts)
     every step (no hang) and every row is what one process decodes."""
     assert rollouts["ep2dp2"] == rollouts["init"]
     assert len({len(row) for row in rollouts["init"]}) > 1
+
+
+# ----------------------------------------------------------------------------- routing replay
+def routing(runs, layout) -> dict:
+    return runs[1][layout]["routing"]
+
+
+@pytest.mark.parametrize("layout", [BASE, *LAYOUTS])
+def test_the_rollout_records_each_tokens_experts(runs, layout):
+    """Routes [B, S, this stage's MoE layers, top-k] uint8 on the tokens' device; every token fed
+    to the model is routed, nothing past a row's end is; each layout samples the one-process rollout."""
+    rollout = routing(runs, layout)["rollout"]
+    assert rollout["routes_shape"] == (*rollout["tokens"].shape, rollout["stage_layers"], 2)
+    assert (rollout["routes_dtype"], rollout["routes_device"]) == ("torch.uint8", "cpu")
+    assert rollout["unrouted_past_end"] and rollout["routed_before_last"]
+    assert torch.equal(rollout["tokens"], routing(runs, BASE)["rollout"]["tokens"])
+
+
+@pytest.mark.parametrize("layout", [BASE, *LAYOUTS])
+def test_the_trainer_routes_as_the_rollout_at_the_same_weights(runs, layout):
+    """Decoding with the KV cache (sequence parallelism off) and the full-sequence forward (on, at
+    TP2) choose the same top-k set for every recorded token of every MoE layer (the counts are
+    summed over data-parallel ranks, which here all hold the same rollout); replaying them there
+    is the identity, which a replay in another token order would not be."""
+    r = routing(runs, layout)
+    assert r["same_weights"]["differing"] == 0
+    torch.testing.assert_close(r["replayed_same_weights"], r["same_weights"]["logprobs"], atol=1e-6, rtol=0)
+    assert r["same_weights"]["compared"] / r["rollout"]["data_parallel"] == routing(runs, BASE)["same_weights"]["compared"] > 0
+
+
+@pytest.mark.parametrize("layout", [BASE, *LAYOUTS])
+def test_replay_routes_as_the_rollout_after_the_routers_moved(runs, layout):
+    """Perturbed routers choose other experts for most tokens; replaying, megatron's routers use
+    exactly the rollout's top-k sets (compared as sets), and the replayed log-probs are the same at
+    every layout (the targets follow each layout's token order, sequence shard and stage)."""
+    r, base = routing(runs, layout), routing(runs, BASE)
+    assert r["perturbed"]["differing"] / r["perturbed"]["compared"] > 0.3
+    step = r["train_step"]  # what replay overrode in a train step, as the routing metrics report it
+    assert 0.3 < step["routing_replay_overridden_mean"] <= step["routing_replay_overridden_max"] <= 1
+    assert r["replay_capture"]["mismatches"] == 0 and r["replay_capture"]["tokens"] > 0
+    torch.testing.assert_close(r["replayed_logprobs"], base["replayed_logprobs"], atol=1e-5, rtol=0)
+    assert (r["replayed_logprobs"] - r["perturbed"]["logprobs"]).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("layout", [BASE, *LAYOUTS])
+def test_the_gradient_follows_the_replayed_routes(runs, layout):
+    """Routes that send every token to experts 0 and 1: experts 2 and 3 get exactly no gradient,
+    the routers still do (through the replayed experts' probabilities); routing freely, all four do."""
+    r = routing(runs, layout)
+    norms = r["two_experts"]["expert_norms"]
+    assert (norms[:2] > 0).all() and (norms[2:] == 0).all()
+    assert r["two_experts"]["router_norm"] > 0
+    assert (r["free"]["expert_norms"] > 0).all()
+
+
+@pytest.mark.parametrize("layout", [BASE, *LAYOUTS])
+def test_replay_under_activation_recomputation(runs, layout):
+    """Full recomputation runs every router again inside backward, microbatches in schedule order
+    (PP2's 1F1B runs two forwards before the first backward): the gradient is the one without."""
+    r = routing(runs, layout)
+    calls = r["recompute_router_calls"]
+    assert calls["with"] == 2 * calls["without"] > 0
+    assert r["recompute_max_grad_diff"] <= 1e-6

@@ -18,6 +18,7 @@ GROUP_BASELINES = ("grpo", "rloo", "reinforce_pp_baseline")  # need n_samples_pe
 CRITIC_FIELDS = ("critic_optimizer", "vf_coef", "value_clip", "critic_warmup_steps", "lam", "whiten_advantages",
                  "critic_from")
 IMPORTANCE_RATIOS = ("token", "sequence")
+ROUTING_REPLAY = ("auto", "off", "rollout")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 KL_CONTROLLERS = ("fixed", "adaptive")
 LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum")
@@ -155,6 +156,14 @@ class RLConfig:
     # the first) still recomputes them and logs the mismatch (0: only the first).
     reuse_rollout_logprobs: bool = False
     logprob_recompute_interval: int = 10
+    # Rollout routing replay (R3), mixture-of-experts models: `rollout` records the experts the
+    # rollout chose for every token and routes the actor's score and train forwards through
+    # them (its routers keep their probabilities, so their gradient and the load-balancing loss
+    # remain); `off`: the trainer routes for itself. `auto`: rollout for an MoE model (the
+    # in-place engine records the routes), off for a dense one. The routing agreement between
+    # the rollout and the trainer's own routing is logged either way (models/routing.py).
+    # YAML reads a bare off / on as false / true: they mean off / rollout.
+    routing_replay: str | bool = "auto"
     group_std_normalization: bool = True  # grpo: divide by the group's std (false: Dr.GRPO)
     entropy_coef: float = 0.0
     # Critic (ppo only; setting one with a critic-free algorithm is an error).
@@ -204,6 +213,20 @@ class RLConfig:
     @property
     def corrects_mismatch(self) -> bool:
         return self.tis_cap is not None or self.mismatch_mask_threshold is not None
+
+    def replays_routes(self, m: ModelConfig, engine: str) -> bool:
+        """Whether the actor replays the rollout's routes (rl.routing_replay resolved; only the
+        in-place engine records them)."""
+        if self.routing_replay_mode == "auto":
+            return m.num_experts is not None and engine == "megatron"
+        return self.routing_replay_mode == "rollout"
+
+    @property
+    def routing_replay_mode(self) -> str:
+        """auto | rollout | off (YAML's bare on / off arrive as booleans)."""
+        if isinstance(self.routing_replay, bool):
+            return "rollout" if self.routing_replay else "off"
+        return self.routing_replay
 
     @property
     def samples_per_iteration(self) -> int:
@@ -286,6 +309,11 @@ class RLConfig:
         if p.mismatch_mask_threshold is not None and p.mismatch_mask_threshold <= 1:
             raise ConfigError(f"rl.mismatch_mask_threshold={p.mismatch_mask_threshold}: must be > 1 (typical 2), "
                               "or null for none")
+        if p.routing_replay_mode not in ROUTING_REPLAY:
+            raise ConfigError(f"rl.routing_replay={p.routing_replay!r}: choose one of {ROUTING_REPLAY}")
+        if p.routing_replay_mode == "rollout" and m.num_experts is None:
+            raise ConfigError("rl.routing_replay=rollout: the model has no experts (model.num_experts is unset), so "
+                              "there are no routes to replay; remove it or set rl.routing_replay=off")
         p.check_rewards()
         if p.dual_clip is not None and p.dual_clip <= 1:
             raise ConfigError(f"rl.dual_clip={p.dual_clip}: must be > 1 (the bound c * |A| on a negative "

@@ -41,6 +41,9 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
         raise ConfigError(f"rl.reuse_rollout_logprobs=true with rollout.engine={cfg.rollout.engine}: only the in-place "
                           "megatron engine samples with the actor's own weights and softmax; a separate engine's "
                           "log-probs are not pi_old. Set rl.reuse_rollout_logprobs=false or rollout.engine=megatron")
+    if cfg.rl.routing_replay_mode == "rollout" and cfg.rollout.engine != "megatron":
+        raise ConfigError(f"rl.routing_replay=rollout with rollout.engine={cfg.rollout.engine}: only the in-place megatron "
+                          "engine records the routes it samples with; set rollout.engine=megatron or rl.routing_replay=off")
     check_pipeline(cfg)
     cfg.checkpoint.check()
     cfg.resilience.check()

@@ -27,10 +27,10 @@ def by_length(lengths: torch.Tensor) -> torch.Tensor:
 
 
 def padded_forward(role, batch: dict[str, torch.Tensor], micro_batch_size: int,
-                   token_budget: int = 0) -> dict[str, torch.Tensor]:
+                   token_budget: int = 0, **options) -> dict[str, torch.Tensor]:
     """role.forward on a batch whose size need not be a multiple of the microbatch size; rows
     with `lengths` run sorted by length (microbatches of `token_budget` tokens if given) and
-    come back in their own order."""
+    come back in their own order. `options`: role.forward's own."""
     rows = batch["tokens"].size(0)
     order = by_length(batch["lengths"]) if "lengths" in batch else None
     if order is not None:
@@ -40,7 +40,7 @@ def padded_forward(role, batch: dict[str, torch.Tensor], micro_batch_size: int,
     extra = 0 if token_budget else -rows % micro_batch_size
     if extra:
         batch = {k: torch.cat([v, v[-1:].expand(extra, *v.shape[1:])]) for k, v in batch.items()}
-    out = {k: v[:rows] for k, v in role.forward(batch, micro_batch_size, token_budget).items()}
+    out = {k: v[:rows] for k, v in role.forward(batch, micro_batch_size, token_budget, **options).items()}
     if order is not None:
         inverse = torch.argsort(order)
         out = {k: v[inverse.to(v.device)] for k, v in out.items()}

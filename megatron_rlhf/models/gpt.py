@@ -90,10 +90,11 @@ def cpu_modules(spec):
         pre_mlp_layernorm=norm(layer.pre_mlp_layernorm)))
 
 
-def transformer_config(m: ModelConfig, per_token_loss: bool = False) -> TransformerConfig:
+def transformer_config(m: ModelConfig, per_token_loss: bool = False, routes: bool = False) -> TransformerConfig:
     """megatron's TransformerConfig for the model section, at the TP x PP layout megatron's
     parallel_state was started with (parallel.initialize). `per_token_loss`: megatron's
-    calculate_per_token_loss, for a trained role (models/roles.py; MoE routers read it when built)."""
+    calculate_per_token_loss, for a trained role (models/roles.py; MoE routers read it when built).
+    `routes`: an MoE model's routers can record and replay their choices (models/routing.py)."""
     tp = parallel_state.get_tensor_model_parallel_world_size()
     pp = parallel_state.get_pipeline_model_parallel_world_size()
     sequence_parallel = parallel.sequence_parallel() and tp > 1
@@ -113,7 +114,7 @@ def transformer_config(m: ModelConfig, per_token_loss: bool = False) -> Transfor
         # Stages exchange each microbatch's shape first: microbatches are cut to their longest
         # row and sized by a token budget (Role._run), so shapes vary within a batch.
         variable_seq_lengths=pp > 1,
-        **expert_settings(m),
+        **expert_settings(m, routes),
         normalization="RMSNorm",
         layernorm_epsilon=m.norm_epsilon,
         gated_linear_unit=True,  # SwiGLU
@@ -147,10 +148,11 @@ def _without_sequence_parallel(config: TransformerConfig) -> TransformerConfig:
     return plain
 
 
-def expert_settings(m: ModelConfig) -> dict:
+def expert_settings(m: ModelConfig, routes: bool = False) -> dict:
     """TransformerConfig's mixture-of-experts fields for the model section (none for a dense
     model), at the expert-parallel layout parallel.initialize started. Dropless (no capacity
-    factor) as the HF models are; tokens reach their experts by all-to-all."""
+    factor) as the HF models are; tokens reach their experts by all-to-all. `routes`: each
+    router gets megatron's record/replay hook (idle until models/routing.py drives it)."""
     if m.num_experts is None:
         # megatron refuses its default (allgather) dispatcher with variable_seq_lengths, even without experts
         return {"moe_token_dispatcher_type": "alltoall"}
@@ -171,6 +173,7 @@ def expert_settings(m: ModelConfig) -> dict:
         moe_grouped_gemm=transformer_engine_available(),  # TE's grouped expert GEMM on GPU; SequentialMLP on CPU
         expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size(),
         expert_tensor_parallel_size=parallel_state.get_expert_tensor_parallel_world_size(),
+        moe_enable_routing_replay=routes,
     )
 
 
@@ -260,12 +263,13 @@ def sequence_parallel_disabled(model: torch.nn.Module):
             setattr(module, name, value)
 
 
-def build_model(m: ModelConfig, value_head: bool = False, spec=None, per_token_loss: bool = False) -> GPTModel:
+def build_model(m: ModelConfig, value_head: bool = False, spec=None, per_token_loss: bool = False,
+                routes: bool = False) -> GPTModel:
     """The model of section `m`: the chunk for this rank's pipeline stage (no virtual pipeline)
     at the layout parallel.initialize started. `spec`: the transformer layer or block spec
-    (default: layer_spec)."""
+    (default: layer_spec). `routes`: see transformer_config."""
     cls = GPTValueModel if value_head else GPTModel
-    config = transformer_config(m, per_token_loss)
+    config = transformer_config(m, per_token_loss, routes)
     model = cls(
         config=config,
         transformer_layer_spec=spec if spec is not None else layer_spec(m, config),

@@ -23,7 +23,7 @@ from functools import partial
 from typing import Callable
 
 import torch
-from megatron.core import parallel_state, tensor_parallel
+from megatron.core import parallel_state
 from megatron.core.distributed import finalize_model_grads
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -32,10 +32,12 @@ from megatron_rlhf.logging.memory import SavedActivations
 from megatron_rlhf.models.gpt import build_model
 from megatron_rlhf.models.lora import adapters_disabled, apply_lora
 from megatron_rlhf.models.microbatches import (
-    Batch, loss_units, pad_for_sequence_parallel, padding_positions, real_positions, routed_tokens, split_microbatches,
+    Batch, pad_for_sequence_parallel, real_positions, split_microbatches,
     to_width, trim_padding,
 )
 from megatron_rlhf.models.optimizer import build_optimizer, build_scheduler, wrap_ddp
+from megatron_rlhf.models.role_experts import ExpertRouting
+from megatron_rlhf.models.routing import RoutingReplay
 from megatron_rlhf.models.vocab_parallel import (
     mask_padded_vocab, vocab_parallel_logprobs_and_entropy,
 )
@@ -110,7 +112,7 @@ def set_training(model: torch.nn.Module, training: bool) -> None:
         model.train(training)
 
 
-class Role:
+class Role(ExpertRouting):
     """One megatron GPTModel chunk of the model section `model_config`, trainable (DDP +
     DistributedOptimizer + LR schedule) or frozen.
 
@@ -120,6 +122,8 @@ class Role:
     weights, initialised from `seed` (the run's seed)."""
 
     value_head = False
+    # An MoE model whose routers record and replay the rollout's choices (the actor: models/routing.py)
+    records_routes = False
     # The role whose module this one runs (a LoRA reference: the actor without adapters); its
     # weights are that role's, placed and counted with it.
     shares_weights_of: str | None = None
@@ -137,7 +141,11 @@ class Role:
         self._meter = None
         # A trained role's losses are global-batch means (megatron's per-token loss path): DDP then sums
         # gradients over data-parallel ranks and finalize_model_grads divides by the global unit count.
-        module = build_model(model_config, value_head=self.value_head, per_token_loss=trainable)
+        module = build_model(model_config, value_head=self.value_head, per_token_loss=trainable,
+                             routes=self.records_routes and model_config.num_experts is not None)
+        # the routers' record/replay, this role's own (None: dense, or a role that routes freely)
+        self.routes = RoutingReplay.attach(module)
+        self._compare_routes = False
         self.lora = lora if lora is not None and lora.rank > 0 else None
         # With LoRA: the weights trained besides the adapters (a value head), by name prefix
         self.trained_prefixes = ("output_layer.",) if self.lora is not None and self.value_head else ()
@@ -207,48 +215,21 @@ class Role:
     def output_shapes(self, batch_size: int, seq_len: int) -> dict[str, torch.Size]:
         raise NotImplementedError
 
-    # --- mixture of experts
-    @property
-    def _has_experts(self) -> bool:
-        return bool(self.module.config.num_moe_experts)
-
-    def _router_loss_scale_for(self, batch: Batch, loss_fn: LossFn) -> torch.Tensor:
-        """The scale megatron's routers give their load-balancing and z-loss gradients
-        (config.moe_grad_scale_func) so that the coefficient means what it says whatever the
-        loss divides by. Under the per-token loss path a router attaches its per-microbatch loss
-        times the microbatch's real tokens, assuming finalize_model_grads divides by the global
-        count of real tokens T; ours divides by the loss's units U (response tokens, sequences,
-        pairs). Scaling by U / T makes the auxiliary gradient the token-weighted mean of the
-        microbatches' losses, times the coefficient, for any split, DP size or aggregation.
-        U comes from the loss function itself on zero outputs: a LossFn's units depend on the
-        batch alone (its masks), never on the outputs."""
-        units = loss_units(loss_fn, batch, self.output_shapes(*batch["tokens"].shape))
-        units, tokens = dp_sum(torch.stack([units, routed_tokens(batch)]).double())
-        return self.optimizer.scale_loss((units / tokens.clamp(min=1)).float().reshape(1))
-
-    def _padding_mask(self, mb: Batch, width: int) -> torch.Tensor | None:
-        """MoE routers leave padding out of their load-balancing statistics (megatron's
-        padding_mask, True = padding). megatron scatters it for sequence parallelism on the first
-        pipeline stage only; later stages get their slice here."""
-        if not self._has_experts or "lengths" not in mb:
-            return None
-        padding = padding_positions(mb["lengths"], width)
-        if self.module.config.sequence_parallel and not parallel_state.is_pipeline_first_stage():
-            padding = tensor_parallel.scatter_to_sequence_parallel_region(padding.t().contiguous()).t()
-        return padding
-
     # --- megatron schedule plumbing
     def _forward_step(self, loss_fn: LossFn | None, width: int, data_iterator, model):
         mb = next(data_iterator)
         tokens = mb["tokens"]
         position_ids = torch.arange(tokens.size(1), device=tokens.device).expand_as(tokens)
         padding = self._padding_mask(mb, tokens.size(1))
+        routed = self._route(mb)
         meter = SavedActivations(self.module.parameters()) if self._meter is not None else nullcontext()
         with meter:
             out = model(
                 tokens, position_ids, mb.get("attention_mask"), **({"padding_mask": padding} if padding is not None else {}),
                 output_processor=self.outputs, output_processor_context=mb,
             )
+        if routed and self._compare_routes:
+            self.routes.compare(mb["routes"], self._lengths(mb), self._sequence_shard())
         if self._meter is not None:
             self._meter.append(meter.bytes)
         if loss_fn is None:
@@ -279,31 +260,43 @@ class Role:
             microbatches = trim_padding(microbatches)  # no compute on the padding past each one's longest row
         if self.module.config.sequence_parallel:
             microbatches = pad_for_sequence_parallel(microbatches, parallel_state.get_tensor_model_parallel_world_size())
-        return get_forward_backward_func()(
-            forward_step_func=partial(self._forward_step, loss_fn, batch["tokens"].size(1)),
-            data_iterator=iter(microbatches),
-            model=self.model,
-            num_microbatches=len(microbatches),
-            seq_length=batch["tokens"].size(1),
-            micro_batch_size=micro_batch_size,
-            forward_only=loss_fn is None,
-            force_all_reduce=force_all_reduce,
-        )
+        self._microbatches = len(microbatches)
+        try:
+            return get_forward_backward_func()(
+                forward_step_func=partial(self._forward_step, loss_fn, batch["tokens"].size(1)),
+                data_iterator=iter(microbatches),
+                model=self.model,
+                num_microbatches=len(microbatches),
+                seq_length=batch["tokens"].size(1),
+                micro_batch_size=micro_batch_size,
+                forward_only=loss_fn is None,
+                force_all_reduce=force_all_reduce,
+            )
+        finally:
+            if self.routes is not None:  # backward (and any recomputation in it) has run: free routing again
+                self.routes.release()
 
-    def forward(self, batch: Batch, micro_batch_size: int, token_budget: int = 0) -> dict[str, torch.Tensor]:
+    def forward(self, batch: Batch, micro_batch_size: int, token_budget: int = 0,
+                compare_routes: bool = False) -> dict[str, torch.Tensor]:
         """Role outputs for the whole batch, on every rank. With a `token_budget` (and `lengths`)
-        microbatches hold as many rows as fit in it instead of `micro_batch_size`."""
+        microbatches hold as many rows as fit in it instead of `micro_batch_size`. A batch with
+        `routes` is routed through them (routing replay); with `compare_routes` the routers
+        choose freely instead and how often they differ from `routes` is counted
+        (self.routes.take_disagreement)."""
         set_training(self.model, False)
-        with torch.no_grad():
-            store = self._run(batch, micro_batch_size, loss_fn=None, token_budget=token_budget)
+        self._compare_routes = compare_routes
+        try:
+            with torch.no_grad():
+                store = self._run(batch, micro_batch_size, loss_fn=None, token_budget=token_budget)
+        finally:
+            self._compare_routes = False
         merged = {k: torch.cat([d[k] for d in store]) for k in store[0]} if store else {}
         return broadcast_from_last_stage(merged, self.output_shapes(*batch["tokens"].shape))
 
     def _forward_backward(self, batch: Batch, micro_batch_size: int, loss_fn: LossFn,
                           force_all_reduce: bool = False, token_budget: int = 0) -> list[dict]:
         assert self.trainable, f"{type(self).__name__} is frozen"
-        if getattr(self.module.config, "moe_grad_scale_func", None) is not None:
-            self._router_loss_scale = self._router_loss_scale_for({k: v.to(device()) for k, v in batch.items()}, loss_fn)
+        self._begin_expert_step(batch, loss_fn)
         set_training(self.model, True)
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
@@ -339,8 +332,9 @@ class Role:
             update_ok, grad_norm, _ = self.optimizer.step()
         if update_ok:
             self.scheduler.step(increment=1)
-        return {**global_means(store), "grad_norm": float(grad_norm or 0.0), "update_ok": bool(update_ok),
-                "skipped": skipped, "lr": self.optimizer.param_groups[0]["lr"]}
+        return {**global_means(store), **self._router_losses(), **self._replay_overrides(),
+                "grad_norm": float(grad_norm or 0.0),
+                "update_ok": bool(update_ok), "skipped": skipped, "lr": self.optimizer.param_groups[0]["lr"]}
 
 
 def lora_summary(roles: dict) -> dict:
@@ -360,12 +354,15 @@ def lora_base_warnings(roles: dict) -> list[str]:
 
 
 class Actor(Role):
-    """The policy: per-token log-probs of given tokens and per-token entropy.
+    """The policy: per-token log-probs of given tokens and per-token entropy. An MoE actor's
+    routers record and replay routes (models/routing.py).
 
     `logprobs[:, t]` is log p(tokens[:, t+1] | tokens[:, :t+1]) under logits / temperature;
     the last column has no next token and is 0, and so are the columns from `lengths - 1` on
     when the batch has `lengths`. Same for `entropy`.
     """
+
+    records_routes = True
 
     def __init__(self, model_config: ModelConfig, trainable: bool = True, temperature: float = 1.0, **training):
         super().__init__(model_config, trainable, **training)
@@ -389,7 +386,10 @@ class Actor(Role):
 
 
 class Reference(Actor):
-    """Frozen copy of the SFT policy: the per-token KL anchor."""
+    """Frozen copy of the SFT policy: the per-token KL anchor. Its routers choose for
+    themselves: the anchor is the SFT model as it routes, not the actor's routes through it."""
+
+    records_routes = False
 
     def __init__(self, model_config: ModelConfig, temperature: float = 1.0):
         super().__init__(model_config, trainable=False, temperature=temperature)
@@ -405,6 +405,7 @@ class AdapterFreeReference(Actor):
         self.model_config, self.trainable, self.temperature = actor.model_config, False, actor.temperature
         self.optimizer = self.scheduler = self.lora = self._meter = self.activation_bytes = None
         self.trained_prefixes, self.model = (), actor.module
+        self.routes, self._compare_routes = None, False  # the actor's routers, left to route freely
 
     def forward(self, batch, micro_batch_size, token_budget=0):
         with adapters_disabled(self.model):

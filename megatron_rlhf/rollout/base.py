@@ -70,6 +70,10 @@ class Rollout:
     sampling temperature (unfiltered softmax, as the trainer recomputes it), 0 outside the
     response; finished [B] bool: True when the response ended with EOS.
 
+    routes [B, S, layers, k] (mixture-of-experts actors, in-place engine): the experts each MoE
+    layer of this pipeline stage chose for each token while sampling (models/routing.py); None
+    otherwise.
+
     `lengths` and `finished` are the only record of where a row ends and whether it ended with
     EOS: the padding after `lengths` may be EOS itself (pad_id == eos_id), so nothing may
     derive them from the tokens.
@@ -80,28 +84,34 @@ class Rollout:
     lengths: torch.Tensor
     logprobs: torch.Tensor
     finished: torch.Tensor
+    routes: torch.Tensor | None = None
 
     def to(self, device: torch.device | str) -> Rollout:
-        return Rollout(**{name: t.to(device) for name, t in vars(self).items()})
+        return Rollout(**{name: t.to(device) if t is not None else None for name, t in vars(self).items()})
 
     def __len__(self) -> int:
         return self.tokens.size(0)
 
     def select(self, rows: torch.Tensor) -> Rollout:
         """The rows `rows` (an index tensor on the tokens' device), in that order."""
-        return Rollout(**{name: t[rows] for name, t in vars(self).items()})
+        return Rollout(**{name: t[rows] if t is not None else None for name, t in vars(self).items()})
 
     @staticmethod
     def cat(parts: list[Rollout], pad_id: int) -> Rollout:
-        """Rows of several rollouts, right-padded to the widest (tokens with pad_id, log-probs 0)."""
+        """Rows of several rollouts, right-padded to the widest (tokens with pad_id, log-probs 0,
+        routes unrouted)."""
         width = max(p.tokens.size(1) for p in parts)
 
         def pad(t: torch.Tensor, value) -> torch.Tensor:
-            return torch.nn.functional.pad(t, (0, width - t.size(1)), value=value)
+            return torch.nn.functional.pad(t, (0, 0) * (t.dim() - 2) + (0, width - t.size(1)), value=value)
 
+        routes = None
+        if parts[0].routes is not None:
+            unrouted = torch.iinfo(parts[0].routes.dtype).max  # models/routing.py: no expert
+            routes = torch.cat([pad(p.routes, unrouted) for p in parts])
         return Rollout(torch.cat([pad(p.tokens, pad_id) for p in parts]), torch.cat([p.prompt_lengths for p in parts]),
                        torch.cat([p.lengths for p in parts]), torch.cat([pad(p.logprobs, 0.0) for p in parts]),
-                       torch.cat([p.finished for p in parts]))
+                       torch.cat([p.finished for p in parts]), routes)
 
     def response_lengths(self) -> torch.Tensor:
         """[B] generated tokens per row (EOS included when one was generated), on the tokens' device."""

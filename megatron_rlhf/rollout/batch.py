@@ -31,6 +31,9 @@ class RolloutBatch:
     # [B, S] the rollout engine's log-probs, kept only for the mismatch correction (rl.tis_cap,
     # rl.mismatch_mask_threshold)
     rollout_logprobs: Tensor | None = None
+    # [B, S, layers, k] the rollout's expert choices, which the actor's train forwards replay
+    # (rl.routing_replay; models/routing.py)
+    routes: Tensor | None = None
 
     def __len__(self) -> int:
         return self.tokens.size(0)

@@ -14,7 +14,10 @@ Everything stays on the actor's device. Per decoded token, at any TP x PP:
 - only the chosen ids [B] (int64) cross ranks: from TP rank 0 of the last stage to its TP
   group (so TP ranks agree even with nondeterministic kernels), then from the last stage to
   the other stages. The log-probs stay on the last stage until generation ends, when the
-  [B, S] block crosses the same two groups once.
+  [B, S] block crosses the same two groups once;
+- a mixture-of-experts actor's routers record their choices in every forward (models/routing.py)
+  and each step's are copied into the rollout's routes [B, S, layers, k] on the device: each
+  stage keeps its own layers' (what it replays in training), nothing crosses ranks.
 """
 
 from __future__ import annotations
@@ -175,8 +178,29 @@ class MegatronRolloutEngine(RolloutEngine):
         generator = torch.Generator(device=device()).manual_seed(seed)
         context = StaticInferenceContext(batch, total)
         positions = torch.arange(total, device=state.tokens.device).expand(batch, -1)
+        routers = self.actor.routes  # an MoE actor's: the rollout's routes are recorded for replay
+        routes = routers.new_routes(batch, total, device()) if routers is not None else None
+        if routers is not None:
+            routers.record()
+        try:
+            self._decode(state, context, positions, shortest, total, generator, sampling, layout, across_ranks,
+                         routers, routes)
+        finally:
+            if routers is not None:
+                routers.release()
 
-        prev, pos = 0, shortest
+        width = int(state.lengths.max())
+        logprobs = state.logprobs[:, :width].contiguous() if layout.last else None
+        logprobs = from_last_stage_tp0(logprobs, [batch, width], torch.float32, layout)
+        if routes is not None:  # what rows were fed after their end (pad) was never theirs
+            routes = routes[:, :width].contiguous()
+            past_end = torch.arange(width, device=routes.device)[None, :] >= state.lengths[:, None]
+            routes.masked_fill_(past_end[:, :, None, None], routers.unrouted)
+        return Rollout(state.tokens[:, :width], state.prompt_lengths, state.lengths, logprobs, state.finished, routes)
+
+    def _decode(self, state: Decoding, context, positions, shortest: int, total: int, generator, sampling,
+                layout: StageLayout, across_ranks: bool, routers, routes) -> None:
+        batch, prev, pos = state.tokens.size(0), 0, shortest
         # The whole loop runs outside the CPU device-rewriting mode (a no-op on GPU): besides the
         # model (which ran there already) it only does tensor math on the state's own device and
         # megatron's inference p2p / TP helpers, which name the device only through
@@ -188,12 +212,9 @@ class MegatronRolloutEngine(RolloutEngine):
             # extra forward steps that checking only every k tokens could run.
             while pos < total and not self._all_done(state.done, across_ranks):
                 logits = self._next_token_logits(state.tokens[:, prev:pos], positions[:, prev:pos], context, layout)
+                if routes is not None:
+                    routers.write_step(routes, prev, pos)
                 ids, logprob = sample_next(logits, generator, sampling) if layout.last else (None, None)
                 ids = from_last_stage_tp0(ids, [batch], torch.long, layout)
                 state.record(pos, ids, logprob, self.eos_id, self.pad_id, sampling.max_new_tokens)
                 prev, pos = pos, pos + 1
-
-        width = int(state.lengths.max())
-        logprobs = state.logprobs[:, :width].contiguous() if layout.last else None
-        logprobs = from_last_stage_tp0(logprobs, [batch, width], torch.float32, layout)
-        return Rollout(state.tokens[:, :width], state.prompt_lengths, state.lengths, logprobs, state.finished)

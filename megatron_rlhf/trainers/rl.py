@@ -40,7 +40,7 @@ from megatron_rlhf.rewards import RewardInputs, RewardSourceError, RewardSources
 from megatron_rlhf.rollout import Rollout, SamplingParams, make_engine
 from megatron_rlhf.rollout.batch import RolloutBatch
 from megatron_rlhf.trainers.policy_eval import EVAL_SEED_OFFSET, PolicyEvaluation
-from megatron_rlhf.trainers.rl_metrics import done_message, format_scores, iteration_metrics, rl_summary
+from megatron_rlhf.trainers.rl_metrics import done_message, format_scores, iteration_metrics, measure_routing, rl_summary
 from megatron_rlhf.trainers.rl_records import Generation, Iteration, Prompts, Rewards, RLTrainerState
 from megatron_rlhf.trainers.runner import StageRunner, skipped_steps
 from megatron_rlhf.trainers.stage_data import load_stage_data, stage_dir
@@ -151,34 +151,46 @@ def group_informative(scores: torch.Tensor, n: int) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------- score
-def score(rollout: Rollout, rewards: Rewards, roles: dict, rl: RLConfig, recompute_old: bool = True) -> RolloutBatch:
+def score(rollout: Rollout, rewards: Rewards, roles: dict, rl: RLConfig, recompute_old: bool = True,
+          replay_routes: bool = False) -> RolloutBatch:
     """The train phase's batch from one forward of each role (on the roles' device) and the
     rewards (sequence_rewards' result). recompute_old=False: the rollout's own log-probs are the
     old log-probs (the in-place engine sampled with the actor's current weights;
-    rl.reuse_rollout_logprobs), saving the actor's forward."""
+    rl.reuse_rollout_logprobs), saving the actor's forward. An MoE actor's forward replays the
+    rollout's routes (replay_routes; kept for the train phase) or counts where it chose otherwise."""
     seqs = {"tokens": rollout.tokens, "lengths": rollout.lengths}
     forward = partial(padded_forward, batch=seqs, micro_batch_size=rl.micro_batch_size, token_budget=rl.micro_batch_tokens)
     mask = rollout.response_mask()
     values = forward(roles["critic"])["values"] * mask if "critic" in roles else None
-    old = forward(roles["actor"])["logprobs"] if recompute_old else rollout.logprobs
+    routes = rollout.routes
+    if not recompute_old:
+        old = rollout.logprobs
+    else:
+        actor_batch = seqs if routes is None else {**seqs, "routes": routes}
+        old = forward(roles["actor"], batch=actor_batch, compare_routes=routes is not None and not replay_routes)["logprobs"]
     return RolloutBatch(
         tokens=rollout.tokens, lengths=rollout.lengths, prompt_lengths=rollout.prompt_lengths, mask=mask,
         group_ids=torch.arange(len(rollout), device=mask.device) // rl.n_samples_per_prompt,
         old_logprobs=old * mask,
         ref_logprobs=forward(roles["reference"])["logprobs"] * mask,
         scores=rewards.total, values=values,
-        rollout_logprobs=rollout.logprobs * mask if rl.corrects_mismatch else None)
+        rollout_logprobs=rollout.logprobs * mask if rl.corrects_mismatch else None,
+        routes=routes if replay_routes else None)
 
 
-def score_iteration(generation: Generation, scoring: Scoring, roles: dict, rl: RLConfig, recompute_old: bool) -> Iteration:
+def score_iteration(generation: Generation, scoring: Scoring, roles: dict, rl: RLConfig, recompute_old: bool,
+                    replay_routes: bool = False) -> Iteration:
     """The score phase: the rewards (unless dynamic sampling scored them already), the batch,
-    the holdout reward model's scores if any."""
+    the holdout reward model's scores if any; with the rollout's routes, how the actor's own
+    routing compares with them (measure_routing)."""
     rollout = generation.rollout
+    replay_routes = replay_routes and rollout.routes is not None
     rewards = generation.rewards if generation.rewards is not None else scoring(rollout, generation.rows)
-    batch = score(rollout, rewards, roles, rl, recompute_old)
+    batch = score(rollout, rewards, roles, rl, recompute_old, replay_routes)
     holdout = clip_scores(scoring.holdout(rollout), rollout, rl) if scoring.holdout_rm is not None else None
+    routing = measure_routing(rollout, roles["actor"], rl, replay_routes) if rollout.routes is not None and recompute_old else {}
     return Iteration(rollout, batch, sampling=generation.sampling, per_source=rewards.per_source, holdout=holdout,
-                     old_logprobs_recomputed=recompute_old)
+                     old_logprobs_recomputed=recompute_old, routing=routing)
 
 
 # ----------------------------------------------------------------------------- advantages
@@ -250,9 +262,13 @@ def train_on_rollout(trained: dict, batch: RolloutBatch, rl: RLConfig, kl_coef: 
             mb = batch.select(minibatch[by_length(batch.lengths[minibatch])]).tensors()  # less padding per microbatch
             for role, model in trained.items():
                 stats = model.train_step(mb, rl.micro_batch_size, losses[role], rl.micro_batch_tokens)
-                steps.append({f"{role}_{k}" if k in ("loss", "grad_norm", "lr") else k: float(v)
+                steps.append({f"{role}_{k}" if k in ROLE_STATISTICS else k: float(v)
                               for k, v in stats.items() if k not in ("update_ok", "skipped")})
     return step_means(steps)
+
+
+# a train step's statistics that each trained role reports: logged as <role>_<name>
+ROLE_STATISTICS = ("loss", "grad_norm", "lr", "load_balancing_loss", "z_loss")
 
 
 def step_means(steps: list[dict[str, float]]) -> dict[str, float]:
@@ -432,7 +448,8 @@ def run_iterations(cfg: Config, runner: StageRunner, data, roles: dict, engine, 
                 phase.tokens = int(generation.rollout.response_lengths().sum())
             runner.heartbeat.beat()
             with sched.phase("score") as phase:
-                it = score_iteration(generation, scoring, roles, rl, recomputes_old_logprobs(rl, cfg.rollout.engine, step))
+                it = score_iteration(generation, scoring, roles, rl, recomputes_old_logprobs(rl, cfg.rollout.engine, step),
+                                     rl.replays_routes(cfg.model, cfg.rollout.engine))
                 phase.tokens = int(it.rollout.lengths.sum())
         runner.heartbeat.beat()
         with sched.phase("train") as phase:

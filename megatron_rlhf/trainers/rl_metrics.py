@@ -8,9 +8,10 @@ import torch
 from megatron_rlhf import parallel
 from megatron_rlhf.algorithms.stats import response_repetition_rate
 from megatron_rlhf.config import Config, RLConfig
-from megatron_rlhf.models.batching import data_parallel, padding_sums
+from megatron_rlhf.models.batching import data_parallel, padded_forward, padding_sums
 from megatron_rlhf.models.roles import lora_summary
-from megatron_rlhf.parallel.collectives import all_reduce, dp_group, dp_sums
+from megatron_rlhf.models.routing import expert_load, stage_summary
+from megatron_rlhf.parallel.collectives import all_reduce, dp_group, dp_sum, dp_sums
 from megatron_rlhf.trainers.policy_eval import decode_responses
 from megatron_rlhf.trainers.rl_records import Iteration, RLTrainerState
 
@@ -29,6 +30,8 @@ def iteration_sums(it: Iteration, gold: float, repetition: float, micro_batch_si
         **padding_sums(rollout.lengths, rollout.tokens.size(1), micro_batch_size, token_budget),
         **({"logprob_mismatch": ((rollout.logprobs - batch.old_logprobs).abs() * batch.mask).sum()}
            if it.old_logprobs_recomputed else {}),
+        **({"logprob_mismatch_without_replay": ((rollout.logprobs - it.routing["free_logprobs"]).abs() * batch.mask).sum()}
+           if it.routing.get("free_logprobs") is not None else {}),
         "scored_tokens": batch.mask.sum(), "repetition_rate": repetition * n, **it.sampling,
         **({"holdout_rm_score": it.holdout.sum()} if it.holdout is not None else {}),
         **{f"reward_{name}": scores.sum() for name, scores in it.per_source.items()},
@@ -54,6 +57,9 @@ def iteration_metrics(it: Iteration, tokenizer, task, rl: RLConfig) -> dict[str,
         "response_length": sums["response_length"] / n, "repetition_rate": sums["repetition_rate"] / n,
         # rollout engine vs trainer: mean |log pi_rollout - log pi_old| per token, and the largest
         # token probability ratio between them, max(pi_old / pi_rollout, pi_rollout / pi_old)
+        **({"logprob_mismatch_without_replay": sums["logprob_mismatch_without_replay"] / max(sums["scored_tokens"], 1.0)}
+           if "logprob_mismatch_without_replay" in sums else {}),
+        **routing_metrics(it),
         **({"logprob_mismatch": sums["logprob_mismatch"] / max(sums["scored_tokens"], 1.0),
             "mismatch_max_ratio": float(torch.exp(all_reduce(
                 ((rollout.logprobs - batch.old_logprobs).abs() * batch.mask).max().reshape(1),
@@ -65,6 +71,39 @@ def iteration_metrics(it: Iteration, tokenizer, task, rl: RLConfig) -> dict[str,
         **({"sampling_rounds": sums["sampling_rounds"] / data_parallel()[1],  # every rank runs as many
             "sampling_shortfall": sums["sampling_shortfall"]} if it.sampling else {}),
     }
+
+
+def measure_routing(rollout, actor, rl: RLConfig, replayed: bool) -> dict:
+    """How the actor routes the rollout's tokens by itself: per layer, the tokens whose top-k
+    set differs from the rollout's (counted by score's actor forward when it routed freely);
+    with replay, one more forward that routes freely, whose log-probs measure the mismatch
+    replay removed. Read by routing_metrics."""
+    free = None
+    if replayed:
+        seqs = {"tokens": rollout.tokens, "lengths": rollout.lengths, "routes": rollout.routes}
+        free = padded_forward(actor, seqs, rl.micro_batch_size, rl.micro_batch_tokens, compare_routes=True)["logprobs"]
+    return {**actor.routes.take_disagreement(actor.module.config.sequence_parallel), "free_logprobs": free,
+            "num_experts": actor.routes.num_experts, "replayed": replayed}
+
+
+def routing_metrics(it: Iteration) -> dict[str, float]:
+    """An MoE actor's routing this iteration (every data-parallel rank, every MoE layer of
+    every pipeline stage; collective): routing_disagreement_mean / _max, over layers, of the
+    fraction of the rollout's tokens whose top-k expert set the trainer's own routing changes
+    (what routing replay removes); expert_load_imbalance_mean / _max, over layers, of the
+    busiest expert's tokens over the mean expert's in the rollout's routes (1 = balanced;
+    with replay, the train phase's load too). {} without routes."""
+    routing = it.routing
+    if not routing:
+        return {}
+    differing = routing["differing"] / routing["compared"].clamp(min=1)
+    disagreement_mean, disagreement_max = stage_summary(differing)
+    load = dp_sum(expert_load(it.rollout.routes, routing["num_experts"]))  # [layers, experts]
+    imbalance = load.max(dim=1).values / load.mean(dim=1).clamp(min=1e-9) if load.numel() else load.sum(1)
+    imbalance_mean, imbalance_max = stage_summary(imbalance)
+    return {"routing_replay": float(routing["replayed"]), "routing_disagreement_mean": disagreement_mean,
+            "routing_disagreement_max": disagreement_max, "expert_load_imbalance_mean": imbalance_mean,
+            "expert_load_imbalance_max": imbalance_max}
 
 
 # ----------------------------------------------------------------------------- the stage's end

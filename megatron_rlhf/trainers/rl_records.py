@@ -58,6 +58,7 @@ class Iteration:
     kl_coef: float = 0.0                           # the KL coefficient the train phase used
     trains_actor: bool = True                      # False during the critic's warm-up
     train_stats: dict = field(default_factory=dict)  # train_on_rollout's step means
+    routing: dict = field(default_factory=dict)    # an MoE actor's routing vs the rollout's (measure_routing)
 
 
 @dataclass

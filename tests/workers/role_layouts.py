@@ -32,6 +32,7 @@ from megatron_rlhf.trainers.rl import actor_loss, critic_loss
 from megatron_rlhf.trainers.rm import bradley_terry_loss
 from megatron_rlhf.trainers.sft import sft_loss
 from workers import run_layouts, training_of
+from workers.routing_checks import routing_checks
 
 ROLES = {"actor": Actor, "reference": Reference, "critic": Critic, "reward": RewardModel}
 TRAINABLE = ("actor", "critic", "reward")
@@ -229,10 +230,13 @@ def check_layout(args, cfg, layout: str) -> None:
     from_tp1.train_step(batch2, MBS, actor_loss_fn)
     save_role(from_tp1, args.root / "resharded_step" / layout / "actor", with_optimizer=False)
 
+    if args.routes:
+        results["routing"] = routing_checks(args, cfg, layout)
     if rank == 0:
         torch.save(results, args.root / f"results_{layout}.pt")
 
 
 if __name__ == "__main__":
-    sys.exit(run_layouts(check_layout, extra_args=[("--losses", {"default": "", "help": "names of LOSSES to check "
-                                                                 "(comma-separated; default: all)"})]))
+    sys.exit(run_layouts(check_layout, extra_args=[
+        ("--losses", {"default": "", "help": "names of LOSSES to check (comma-separated; default: all)"}),
+        ("--routes", {"action": "store_true", "help": "an MoE actor's routing replay too (routing_checks.py)"})]))

@@ -1,0 +1,172 @@
+"""Rollout routing replay's own pieces (models/routing.py) without a model: the routes' dtype and
+unrouted mark, replay targets in megatron's token order (sequence-major; a TP rank's sequence
+slice under sequence parallelism; unrouted positions sent to distinct experts), the top-k set
+comparison, expert loads, the recompute path's queue, the routers kept out of megatron's
+process-wide list, and the rl.routing_replay rules. The replay itself runs on megatron's MoE
+layers in tests/test_moe_layouts.py (every layout) and tests/test_moe_rl_stage.py (the stage)."""
+
+import pytest
+import torch
+
+from megatron_rlhf.config import ConfigError, load_config, validate
+from megatron_rlhf.models.routing import (  # megatron's classes through ours: megatron_rlhf imports first
+    RoleRouterReplay, RouterReplay, RouterReplayAction, RoutingReplay, expert_load, route_dtype, unrouted_mark,
+)
+
+E, K = 4, 2
+
+
+def replay(layers: int = 2) -> RoutingReplay:
+    return RoutingReplay([RoleRouterReplay(i + 1) for i in range(layers)], num_experts=E, topk=K)
+
+
+def routes_of(b: int, w: int, layers: int = 2, seed: int = 0) -> torch.Tensor:
+    """Random distinct top-k sets, [b, w, layers, k] uint8."""
+    g = torch.Generator().manual_seed(seed)
+    scores = torch.rand(b, w, layers, E, generator=g)
+    return scores.topk(K, dim=-1).indices.to(torch.uint8)
+
+
+def test_route_dtype_holds_every_expert_below_the_unrouted_mark():
+    assert route_dtype(128) == torch.uint8 and unrouted_mark(torch.uint8) == 255
+    assert route_dtype(255) == torch.int16 and route_dtype(256) == torch.int16
+    assert route_dtype(2**15) == torch.int32
+    for experts in (4, 128, 254, 255, 1000):
+        assert experts - 1 < unrouted_mark(route_dtype(experts))
+
+
+def test_targets_are_sequence_major_as_megatron_flattens_s_b():
+    r, routes = replay(), routes_of(3, 5)
+    lengths = torch.tensor([5, 5, 5])
+    targets, routed = r.targets(routes, lengths, None)
+    assert routed.shape == (15, 2) and routed.all()
+    assert len(targets) == 2 and targets[0].shape == (15, K) and targets[0].dtype == torch.int64
+    for pos in range(5):
+        for row in range(3):
+            for layer in range(2):  # token (pos, row) is row pos * b + row of [s * b, k]
+                assert torch.equal(targets[layer][pos * 3 + row], routes[row, pos, layer].long())
+
+
+def test_targets_under_sequence_parallelism_are_the_ranks_sequence_slice():
+    r, routes = replay(), routes_of(2, 6)
+    lengths = torch.tensor([6, 6])
+    whole = r.targets(routes, lengths, None)[0]
+    parts = [r.targets(routes, lengths, (rank, 2))[0] for rank in range(2)]
+    for layer in range(2):  # rank 0 holds positions 0..2, rank 1 positions 3..5 (s-major: contiguous rows)
+        assert torch.equal(torch.cat([parts[0][layer], parts[1][layer]]), whole[layer])
+
+
+def test_unrouted_positions_get_distinct_experts_spread_over_all():
+    r = replay(layers=1)
+    routes = routes_of(2, 6, layers=1)
+    routes[0, 4:] = unrouted_mark(torch.uint8)  # an unfed last token and padding
+    lengths = torch.tensor([5, 3])              # row 1: past its end from position 3 (padding for SP, say)
+    targets, routed = r.targets(routes, lengths, None)
+    targets, routed = targets[0].view(6, 2, K), routed[:, 0].view(6, 2)  # [s, b, k], [s, b]
+    assert routed[:, 0].tolist() == [True] * 4 + [False] * 2 and routed[:, 1].tolist() == [True] * 3 + [False] * 3
+    filled = torch.cat([targets[4:, 0], targets[3:, 1]])
+    assert (filled.sort(-1).values[:, 0] != filled.sort(-1).values[:, 1]).all()  # k distinct experts each
+    assert set(filled.flatten().tolist()) == set(range(E))
+    assert torch.equal(targets[:4, 0], routes[0, :4, 0].long())  # routed positions untouched
+
+
+def test_compare_counts_differing_sets_not_orders():
+    r = replay()
+    routes = routes_of(2, 4)
+    lengths = torch.tensor([4, 3])
+    seen = routes.clone()
+    seen[0, 1, 0] = seen[0, 1, 0].flip(-1)  # same set, other order: agrees
+    other = torch.tensor([x for x in range(E) if x not in routes[1, 0, 1].tolist()][:K], dtype=torch.uint8)
+    seen[1, 0, 1] = other                   # another set in layer 1
+    seen[1, 3] = 0                          # past row 1's end: not compared
+    for layer, router in enumerate(r.routers):
+        router.recorded_topk_idx = seen[:, :, layer].transpose(0, 1).reshape(-1, K).long()
+    r.compare(routes, lengths, None)
+    counts = r.take_disagreement(sequence_parallel=False)
+    assert counts["differing"].tolist() == [0, 1]
+    assert counts["compared"].tolist() == [7, 7]
+    assert r.differing is None  # taken
+
+
+def test_a_replayed_forward_counts_the_tokens_replay_overrode():
+    """The router's own top-k (from the scores it computed) against the replayed set: a reordered
+    set agrees, another set is overridden, a position the rollout did not route is not counted."""
+    r = replay(layers=1)
+    scores = torch.tensor([[0.9, 0.8, 0.1, 0.0], [0.0, 0.1, 0.8, 0.9], [0.5, 0.4, 0.3, 0.2]])
+    targets = [torch.tensor([[1, 0], [0, 1], [2, 3]])]
+    r.replay(targets, torch.tensor([[True], [True], [False]]))
+
+    def own_topk(s, k, num_groups=None, group_topk=None):
+        return torch.topk(s, k, dim=1)
+
+    probs, indices = r.routers[0].get_replay_topk(scores, K, default_compute_topk=own_topk)
+    assert torch.equal(indices, targets[0]) and torch.equal(probs, scores.gather(1, targets[0]))
+    counts = r.take_overridden(sequence_parallel=False)
+    assert counts["differing"].tolist() == [1.0] and counts["compared"].tolist() == [2.0]
+    assert r.take_overridden(sequence_parallel=False)["compared"].tolist() == [0.0]  # taken
+
+
+def test_expert_load_counts_routed_tokens_per_layer():
+    routes = torch.tensor([[[[0, 1]], [[1, 2]], [[255, 255]]]], dtype=torch.uint8)  # [1, 3, 1, 2]
+    assert expert_load(routes, E).tolist() == [[1.0, 2.0, 1.0, 0.0]]
+
+
+def test_recomputation_inside_backward_takes_the_queue_in_schedule_order():
+    """A replayed router that runs again inside backward (activation recomputation) reads
+    megatron's backward queue, first microbatch first, not the last target set."""
+    router = RoleRouterReplay(1)
+    first, second = torch.tensor([[0, 1]]), torch.tensor([[2, 3]])
+    for target in (first, second):  # two forwards (1F1B warm-up), then the first one's backward
+        router.set_target_indices(target)
+        router.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+    scores = torch.rand(1, E, requires_grad=True)
+    seen = []
+
+    class Recompute(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            seen.append(router.get_replay_topk(scores.detach(), K)[1])
+            return grad
+
+    Recompute.apply(scores).sum().backward()
+    assert torch.equal(router.get_replay_topk(scores.detach(), K)[1], second)  # outside backward: the last target
+    assert torch.equal(seen[0], first)
+    assert router.router_replay_action == RouterReplayAction.REPLAY_FORWARD
+
+
+def test_each_roles_routers_stay_out_of_megatrons_process_wide_list():
+    """megatron's static setters act on every router in the process (actor, reference, critic
+    alike); ours are driven per role and never join that list."""
+    before = list(RouterReplay.global_router_replay_instances)
+    r = replay()
+    assert all(x not in RouterReplay.global_router_replay_instances for x in r.routers)
+    RouterReplay.set_global_router_replay_action(RouterReplayAction.RECORD)
+    assert all(x.router_replay_action is None for x in r.routers)
+    RouterReplay.clear_global_router_replay_action()
+    assert RouterReplay.global_router_replay_instances == before
+
+
+MOE = ["model.family=mixtral", "model.num_experts=4", "model.moe_router_topk=2"]
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["rl.routing_replay=rollout"], "rl.routing_replay=rollout: the model has no experts"),
+    ([*MOE, "rl.routing_replay=sometimes"], "rl.routing_replay='sometimes'"),
+])
+def test_routing_replay_rules_name_the_field(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        validate(load_config("pipelines/tiny_cpu.yaml", overrides))
+
+
+def test_routing_replay_auto_is_on_for_experts_with_the_in_place_engine():
+    moe, dense = (load_config("pipelines/tiny_cpu.yaml", o) for o in (MOE, []))
+    assert moe.rl.replays_routes(moe.model, "megatron") and not dense.rl.replays_routes(dense.model, "megatron")
+    assert not moe.rl.replays_routes(moe.model, "vllm")  # no routes come back from it
+    off = load_config("pipelines/tiny_cpu.yaml", [*MOE, "rl.routing_replay=off"])  # YAML: false
+    assert not off.rl.replays_routes(off.model, "megatron")
+    on = load_config("pipelines/tiny_cpu.yaml", [*MOE, "rl.routing_replay=on"])  # YAML: true
+    assert on.rl.replays_routes(on.model, "vllm")  # asked for explicitly (rules.py refuses it with vLLM)
