@@ -1,5 +1,6 @@
-"""The mixture-of-experts part of the tensor mapping (hf_weights.py calls it): Qwen3-MoE and
-Mixtral expert layers, in the per-expert names Hugging Face checkpoints use on disk, both ways.
+"""The mixture-of-experts part of the tensor mapping (hf_weights.py calls it; the vLLM refit,
+rollout/refit.py, names and places experts with it too): Qwen3-MoE and Mixtral expert layers, in
+the per-expert names Hugging Face checkpoints use on disk, both ways.
 
 On disk (what the hub ships and transformers' save_pretrained writes; transformers 5 fuses the
 experts only in memory, `experts.gate_up_proj` [E, 2F, h], and converts back when saving):
@@ -129,7 +130,27 @@ def _split(size: int, rank: int, parts: int, what: str) -> tuple[int, int]:
 
 def is_expert_param(suffix: str) -> bool:
     """Whether a layer parameter (name after decoder.layers.<i>.) belongs to an expert layer's MLP."""
-    return suffix == _ROUTER or _EXPERT_PARAM.match(suffix) is not None
+    return suffix == _ROUTER or local_expert(suffix) is not None
+
+
+def is_router(suffix: str) -> bool:
+    return suffix == _ROUTER
+
+
+def local_expert(suffix: str) -> tuple[int, str] | None:
+    """(local expert index j, "linear_fc1" | "linear_fc2") of an expert's parameter in either spec's
+    name (suffix after decoder.layers.<i>.); None for any other parameter."""
+    m = _EXPERT_PARAM.match(suffix)
+    if m is None:
+        return None
+    return (int(m["j"]), m["fc"]) if m["j"] is not None else (int(m["te_j"]), m["te_fc"])
+
+
+def experts_per_rank(moe: MoEDims, ep_size: int) -> int:
+    """How many experts each expert-parallel rank holds (EP rank r: experts r*n ... (r+1)*n - 1)."""
+    if moe.num_experts % ep_size:
+        raise ConvertError(f"model.num_experts={moe.num_experts} does not split over expert_parallel={ep_size}")
+    return moe.num_experts // ep_size
 
 
 def expert_shard(name: str, suffix: str, layer: int, read, moe: MoEDims | None, ranks: ExpertRanks) -> torch.Tensor:
@@ -141,11 +162,8 @@ def expert_shard(name: str, suffix: str, layer: int, read, moe: MoEDims | None, 
                            "with the model?)")
     if suffix == _ROUTER:
         return read(hf_router(moe, layer))
-    m = _EXPERT_PARAM.match(suffix)
-    local, fc = (int(m["j"]), m["fc"]) if m["j"] is not None else (int(m["te_j"]), m["te_fc"])
-    if moe.num_experts % ranks.ep_size:
-        raise ConvertError(f"model.num_experts={moe.num_experts} does not split over expert_parallel={ranks.ep_size}")
-    per_rank = moe.num_experts // ranks.ep_size
+    local, fc = local_expert(suffix)
+    per_rank = experts_per_rank(moe, ranks.ep_size)
     if local >= per_rank:
         raise ConvertError(f"our model parameter {name!r}: local expert {local}, but expert_parallel={ranks.ep_size} "
                            f"gives each rank {per_rank} of model.num_experts={moe.num_experts}")
@@ -166,9 +184,14 @@ def expert_layer_tensors(layer: int, get, moe: MoEDims) -> dict[str, torch.Tenso
     fc1, fc2 = get("experts_fc1"), get("experts_fc2")
     out = {hf_router(moe, layer): get("router")}
     for e in range(moe.num_experts):
-        out.update({hf_expert(moe, layer, e, "gate"): fc1[e, : moe.ffn], hf_expert(moe, layer, e, "up"): fc1[e, moe.ffn:],
-                    hf_expert(moe, layer, e, "down"): fc2[e]})
+        out.update(hf_expert_tensors(moe, layer, e, fc1[e], fc2[e]))
     return out
+
+
+def hf_expert_tensors(moe: MoEDims, layer: int, expert: int, fc1: torch.Tensor, fc2: torch.Tensor) -> dict[str, torch.Tensor]:
+    """HF tensors of one expert from its full matrices: fc1 [2F, h] = [gate rows; up rows], fc2 [h, F]."""
+    return {hf_expert(moe, layer, expert, "gate"): fc1[: moe.ffn], hf_expert(moe, layer, expert, "up"): fc1[moe.ffn:],
+            hf_expert(moe, layer, expert, "down"): fc2}
 
 
 def stored_expert_layers(tensors, num_layers: int) -> list[int]:

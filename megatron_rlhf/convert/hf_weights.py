@@ -243,8 +243,11 @@ def layer_kinds(d: Dims, layer: int = 0) -> dict[str, tuple[str, ...]]:
     return kinds
 
 
-def hf_layer_tensors(layer: int, get: Callable[[str], torch.Tensor], d: Dims) -> dict[str, torch.Tensor]:
-    """HF tensors of `layer` from our full (unsharded) tensors of that layer: get(kind)."""
+def hf_layer_tensors(layer: int, get: Callable[[str], torch.Tensor], d: Dims,
+                     experts: bool = True) -> dict[str, torch.Tensor]:
+    """HF tensors of `layer` from our full (unsharded) tensors of that layer: get(kind).
+    `experts=False`: without an expert layer's MLP (router and experts; the refit streams those
+    expert by expert)."""
     p, hd, qpg = hf_layer(layer), d.head_dim, d.q_per_group
 
     def unfuse(fused: torch.Tensor) -> list[torch.Tensor]:
@@ -262,7 +265,8 @@ def hf_layer_tensors(layer: int, get: Callable[[str], torch.Tensor], d: Dims) ->
         f"{p}.post_attention_layernorm.weight": get("post_norm"),
     }
     if d.has_experts(layer):
-        out.update(expert_layer_tensors(layer, get, d.moe))
+        if experts:
+            out.update(expert_layer_tensors(layer, get, d.moe))
     else:
         fc1 = get("fc1")
         out.update({f"{p}.mlp.gate_proj.weight": fc1[: d.ffn], f"{p}.mlp.up_proj.weight": fc1[d.ffn:],
