@@ -73,11 +73,11 @@ class RefitWorker:
         return len(tensors)
 
     def refit_end(self) -> int:
-        from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
-
         missing = sorted(set(self._refit_expected) - self._refit_seen)
         if missing:
             raise RuntimeError(f"refit ended without {len(missing)} tensors, e.g. {missing[:4]}: the engine keeps "
                                "stale weights")
+        from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
+
         finalize_layerwise_reload(self.model_runner.get_model(), self.model_runner.vllm_config.model_config)
         return len(self._refit_seen)

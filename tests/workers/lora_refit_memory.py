@@ -30,8 +30,9 @@ def live_storages() -> dict[int, int]:
     return {s.data_ptr(): s.nbytes() for s in storages if s.nbytes()}
 
 
-def refit(model, cfg, plan, measure: bool):
-    """({HF name: tensor}, the most bytes the refit held beyond the model and the bucket at a yield)."""
+def refit(model, cfg, plan, measure: bool, held_at: dict | None = None):
+    """({HF name: tensor}, the most bytes the refit held beyond the model and the bucket at a yield);
+    `held_at`: filled with those bytes at each bucket, by the bucket's (one) tensor name."""
     before = live_storages() if measure else {}
     received, peak = {}, 0
     for bucket in stream_hf_weights(model, cfg.model, plan, bucket_bytes=1):
@@ -39,6 +40,8 @@ def refit(model, cfg, plan, measure: bool):
             ours = {t.untyped_storage().data_ptr() for t in [*bucket.values(), *received.values()]}
             held = sum(n for ptr, n in live_storages().items() if ptr not in before and ptr not in ours)
             peak = max(peak, held)
+            if held_at is not None:
+                held_at[next(iter(bucket))] = held
         received.update({name: t.clone() for name, t in bucket.items()})
     return received, peak
 
