@@ -156,10 +156,19 @@ MOE = ["model.family=mixtral", "model.num_experts=4", "model.moe_router_topk=2"]
 @pytest.mark.parametrize("overrides, message", [
     (["rl.routing_replay=rollout"], "rl.routing_replay=rollout: the model has no experts"),
     ([*MOE, "rl.routing_replay=sometimes"], "rl.routing_replay='sometimes'"),
+    ([*MOE, "rl.routing_replay=rollout", "rollout.engine=vllm"], "rl.routing_replay=rollout with rollout.engine=vllm"),
 ])
 def test_routing_replay_rules_name_the_field(overrides, message):
     with pytest.raises(ConfigError, match=message):
         validate(load_config("pipelines/tiny_cpu.yaml", overrides))
+
+
+def test_an_moe_model_on_vllm_is_warned_that_it_runs_without_replay():
+    from megatron_rlhf.config import warnings_for
+
+    cfg = validate(load_config("pipelines/tiny_cpu.yaml", [*MOE, "rollout.engine=vllm"]))
+    assert any("no routing replay" in w for w in warnings_for(cfg))
+    assert not any("routing replay" in w for w in warnings_for(validate(load_config("pipelines/tiny_cpu.yaml", MOE))))
 
 
 def test_routing_replay_auto_is_on_for_experts_with_the_in_place_engine():

@@ -104,4 +104,8 @@ def warnings_for(cfg: Config) -> list[str]:
             "weigh more")
     if "rl.max_sampling_rounds" in cfg.given and not p.dynamic_sampling:
         notes.append("rl.max_sampling_rounds is set but rl.dynamic_sampling=false: one generation round per iteration")
+    if cfg.model.num_experts is not None and cfg.rollout.engine != "megatron" and p.routing_replay_mode == "auto":
+        notes.append(f"rollout.engine={cfg.rollout.engine} with an MoE model: no routing replay (the engine does not "
+                     "return its routes yet), so the trainer routes for itself; the routing metrics are not logged "
+                     "either. rollout.engine=megatron records and replays them (docs/routing_replay.md)")
     return notes
