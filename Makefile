@@ -206,11 +206,14 @@ clean-venv:
 # with torch usually lacks (megatron-core, nvidia-resiliency-ext and small dependencies; with
 # WHEELS_ALL=1 every dependency except torch's, ~72 MiB) at this venv's versions, plus ours,
 # into $(WHEELS_DIR). `make gpu-check` (on a machine with one GPU; no network, no `make setup`):
-# SFT -> RM -> PPO, then GRPO and PPO with LoRA (pipelines/tiny_cpu_lora.yaml) on the same SFT and RM, in bf16 on
-# the machine's own CUDA torch, dependencies from $(WHEELS_DIR); one --timeout for the three runs (GRPO keeps 30 %,
-# LoRA 25 %; GPU_CHECK_ARGS=--no-grpo / --no-lora skip one); a table (per-phase peak memory of PPO vs GRPO and
-# vs PPO+LoRA, trainable parameters and optimizer state full vs LoRA) and $(GPU_CHECK_OUT)/gpu_check.json
-# (7 files in $(GPU_CHECK_OUT), 8 with the vLLM log). benchmarks/gpu_check.py says more.
+# SFT -> RM -> PPO, then GRPO and PPO with LoRA (pipelines/tiny_cpu_lora.yaml) on the same SFT and RM, then the
+# tiny MoE pipeline (pipelines/tiny_cpu_moe.yaml: its own SFT -> RM -> GRPO, one process, expert parallel 1), in
+# bf16 on the machine's own CUDA torch, dependencies from $(WHEELS_DIR); one --timeout for the four runs (default
+# 600 s; GRPO keeps 21 %, LoRA 17.5 %, MoE 30 %: the dense runs' seconds of the earlier 420; GPU_CHECK_ARGS=
+# --no-grpo / --no-lora / --no-moe skip one); a table (per-phase peak memory of PPO vs GRPO and vs PPO+LoRA,
+# trainable parameters and optimizer state full vs LoRA; the MoE run's stages, the expert module its stages built:
+# TE's grouped MLP or SequentialMLP, gold, routing metrics) and $(GPU_CHECK_OUT)/gpu_check.json (8 files in
+# $(GPU_CHECK_OUT), 9 with the vLLM log). benchmarks/gpu_check.py says more.
 # benchmarks/gpu_ppo.py beside it: make bench-gpu (1B-parameter PPO: MFU, tokens/s, memory with offload
 # on/off; BENCH_GPU_ARGS=--dry-run for CPU; PY=python3 for the machine's CUDA torch).
 WHEELS_DIR       ?= .whl

@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""GPU check: the tiny pipeline SFT -> RM -> PPO, then GRPO and PPO with LoRA on its SFT/RM; one GPU, bf16.
+"""GPU check: the tiny pipeline SFT -> RM -> PPO, then GRPO and PPO with LoRA on its SFT/RM, then the tiny
+mixture-of-experts pipeline; one GPU, bf16.
 
     python3 benchmarks/gpu_check.py [--out DIR] [--wheels DIR] [-- key=value ...]  # make gpu-check
     python3 benchmarks/gpu_check.py --report-only RUN_DIR [--out DIR]                # table of a finished run
@@ -29,16 +30,27 @@ CUDA-enabled torch (it never installs torch):
    and the critic, the reference = the actor with its adapters off) on the same run directory:
    writes <run>/ppo_lora. It gets the PPO run's overrides, critic settings included, plus the
    `lora.X` ones, without rl.algorithm.
-   The three runs share --timeout: PPO may use all but --grpo-share and --lora-share of it, GRPO
-   gets what PPO left less LoRA's share, LoRA what PPO and GRPO left (each at least its share;
-   --no-grpo or --no-lora leaves that run's share to the others). GRPO and LoRA are skipped
-   when SFT or RM did not finish; when one fails or is skipped, the other results are still
-   reported and it is marked missing (exit code 1). --no-grpo, --no-lora: without that run;
-4b. when the GPU `vllm` package imports (pip install -e '.[vllm]'), SFT -> RM -> PPO on
+4b. a fourth torchrun on pipelines/tiny_cpu_moe.yaml (every role a 4-expert top-2 Mixtral-style
+   MoE; critic-free GRPO) with its own SFT -> RM -> GRPO in <root>/gpu_check_moe (its models are
+   not the dense run's), on one process: parallel.expert_parallel=1 (the recipe's 2 is for two CPU
+   processes) after the GRPO run's overrides, bf16 like the others. On a GPU with Transformer
+   Engine the expert layer is TE's grouped MLP (moe_grouped_gemm), not the SequentialMLP the CPU
+   tests cover: every stage's summary.json names the expert module class each role was built
+   with (expert_modules, written by the stage), and the report shows the actor's. Metrics
+   whose keys start with routing_ or expert_load, when the stages log them, are passed through
+   (first -> last).
+   The four runs share --timeout: PPO may use all but --grpo-share, --lora-share and --moe-share
+   of it, GRPO gets what PPO left less LoRA's and MoE's shares, LoRA what PPO and GRPO left less
+   MoE's share, MoE what the three left (each at least its share; --no-grpo, --no-lora or
+   --no-moe leaves that run's share to the others). GRPO, LoRA and MoE are skipped when less
+   than 30 s of it is left, GRPO and LoRA also when SFT or RM did not finish; when one fails or
+   is skipped, the other results are still reported and it is marked missing (exit code 1).
+   --no-grpo, --no-lora, --no-moe: without that run;
+4c. when the GPU `vllm` package imports (pip install -e '.[vllm]'), SFT -> RM -> PPO on
    pipelines/tiny_cpu_vllm.yaml (rollout.engine=vllm) in <root>/gpu_check_vllm, within
    --vllm-timeout (240 s): refit GB/s, decode tokens/s and the device memory the engine's sleep
    frees (medians over iterations), gold before/after, mismatch; otherwise a "not run" line
-   with the reason (--no-vllm skips it). Its log is the 8th file of <out>;
+   with the reason (--no-vllm skips it). Its log is the 9th file of <out>;
 5. a table and <out>/gpu_check.json from what the stages wrote: per-stage seconds and peak
    memory; per RL phase (generate, score, train, eval) seconds and peak memory of PPO and GRPO
    side by side with the memory a critic-free algorithm saves (PPO minus GRPO) per phase and for
@@ -46,11 +58,14 @@ CUDA-enabled torch (it never installs torch):
    with the trained roles' trainable parameters and optimizer-state bytes, full vs LoRA; gold
    and reward before/after, final KL and logprob_mismatch at the first and last step of each
    RL run, and how far its old log-probs were from the first train step's forward with
-   rl.reuse_rollout_logprobs off and on (`reuse_lines`). <out> also gets the table, the logs
-   (gpu_check.log: SFT -> RM -> PPO;
-   gpu_check_grpo.log; gpu_check_lora.log), summaries.json (every stage's summary.json by stage)
-   and rl_metrics.jsonl (every RL run's metrics.jsonl rows, each with "rl_run": ppo, grpo or
-   ppo_lora): 7 files, 8 with the vLLM log; the device tool brings back at most 8.
+   rl.reuse_rollout_logprobs off and on (`reuse_lines`); the MoE run's block: per stage seconds
+   and peak memory, the expert module (grouped GEMM or not), gold and reward before/after, final
+   KL, routing metrics (`moe_lines`). <out> also gets the table, the logs (gpu_check.log: SFT ->
+   RM -> PPO; gpu_check_grpo.log; gpu_check_lora.log; gpu_check_moe.log), summaries.json (every
+   stage's summary.json by stage, the MoE run's as moe_sft, moe_rm, moe_grpo) and rl_metrics.jsonl
+   (every RL run's metrics.jsonl rows, each with "rl_run": ppo, grpo, ppo_lora or moe): 8 files,
+   9 with the vLLM log; the device tool brings back at most 8 (--no-vllm there, or a Python
+   without vllm, as its image is).
 
 gpu_check.json: the PPO numbers under the keys of the PPO-only check (stages.{sft,rm,ppo},
 ppo_phases, ppo_steps, gold_score, reward, kl_mean_final, logprob_mismatch; complete/missing
@@ -61,7 +76,11 @@ roles' trainable_parameters and optimizer_state bytes from the summary's
 memory_account, and their sums; lora: the summary's; "run": recipe, overrides, exit code,
 seconds, time limit, or why it was skipped), stages.grpo, stages.ppo_lora, memory_saving_bytes
 (phase -> PPO minus GRPO peak bytes, "stage": the RL stage peaks; null where either is missing)
-and lora_memory_saving_bytes (the same, PPO minus PPO with LoRA).
+and lora_memory_saving_bytes (the same, PPO minus PPO with LoRA); "moe": the MoE run's RL stage
+under the same keys, plus stages (sft, rm, grpo: seconds, peak_memory_bytes), expert_modules
+(stage -> role -> class, from the summaries), expert_module (the actor's), grouped_gemm
+(true/false, null when no summary says), routing (stage -> metric -> first/last) and "run";
+moe_command.
 
 Up to step 2 this file runs under any Python >= 3.8 with the standard library only.
 """
@@ -94,6 +113,14 @@ RUN_LABELS = {"ppo": "PPO", "grpo": "GRPO", "ppo_lora": "PPO+LoRA"}  # as the ta
 # The vLLM rollout path (when the GPU `vllm` package imports): its own SFT -> RM -> PPO on the
 # vLLM recipe (head size 32), in <root>/gpu_check_vllm, after PPO and GRPO.
 VLLM_RECIPE, VLLM_RUN = "pipelines/tiny_cpu_vllm.yaml", "gpu_check_vllm"
+# The mixture-of-experts run: its own SFT -> RM -> GRPO (every role a 4-expert top-2 Mixtral-style
+# model) in <root>/gpu_check_moe, after LoRA. The recipe splits the experts over two processes
+# (make pipeline-moe); on one GPU it runs in one, all experts on it (MOE_OVERRIDES, last: they win).
+MOE_RECIPE, MOE_RUN = "pipelines/tiny_cpu_moe.yaml", "gpu_check_moe"
+MOE_STAGES = ("sft", "rm", "grpo")  # <root>/gpu_check_moe/<stage>: the recipe's rl.algorithm is grpo
+MOE_OVERRIDES = ("parallel.expert_parallel=1",)
+# metrics.jsonl keys the MoE block passes through (routing replay's agreement, expert load), when logged
+ROUTING_PREFIXES = ("routing_", "expert_load")
 # Settings only a critic uses: a critic-free recipe refuses them on the command line, so the GRPO
 # run does not get them. Equals megatron_rlhf.config.CRITIC_FIELDS (a test checks; this file
 # does not import the package: its parent process is stdlib-only).
@@ -103,7 +130,7 @@ MIN_PYTHON = (3, 12)  # megatron-core >= 0.17 requires Python >= 3.12 (0.19.2: c
 RL_PHASES = ("generate", "score", "train", "eval")  # colocation.PHASES: the same phases for every algorithm
 PPO_PHASES = RL_PHASES  # the old name
 EXIT_PREFLIGHT, EXIT_RUN = 2, 1
-MIN_RUN_SECONDS = 30  # less left of --timeout: the GRPO or LoRA run is skipped (start-up alone takes that long)
+MIN_RUN_SECONDS = 30  # less left of --timeout: the GRPO, LoRA or MoE run is skipped (start-up alone takes that long)
 
 # Wheels a CUDA image with torch is likely to lack (~5 MiB): megatron-core and
 # nvidia-resiliency-ext with their small dependencies. `--all-deps` adds the whole closure of
@@ -411,6 +438,15 @@ def lora_overrides(overrides: list[str]) -> tuple[list[str], list[str]]:
     return _split(overrides, lambda parts: parts[:2] == ["rl", "algorithm"])
 
 
+def moe_overrides(overrides: list[str]) -> tuple[list[str], list[str]]:
+    """(the overrides the MoE run gets, the ones it does not): the GRPO run's (the MoE recipe is
+    critic-free GRPO), in its own run directory (checkpoint.run_name=gpu_check_moe) with every
+    expert on the one process (MOE_OVERRIDES; after the given ones, so they win)."""
+    keep, dropped = grpo_overrides(overrides)
+    keep = [o for o in keep if o.split("=", 1)[0].strip() != "checkpoint.run_name"]
+    return [*keep, f"checkpoint.run_name={MOE_RUN}", *MOE_OVERRIDES], dropped
+
+
 def run_pipeline(py: Path, overrides: list[str], log_path: Path, timeout: float,
                  recipe: str = RECIPE) -> tuple[int, float]:
     """torchrun (1 process) of the pipeline on `recipe`, its output to the console and log_path;
@@ -589,7 +625,56 @@ def collect(run_dir: str | Path) -> dict:
         **rl, "memory_saving_bytes": memory_saving(ppo, rl["grpo"]),
         "lora_memory_saving_bytes": memory_saving(ppo, rl["ppo_lora"]),
         "vllm": collect_vllm(run_dir.parent / VLLM_RUN),
+        "moe": collect_moe(run_dir.parent / MOE_RUN),
     }
+
+
+def routing_metrics(metrics_path: Path) -> dict:
+    """The metrics.jsonl keys that start with ROUTING_PREFIXES, each with its first and last
+    logged value ({"step", "value"}; a resumed run re-logs steps: the last line of a step wins);
+    {} when the stage logged none (or has no metrics.jsonl)."""
+    by_step = {}
+    for line in metrics_path.read_text().splitlines() if metrics_path.exists() else []:
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(rec, dict) and "step" in rec:
+            by_step.setdefault(rec["step"], {}).update(
+                {k: v for k, v in rec.items() if isinstance(k, str) and k.startswith(ROUTING_PREFIXES)})
+    found = {}
+    for step in sorted(by_step):
+        for key, value in by_step[step].items():
+            value = _finite(value) if isinstance(value, (int, float)) else value  # lists etc. as logged
+            found.setdefault(key, {"first": {"step": step, "value": value}})["last"] = {"step": step, "value": value}
+    return dict(sorted(found.items()))
+
+
+def collect_moe(run_dir: Path) -> dict:
+    """The MoE run's numbers (<root>/gpu_check_moe): its RL stage's as collect_rl (<run>/grpo),
+    plus each stage's seconds and peak memory ("stages": sft, rm, grpo), the expert module class
+    each stage's summary.json records per role ("expert_modules": stage -> role -> class, as the
+    stage built it; "expert_module": the actor's in the RL stage, else in SFT; "grouped_gemm":
+    whether that class is a grouped-GEMM one, e.g. TEGroupedMLP, not SequentialMLP; None: no
+    summary says) and the routing metrics the stages logged ("routing": stage -> routing_metrics).
+    complete/missing cover the three stages' files."""
+    x = collect_rl(run_dir, MOE_STAGES[-1])
+    missing, summaries = [], {}
+    for stage in MOE_STAGES[:-1]:
+        summaries[stage] = _read_json(run_dir / stage / "summary.json", missing)
+    summaries[MOE_STAGES[-1]] = _read_json(run_dir / MOE_STAGES[-1] / "summary.json", [])  # collect_rl's missing
+    x["missing"] = missing + x["missing"]
+    x["complete"] = not x["missing"]
+    x["stages"] = {s: {"seconds": _finite(summaries[s].get("wall_seconds")),
+                       "peak_memory_bytes": _finite(summaries[s].get("peak_memory_bytes"))}
+                   for s in MOE_STAGES[:-1]}
+    x["stages"][MOE_STAGES[-1]] = x["stage"]
+    modules = {s: summ["expert_modules"] for s, summ in summaries.items()
+               if isinstance(summ.get("expert_modules"), dict)}
+    actor = next((modules[s]["actor"] for s in (MOE_STAGES[-1], "sft") if (modules.get(s) or {}).get("actor")), None)
+    x.update(expert_modules=modules, expert_module=actor, grouped_gemm=None if actor is None else "Grouped" in actor,
+             routing={s: r for s in MOE_STAGES if (r := routing_metrics(run_dir / s / "metrics.jsonl"))})
+    return x
 
 
 def _median(values: list) -> float | None:
@@ -688,12 +773,13 @@ def format_table(res: dict) -> str:
                      f"{env.get('megatron_core')}, Python {env.get('python')}, {env.get('params_dtype', '?')}, "
                      f"TE layer spec: {'yes' if env.get('transformer_engine') else 'no (local spec)'}, "
                      f"offload between RL phases: {'on' if env.get('offload_between_phases') else 'off'}")
-    grpo_s, lora_s = ((x.get("run") or {}).get("seconds") for x in (grpo, lora))
+    grpo_s, lora_s, moe_s = ((x.get("run") or {}).get("seconds") for x in (grpo, lora, res.get("moe") or {}))
     lines.append(f"run: {res['run_dir']}"
                  + (f"   SFT -> RM -> PPO incl. start-up: {_s(res['total_seconds'])} s"
                     if res.get("total_seconds") is not None else "")
                  + (f"   GRPO incl. start-up: {_s(grpo_s)} s" if grpo_s is not None else "")
-                 + (f"   PPO+LoRA incl. start-up: {_s(lora_s)} s" if lora_s is not None else ""))
+                 + (f"   PPO+LoRA incl. start-up: {_s(lora_s)} s" if lora_s is not None else "")
+                 + (f"   MoE SFT -> RM -> GRPO incl. start-up: {_s(moe_s)} s" if moe_s is not None else ""))
     gpu = bool(env) and env.get("device", "cpu") != "cpu"
     mem_head = "peak GPU memory" if gpu else "peak memory"
     lines += ["", f"{'stage':<20}{'seconds':>10}  {mem_head:>16}", "-" * 48]
@@ -739,6 +825,8 @@ def format_table(res: dict) -> str:
         if state := run_state(x):
             lines.append(f"{name}: {state}")
     lines += reuse_lines(res)
+    if res.get("moe"):  # gpu_check.json files of earlier versions have none
+        lines += moe_lines(res["moe"], mem_head)
     lines += vllm_lines(res.get("vllm") or {})
     if res.get("missing"):
         lines.append("missing: " + ", ".join(res["missing"]))
@@ -768,6 +856,48 @@ def reuse_lines(res: dict) -> list[str]:
     note = "; * no step reused them: the engine's logprob_mismatch, what they would be off by" if estimated else ""
     return [f"old log-probs vs the first train step's forward{f' ({dtype})' if dtype else ''}, median |Δ| per "
             f"token, rl.reuse_rollout_logprobs off / on: {', '.join(cells)}{note}"]
+
+
+def _metric_value(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    if isinstance(v, list) and all(isinstance(e, (int, float)) and not isinstance(e, bool) for e in v):
+        return "[" + ", ".join(f"{e:.3g}" for e in v) + "]"
+    return "n/a" if v is None else json.dumps(v)
+
+
+def moe_lines(moe: dict, mem_head: str = "peak memory") -> list[str]:
+    """The MoE run's block: each stage's seconds and peak memory, the expert module the stages
+    built (the actor's first: TE's grouped GEMM or not), gold and reward before/after with the
+    final KL, the routing metrics logged (first -> last), and why numbers are missing."""
+    labels = {"sft": "SFT stage", "rm": "RM stage", MOE_STAGES[-1]: f"{MOE_STAGES[-1].upper()} stage"}
+    title = f"MoE ({MOE_RECIPE}, one process)"
+    head = f"{title:<44}{'seconds':>10}  {mem_head:>16}"
+    lines = ["", head, "-" * len(head)]
+    for stage in MOE_STAGES:
+        v = (moe.get("stages") or {}).get(stage) or {}
+        lines.append(f"{labels[stage]:<44}{_s(v.get('seconds')):>10}  {_mib(v.get('peak_memory_bytes')):>16}")
+    actor = moe.get("expert_module")
+    if actor is None:
+        experts = "n/a (no stage summary names its expert module)"
+    else:
+        experts = f"actor {actor} ({'grouped GEMM' if moe.get('grouped_gemm') else 'no grouped GEMM: one per expert'})"
+        per_stage = [f"{s.upper()} " + ", ".join(f"{role} {cls}" for role, cls in roles.items())
+                     for s, roles in (moe.get("expert_modules") or {}).items() if roles]
+        experts += ("; " + "; ".join(per_stage)) if per_stage else ""
+    lines.append(f"{'expert module':<20}{experts}")
+    if str(Path(moe.get("stage_dir", "")) / "summary.json") not in (moe.get("missing") or []):
+        g, r = moe["gold_score"], moe["reward"]
+        lines.append(f"{'gold':<20}{_s(g['before'], '{:.3f}')} -> {_s(g['after'], '{:.3f}')} "
+                     f"({_s(_minus(g['after'], g['before']), '{:+.3f}')}); reward {_s(r['before'], '{:.3f}')} -> "
+                     f"{_s(r['after'], '{:.3f}')}; KL final {_s(moe['kl_mean_final'], '{:.3f}')}")
+    for stage, metrics in (moe.get("routing") or {}).items():
+        cells = [f"{k} {_metric_value(m['first']['value'])} -> {_metric_value(m['last']['value'])} "
+                 f"(step {m['first']['step']} -> {m['last']['step']})" for k, m in metrics.items()]
+        lines.append(f"{'routing (' + stage.upper() + ')':<20}{'; '.join(cells)}")
+    if state := run_state(moe):
+        lines.append(f"MoE: {state}")
+    return lines
 
 
 def vllm_lines(v: dict) -> list[str]:
@@ -810,9 +940,9 @@ def run_vllm(py: Path, overrides: list[str], root: Path, out: Path, timeout: flo
 
 def write_outputs(res: dict, out_dir: str | Path, run_dir: Path | None = None) -> Path:
     """<out>/gpu_check.json and gpu_check.txt; with run_dir, summaries.json (each stage's
-    summary.json by stage) and rl_metrics.jsonl: every RL run's metrics.jsonl rows, each with
-    "rl_run" (ppo, grpo, ppo_lora) first. Flat files, one for all RL metrics: the device tool
-    brings back at most 8, and the logs are up to four more."""
+    summary.json by stage; the MoE run's as moe_sft, moe_rm, moe_grpo) and rl_metrics.jsonl: every
+    RL run's metrics.jsonl rows, each with "rl_run" (ppo, grpo, ppo_lora, moe) first. Flat files,
+    one for all RL metrics: the device tool brings back at most 8, and the logs are up to five more."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     table = format_table(res)
@@ -820,15 +950,17 @@ def write_outputs(res: dict, out_dir: str | Path, run_dir: Path | None = None) -
     (out / "gpu_check.txt").write_text(table + "\n")
     if run_dir is not None:
         summaries = {}
-        for stage in ("sft", "rm", *RL_RUNS):
+        moe_dir = run_dir.parent / MOE_RUN
+        for name, path in [*((s, run_dir / s) for s in ("sft", "rm", *RL_RUNS)),
+                           *((f"moe_{s}", moe_dir / s) for s in MOE_STAGES)]:
             try:
-                summaries[stage] = json.loads((run_dir / stage / "summary.json").read_text())
+                summaries[name] = json.loads((path / "summary.json").read_text())
             except (OSError, ValueError):
                 pass
         (out / "summaries.json").write_text(json.dumps(summaries, indent=2) + "\n")
         rows = []
-        for a in RL_RUNS:
-            path = run_dir / a / "metrics.jsonl"
+        for a, path in [*((a, run_dir / a / "metrics.jsonl") for a in RL_RUNS),
+                        ("moe", moe_dir / MOE_STAGES[-1] / "metrics.jsonl")]:
             for line in path.read_text().splitlines() if path.exists() else []:
                 if not line.strip():
                     continue
@@ -921,19 +1053,26 @@ def main(argv: list[str] | None = None) -> int:
                     os.path.join(tempfile.gettempdir(), "megatron_rlhf_gpu_check_venv"))
     ap.add_argument("--no-install", action="store_true",
                     help="run under the interpreter as it is (its packages already installed): no venv, no wheels")
-    ap.add_argument("--timeout", type=float, default=float(os.environ.get("GPU_CHECK_TIMEOUT", 420)),
-                    help="seconds for the runs together, SFT -> RM -> PPO, then GRPO, then PPO with LoRA, before "
-                         "they are stopped (env GPU_CHECK_TIMEOUT; default 420; the vLLM path has its own)")
-    ap.add_argument("--grpo-share", type=float, default=0.3,
-                    help="part of --timeout kept for the GRPO run (default 0.3): PPO is stopped after (1 - GRPO's "
-                         "share - LoRA's share) x timeout, GRPO gets what is left less LoRA's share")
-    ap.add_argument("--lora-share", type=float, default=0.25,
-                    help="part of --timeout kept for the PPO-with-LoRA run (default 0.25): it gets what PPO and "
-                         "GRPO left")
+    ap.add_argument("--timeout", type=float, default=float(os.environ.get("GPU_CHECK_TIMEOUT", 600)),
+                    help="seconds for the runs together, SFT -> RM -> PPO, then GRPO, then PPO with LoRA, then the "
+                         "MoE run, before they are stopped (env GPU_CHECK_TIMEOUT; default 600; the vLLM path has "
+                         "its own). The default shares give PPO, GRPO and LoRA the seconds they had of the 420 "
+                         "before the MoE run (at most 189, at least 126 and 105) and the MoE run at least 180")
+    ap.add_argument("--grpo-share", type=float, default=0.21,
+                    help="part of --timeout kept for the GRPO run (default 0.21): PPO is stopped after (1 - the "
+                         "shares of GRPO, LoRA and MoE) x timeout, GRPO gets what is left less LoRA's and MoE's shares")
+    ap.add_argument("--lora-share", type=float, default=0.175,
+                    help="part of --timeout kept for the PPO-with-LoRA run (default 0.175): it gets what PPO and "
+                         "GRPO left less MoE's share")
+    ap.add_argument("--moe-share", type=float, default=0.3,
+                    help=f"part of --timeout kept for the MoE run ({MOE_RECIPE}: its own SFT -> RM -> GRPO on one "
+                         "process; default 0.3): it gets what PPO, GRPO and LoRA left")
     ap.add_argument("--no-grpo", action="store_true",
                     help="no GRPO run (--report-only: GRPO not required); its share goes to PPO")
     ap.add_argument("--no-lora", action="store_true",
                     help="no PPO-with-LoRA run (--report-only: LoRA not required); its share goes to PPO")
+    ap.add_argument("--no-moe", action="store_true",
+                    help="no mixture-of-experts run (--report-only: MoE not required); its share goes to PPO")
     ap.add_argument("--no-vllm", action="store_true", help="skip the vLLM rollout path even when vllm imports")
     ap.add_argument("--vllm-timeout", type=float, default=float(os.environ.get("GPU_CHECK_VLLM_TIMEOUT", 240)),
                     help="seconds for the vLLM recipe's SFT -> RM -> PPO (env GPU_CHECK_VLLM_TIMEOUT; default 240)")
@@ -946,15 +1085,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--wheel-python", default="3.12", help="CPython versions for --build-wheels (space-separated)")
     ap.add_argument("--all-deps", action="store_true", help="--build-wheels: every dependency except torch's (~72 MiB)")
     args = ap.parse_args(argv)
-    for flag, share in (("--grpo-share", args.grpo_share), ("--lora-share", args.lora_share)):
+    for flag, share in (("--grpo-share", args.grpo_share), ("--lora-share", args.lora_share),
+                        ("--moe-share", args.moe_share)):
         if not 0 < share < 1:
             ap.error(f"{flag} {share}: must be between 0 and 1")
     # the parts of --timeout kept for the runs after PPO's (none for a run that is skipped)
     grpo_share, lora_share = (0 if args.no_grpo else args.grpo_share), (0 if args.no_lora else args.lora_share)
-    grpo_keep, lora_keep = grpo_share * args.timeout, lora_share * args.timeout
-    if grpo_share + lora_share >= 1:
-        ap.error(f"--grpo-share {args.grpo_share} + --lora-share {args.lora_share}: must be below 1 "
-                 "(PPO gets the rest)")
+    moe_share = 0 if args.no_moe else args.moe_share
+    grpo_keep, lora_keep, moe_keep = grpo_share * args.timeout, lora_share * args.timeout, moe_share * args.timeout
+    if grpo_share + lora_share + moe_share >= 1:
+        ap.error(f"--grpo-share {args.grpo_share} + --lora-share {args.lora_share} + --moe-share {args.moe_share}"
+                 f"{' (those of runs not skipped)' if args.no_grpo or args.no_lora or args.no_moe else ''}: must be "
+                 "below 1 (PPO gets the rest)")
 
     try:
         if args.plan_install:  # internal: run by install() under the venv's python
@@ -968,13 +1110,13 @@ def main(argv: list[str] | None = None) -> int:
             if not run_dir.is_dir():
                 raise CheckError(f"no run directory {run_dir}")
             res = collect(run_dir)
-            for name, skip in (("grpo", args.no_grpo), ("ppo_lora", args.no_lora)):
+            optional = (("grpo", args.no_grpo), ("ppo_lora", args.no_lora), ("moe", args.no_moe))
+            for name, skip in optional:
                 if skip and not res[name]["complete"]:
                     res[name]["run"] = {"skipped": "--no-" + name.split("_")[-1]}
             print(format_table(res))
             say(f"wrote {write_outputs(res, args.out)}")
-            ok = res["complete"] and all(skip or run_state(res[name]) is None
-                                         for name, skip in (("grpo", args.no_grpo), ("ppo_lora", args.no_lora)))
+            ok = res["complete"] and all(skip or run_state(res[name]) is None for name, skip in optional)
             return 0 if ok else EXIT_RUN
 
         parent = find_python(args.python, args.cpu)
@@ -1004,21 +1146,26 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     run_dir = root / "gpu_check"
-    ppo_limit = args.timeout - grpo_keep - lora_keep
+    ppo_limit = args.timeout - grpo_keep - lora_keep - moe_keep
     if lora_only:
         say(f"PPO and GRPO runs without the LoRA run's overrides: {' '.join(lora_only)}")
     rc, seconds = run_pipeline(py, overrides, out / "gpu_check.log", ppo_limit)
-    grpo_run = run_grpo(py, given, run_dir, out, args.timeout - seconds - lora_keep, args.no_grpo)
-    lora_run = run_lora(py, given, run_dir, out, args.timeout - seconds - grpo_run.get("seconds", 0), args.no_lora)
+    grpo_run = run_grpo(py, given, run_dir, out, args.timeout - seconds - lora_keep - moe_keep, args.no_grpo)
+    lora_run = run_lora(py, given, run_dir, out, args.timeout - seconds - grpo_run.get("seconds", 0) - moe_keep,
+                        args.no_lora)
+    moe_run = run_moe(py, given, out, args.timeout - seconds - grpo_run.get("seconds", 0) - lora_run.get("seconds", 0),
+                      args.no_moe)
     vllm_run = run_vllm(py, overrides, root, out, args.vllm_timeout, args.no_vllm)
     res = collect(run_dir)
     res["vllm"] = {**res["vllm"], "run": vllm_run}
+    res["moe"]["run"] = moe_run
     res["ppo"]["run"] = {"recipe": RECIPE, "overrides": overrides, "overrides_not_passed": lora_only, "exit_code": rc,
                          "seconds": seconds, "timeout_seconds": ppo_limit, "log": "gpu_check.log"}
     res["grpo"]["run"], res["ppo_lora"]["run"] = grpo_run, lora_run
     launch = "torchrun --standalone --nproc-per-node 1 -m megatron_rlhf pipeline --config "
     res.update(environment=env, overrides=overrides, total_seconds=seconds, exit_code=rc,
-               command=launch + RECIPE, grpo_command=launch + GRPO_RECIPE, lora_command=launch + LORA_RECIPE)
+               command=launch + RECIPE, grpo_command=launch + GRPO_RECIPE, lora_command=launch + LORA_RECIPE,
+               moe_command=launch + MOE_RECIPE)
     path = write_outputs(res, out, run_dir)
     print("\n" + format_table(res), flush=True)
     say(f"wrote {path} (and gpu_check.txt, the logs, summaries.json, the RL metrics) in {out}")
@@ -1029,7 +1176,8 @@ def main(argv: list[str] | None = None) -> int:
         failed.append(f"the pipeline {'timed out' if rc == 124 else f'exited {rc}'}"
                       f"{'' if res['complete'] else '; missing ' + ', '.join(res['missing'])} "
                       f"(log: {out / 'gpu_check.log'})")
-    for name, label, skip in (("grpo", "GRPO", args.no_grpo), ("ppo_lora", "PPO with LoRA", args.no_lora)):
+    for name, label, skip in (("grpo", "GRPO", args.no_grpo), ("ppo_lora", "PPO with LoRA", args.no_lora),
+                              ("moe", "MoE", args.no_moe)):
         if not skip and run_state(res[name]):
             log = res[name]["run"]["log"] if "exit_code" in res[name]["run"] else None
             failed.append(f"{label} {run_state(res[name])}" + (f" (log: {out / log})" if log else ""))
@@ -1074,6 +1222,25 @@ def run_lora(py: Path, overrides: list[str], run_dir: Path, out: Path, left: flo
         return {"skipped": "--no-lora"}
     return run_after_ppo(py, "PPO-with-LoRA", LORA_RECIPE, "gpu_check_lora.log", *lora_overrides(overrides),
                          run_dir, out, left)
+
+
+def run_moe(py: Path, overrides: list[str], out: Path, left: float, skip: bool) -> dict:
+    """The MoE recipe's own SFT -> RM -> GRPO in <root>/gpu_check_moe, one process (expert
+    parallel 1), in the `left` seconds of --timeout; what happened, for gpu_check.json's moe.run.
+    It needs nothing of the PPO run, so only too little time left skips it."""
+    if skip:
+        return {"skipped": "--no-moe"}
+    ov, dropped = moe_overrides(overrides)
+    run = {"recipe": MOE_RECIPE, "overrides": ov, "overrides_not_passed": dropped, "log": "gpu_check_moe.log"}
+    if left < MIN_RUN_SECONDS:
+        run["skipped"] = f"only {max(left, 0):.0f} s of --timeout left (needs {MIN_RUN_SECONDS})"
+        say(f"MoE run skipped: {run['skipped']}")
+        return run
+    if dropped:
+        say(f"MoE run without the overrides it refuses or sets itself: {' '.join(dropped)}")
+    rc, seconds = run_pipeline(py, ov, out / run["log"], left, MOE_RECIPE)
+    run.update(exit_code=rc, seconds=seconds, timeout_seconds=left)
+    return run
 
 
 if __name__ == "__main__":

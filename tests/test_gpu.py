@@ -57,7 +57,8 @@ def test_smoke_roles_bf16_on_one_gpu(family):
 @pytest.mark.slow
 def test_gpu_check_pipeline_bf16_on_one_gpu(tmp_path):
     """make gpu-check's run (this interpreter as it is, no venv): SFT -> RM -> PPO in bf16 with
-    offload, then GRPO and PPO with LoRA, then sane numbers in the table's JSON."""
+    offload, then GRPO and PPO with LoRA, then the MoE pipeline on one process, then sane numbers
+    in the table's JSON."""
     proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu_check.py"), "--no-install",
                            "--python", sys.executable, "--out", str(tmp_path), "--timeout", "600"],
                           cwd=REPO, capture_output=True, text=True, timeout=900)
@@ -97,6 +98,16 @@ def test_gpu_check_pipeline_bf16_on_one_gpu(tmp_path):
         assert 0 < lora["trained"][key] < full["trained"][key] / 2, (key, lora["trained"], full["trained"])
     assert res["lora_memory_saving_bytes"]["stage"] is not None, res["lora_memory_saving_bytes"]
     assert all(math.isfinite(lora["gold_score"][k]) for k in ("before", "after")), lora["gold_score"]
+    # then the MoE pipeline (its own SFT -> RM -> GRPO, expert parallel 1): TE's grouped MLP where TE imports
+    moe = res["moe"]
+    assert moe["complete"] and moe["run"]["exit_code"] == 0, moe
+    assert moe["grouped_gemm"] is res["environment"]["transformer_engine"], moe["expert_modules"]
+    if not res["environment"]["transformer_engine"]:
+        assert moe["expert_module"] == "SequentialMLP", moe["expert_modules"]
+    assert sorted(moe["expert_modules"]) == ["grpo", "rm", "sft"], moe["expert_modules"]
+    for stage, v in moe["stages"].items():
+        assert v["seconds"] > 0 and v["peak_memory_bytes"] > 0, (stage, v)
+    assert all(math.isfinite(moe["gold_score"][k]) for k in ("before", "after")), moe["gold_score"]
 
 
 # --- on every machine (CPU included): the report and pre-flight code of make gpu-check ---
@@ -125,9 +136,44 @@ LORA_SUMMARY = {"actor": {"rank": 8, "alpha": 16.0, "targets": ["qkv", "proj", "
                 "critic": {"rank": 8, "alpha": 16.0, "targets": ["qkv", "proj", "fc1", "fc2"], "base": "<run>/rm"}}
 
 
-def write_run(run, with_stage_memory=True, grpo=True, lora=True):
+# The MoE run (<root>/gpu_check_moe): what a GPU with Transformer Engine builds, per stage and role
+MOE_MODULES = {"sft": {"actor": "TEGroupedMLP"}, "rm": {"reward": "TEGroupedMLP"},
+               "grpo": dict.fromkeys(GRPO_ROLES, "TEGroupedMLP")}
+
+
+def write_moe_run(run, modules=MOE_MODULES):
+    """The MoE run's directory as its stages write it: SFT, RM and GRPO summaries naming their
+    expert modules (`modules`; None: a summary without the field), GRPO's metrics with routing
+    metrics (a list-valued one too) beside others, SFT's with one."""
+    phases = ("eval", "generate", "score", "train")
+    summaries = {"sft": {"stage": "sft", "steps": 120, "wall_seconds": 20.5, "peak_memory_bytes": 40 * 2**20},
+                 "rm": {"stage": "rm", "steps": 120, "wall_seconds": 15.0, "peak_memory_bytes": 48 * 2**20},
+                 "grpo": {"stage": "rl", "algorithm": "grpo", "roles": GRPO_ROLES, "steps": 40,
+                          "gold_score_eval_before": 0.02, "gold_score_eval_after": 0.45,
+                          "reward_eval_before": 0.125, "reward_eval_after": 1.0, "kl_mean_final": 0.25,
+                          "phase_seconds": dict(zip(phases, (1.0, 6.0, 2.0, 9.0))),
+                          "phase_peak_memory_bytes": dict(zip(phases, (60 * 2**20, 70 * 2**20, 80 * 2**20,
+                                                                       90 * 2**20))),
+                          "peak_memory_bytes": 96 * 2**20, "wall_seconds": 35.0}}
+    for stage, summary in summaries.items():
+        (run / stage).mkdir(parents=True)
+        if modules is not None:
+            summary["expert_modules"] = modules[stage]
+        (run / stage / "summary.json").write_text(json.dumps(summary))
+    rows = [{"step": s, "logprob_mismatch": 1e-3, "kl_mean": 0.1,
+             "routing_agreement": 0.875 if s == 1 else 0.96875 if s == 40 else 0.9,
+             "expert_load": [0.25] * 4 if s == 1 else [0.5, 0.125, 0.125, 0.25]} for s in range(1, 41)]
+    (run / "grpo" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    rows = [{"step": 10, "loss": 3.0, "expert_load_max": 0.375}, {"step": 20, "loss": 2.0, "expert_load_max": 0.3125}]
+    (run / "sft" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def write_run(run, with_stage_memory=True, grpo=True, lora=True, moe=True):
     """A run directory in the format the stages write (summary.json, <algorithm>/metrics.jsonl):
-    SFT, RM, PPO, (grpo=True) GRPO and (lora=True) PPO with LoRA (<run>/ppo_lora) on the same SFT/RM."""
+    SFT, RM, PPO, (grpo=True) GRPO and (lora=True) PPO with LoRA (<run>/ppo_lora) on the same SFT/RM;
+    (moe=True) the MoE run beside it (write_moe_run)."""
+    if moe:
+        write_moe_run(run.parent / "gpu_check_moe")
     for stage, wall, mem in (("sft", 11.5, 3 * 2**20), ("rm", 9.25, 5 * 2**20)):
         (run / stage).mkdir(parents=True)
         summary = {"stage": stage, "steps": 120, "wall_seconds": wall}
@@ -390,17 +436,144 @@ def test_gpu_check_report_lora_missing_cpu(tmp_path):
     assert gc.main(["--report-only", str(run), "--out", str(out), "--no-lora", "--no-grpo"]) == 0
 
 
+def test_gpu_check_report_moe_run_cpu(tmp_path):
+    """The MoE run's block and JSON from its stage directories: each stage's seconds and peak
+    memory, the expert module the summaries name (the actor's first; grouped GEMM or not), gold and
+    reward before/after, the routing metrics passed through (first -> last); an older summary
+    without the field reads n/a, a missing MoE run is marked missing (exit code 1; --no-moe: 0)."""
+    gc = load_gpu_check()
+    run = tmp_path / "gpu_check"
+    write_run(run)
+    out = tmp_path / "out"
+    assert gc.main(["--report-only", str(run), "--out", str(out)]) == 0
+    moe = json.loads((out / "gpu_check.json").read_text())["moe"]
+    moe_dir = tmp_path / "gpu_check_moe"
+    assert moe["complete"] and moe["missing"] == [] and moe["stage_dir"] == str(moe_dir / "grpo")
+    assert moe["stages"] == {"sft": {"seconds": 20.5, "peak_memory_bytes": 40 * 2**20},
+                             "rm": {"seconds": 15.0, "peak_memory_bytes": 48 * 2**20},
+                             "grpo": {"seconds": 35.0, "peak_memory_bytes": 96 * 2**20}}
+    assert moe["expert_modules"] == MOE_MODULES and moe["expert_module"] == "TEGroupedMLP" and moe["grouped_gemm"]
+    assert moe["gold_score"] == {"before": 0.02, "after": 0.45} and moe["reward"] == {"before": 0.125, "after": 1.0}
+    assert moe["roles"] == GRPO_ROLES and moe["kl_mean_final"] == 0.25 and moe["phases"]["train"]["seconds"] == 9.0
+    assert moe["routing"] == {  # only routing_* and expert_load* keys, the stages that logged any
+        "sft": {"expert_load_max": {"first": {"step": 10, "value": 0.375}, "last": {"step": 20, "value": 0.3125}}},
+        "grpo": {"expert_load": {"first": {"step": 1, "value": [0.25] * 4},
+                                 "last": {"step": 40, "value": [0.5, 0.125, 0.125, 0.25]}},
+                 "routing_agreement": {"first": {"step": 1, "value": 0.875}, "last": {"step": 40, "value": 0.96875}}}}
+    table = (out / "gpu_check.txt").read_text()
+    rows = table_rows(table, block="MoE (")
+    assert rows["MoE (pipelines/tiny_cpu_moe.yaml, one process)"].split()[-3:] == ["seconds", "peak", "memory"]
+    assert rows["SFT stage"].split()[2:] == ["20.5", "40.0", "MiB"]
+    assert rows["RM stage"].split()[2:] == ["15.0", "48.0", "MiB"]
+    assert rows["GRPO stage"].split()[2:] == ["35.0", "96.0", "MiB"]
+    assert rows["expert module"].split(None, 2)[2] == (
+        "actor TEGroupedMLP (grouped GEMM); SFT actor TEGroupedMLP; RM reward TEGroupedMLP; GRPO actor TEGroupedMLP, "
+        "reference TEGroupedMLP, reward TEGroupedMLP")
+    assert rows["gold"].split(None, 1)[1] == "0.020 -> 0.450 (+0.430); reward 0.125 -> 1.000; KL final 0.250"
+    assert rows["routing (SFT)"].split(None, 2)[2] == "expert_load_max 0.375 -> 0.3125 (step 10 -> 20)"
+    assert rows["routing (GRPO)"].split(None, 2)[2] == (
+        "expert_load [0.25, 0.25, 0.25, 0.25] -> [0.5, 0.125, 0.125, 0.25] (step 1 -> 40); "
+        "routing_agreement 0.875 -> 0.9688 (step 1 -> 40)")
+    assert "MoE:" not in table
+
+    # SequentialMLP (a GPU without Transformer Engine, or CPU), and summaries without the field
+    shutil.rmtree(moe_dir)
+    write_moe_run(moe_dir, modules={"sft": {"actor": "SequentialMLP"}, "rm": {"reward": "SequentialMLP"}, "grpo": {}})
+    moe = gc.collect(run)["moe"]
+    assert moe["expert_module"] == "SequentialMLP" and moe["grouped_gemm"] is False  # the actor's at SFT
+    assert table_rows(gc.format_table(gc.collect(run)), block="MoE (")["expert module"].split(None, 2)[2] == \
+        "actor SequentialMLP (no grouped GEMM: one per expert); SFT actor SequentialMLP; RM reward SequentialMLP"
+    shutil.rmtree(moe_dir)
+    write_moe_run(moe_dir, modules=None)
+    moe = gc.collect(run)["moe"]
+    assert moe["expert_modules"] == {} and moe["expert_module"] is None and moe["grouped_gemm"] is None
+    assert "expert module       n/a (no stage summary names its expert module)" in gc.format_table(gc.collect(run))
+
+    # no MoE run: missing, exit code 1; --no-moe: not required
+    shutil.rmtree(moe_dir)
+    assert gc.main(["--report-only", str(run), "--out", str(out)]) == 1
+    res = json.loads((out / "gpu_check.json").read_text())
+    assert res["complete"] and not res["moe"]["complete"] and res["moe"]["stages"]["rm"]["seconds"] is None
+    table = (out / "gpu_check.txt").read_text()
+    missing = ", ".join(str(moe_dir / f) for f in ("sft/summary.json", "rm/summary.json", "grpo/summary.json",
+                                                    "grpo/metrics.jsonl"))
+    assert f"MoE: missing {missing}" in table and "\ngold " not in table
+    assert table_rows(table, block="MoE (")["GRPO stage"].split()[2:] == ["n/a", "n/a"]
+    assert gc.main(["--report-only", str(run), "--out", str(out), "--no-moe"]) == 0
+    assert "MoE: not run: --no-moe" in (out / "gpu_check.txt").read_text()
+    assert json.loads((out / "gpu_check.json").read_text())["moe"]["run"] == {"skipped": "--no-moe"}
+
+
+def test_gpu_check_moe_overrides_cpu():
+    """The MoE run's overrides load with the MoE recipe on one process (the recipe's expert
+    parallel 2 does not): the GRPO run's overrides, its own run directory, bf16, every expert
+    here; the stage directories are those the report reads."""
+    from megatron_rlhf.config import ConfigError, load_config, validate
+    from megatron_rlhf.trainers.stage_data import stage_dir
+
+    gc = load_gpu_check()
+    given = ["checkpoint.root=/tmp/r", "checkpoint.run_name=gpu_check", "model.params_dtype=bfloat16",
+             "rl.critic_optimizer.lr=1e-3", "lora.rank=4", "rl.algorithm=ppo", "rl.steps=3",
+             "parallel.expert_parallel=2"]
+    keep, dropped = gc.moe_overrides(given)
+    assert dropped == ["rl.critic_optimizer.lr=1e-3", "lora.rank=4", "rl.algorithm=ppo"]
+    assert keep == ["checkpoint.root=/tmp/r", "model.params_dtype=bfloat16", "rl.steps=3", "parallel.expert_parallel=2",
+                    "checkpoint.run_name=gpu_check_moe", "parallel.expert_parallel=1"]  # ours last: they win
+    cfg = validate(load_config(REPO / gc.MOE_RECIPE, keep), world_size=1)
+    assert cfg.parallel.expert_parallel == 1 and cfg.model.num_experts == 4 and cfg.model.params_dtype == "bfloat16"
+    assert cfg.rl.algorithm == "grpo" and not cfg.rl.has_critic and cfg.rl.steps == 3 and cfg.lora.rank == 0
+    assert [stage_dir(cfg, s) for s in ("sft", "rm", "rl")] == \
+        [Path("/tmp/r") / gc.MOE_RUN / s for s in gc.MOE_STAGES] == [Path("/tmp/r/gpu_check_moe") / s for s in
+                                                                    ("sft", "rm", "grpo")]
+    with pytest.raises(ConfigError, match="expert_parallel=2"):  # what the recipe alone asks of one process
+        validate(load_config(REPO / gc.MOE_RECIPE, keep[:-1]), world_size=1)
+    # its share of --timeout: the shares of the runs not skipped must leave PPO some (0.21 + 0.175 + 0.7 > 1)
+    with pytest.raises(SystemExit):
+        gc.main(["--report-only", "/nonexistent", "--moe-share", "0.7"])
+    assert gc.main(["--report-only", "/nonexistent", "--moe-share", "0.7", "--no-moe"]) == gc.EXIT_PREFLIGHT
+
+
+def test_stage_summary_names_the_expert_module_cpu():
+    """runner.expert_modules (a stage's summary.json `expert_modules`): the class of each role's
+    megatron MoE layers' `experts` as built; roles without MoE layers (dense models) left out."""
+    from types import SimpleNamespace
+
+    from megatron.core.transformer.moe.moe_layer import BaseMoELayer
+
+    from megatron_rlhf.trainers.runner import expert_modules
+
+    class TEGroupedMLP(torch.nn.Module):
+        pass
+
+    class MoELayer(BaseMoELayer):  # megatron's fields only: built without a TransformerConfig or groups
+        def __init__(self, experts):
+            torch.nn.Module.__init__(self)
+            self.router, self.experts = torch.nn.Linear(4, 2), experts
+
+        def forward(self, hidden_states):
+            return hidden_states
+
+    moe = torch.nn.Sequential(torch.nn.Linear(4, 4), MoELayer(TEGroupedMLP()), MoELayer(TEGroupedMLP()))
+    roles = {"actor": SimpleNamespace(module=moe), "reference": SimpleNamespace(module=moe),
+             "reward": SimpleNamespace(module=torch.nn.Linear(4, 1))}
+    assert expert_modules(roles) == {"actor": "TEGroupedMLP", "reference": "TEGroupedMLP"}
+    assert expert_modules({"actor": SimpleNamespace(module=torch.nn.Linear(4, 4))}) == {}
+
+
 GPU_ENV = {"python": "3.12.3", "torch": "2.11.0", "cuda": "13.0", "megatron_core": "0.19.2",
            "megatron_rlhf": str(REPO / "megatron_rlhf" / "__init__.py"), "transformer_engine": False,
            "device": "NVIDIA H200", "device_memory_bytes": 140 * 2**30}
 
 
-@pytest.mark.parametrize("outcome", ["ok", "grpo_fails", "rm_unfinished", "lora_fails", "no_lora"])
+@pytest.mark.parametrize("outcome", ["ok", "grpo_fails", "rm_unfinished", "lora_fails", "no_lora", "moe_fails",
+                                     "no_moe"])
 def test_gpu_check_runs_ppo_then_grpo_then_lora_cpu(tmp_path, monkeypatch, capsys, outcome):
-    """main()'s three runs, with our own launcher replaced by one that writes what the stages
+    """main()'s four runs, with our own launcher replaced by one that writes what the stages
     write: GRPO gets the PPO run's overrides minus the critic's, rl.algorithm and lora.X; the
-    LoRA run gets the PPO run's plus lora.X, minus rl.algorithm; all in the same run directory,
-    each with its part of --timeout; PPO is reported whatever the others do."""
+    LoRA run gets the PPO run's plus lora.X, minus rl.algorithm; all in the same run directory;
+    then the MoE recipe's own SFT -> RM -> GRPO with the GRPO run's overrides in its own run
+    directory on one process (expert parallel 1); each with its part of --timeout; PPO is
+    reported whatever the others do."""
     gc = load_gpu_check()
     calls = []
 
@@ -409,8 +582,14 @@ def test_gpu_check_runs_ppo_then_grpo_then_lora_cpu(tmp_path, monkeypatch, capsy
         log_path.write_text("pipeline output\n")
         root = Path(next(o.split("=", 1)[1] for o in overrides if o.startswith("checkpoint.root=")))
         run = root / next(o.split("=", 1)[1] for o in overrides if o.startswith("checkpoint.run_name="))
+        if recipe == gc.MOE_RECIPE:  # its own SFT -> RM -> GRPO beside the PPO run, one process
+            assert run == root / "gpu_check_moe" and overrides[-1] == "parallel.expert_parallel=1"
+            if outcome == "moe_fails":
+                return 1, 30.0
+            write_moe_run(run)
+            return 0, 60.0
         if recipe == gc.RECIPE:
-            write_run(run, grpo=False, lora=False)
+            write_run(run, grpo=False, lora=False, moe=False)
             if outcome == "rm_unfinished":
                 (run / "rm" / "summary.json").unlink()
                 return 1, 100.0
@@ -420,7 +599,7 @@ def test_gpu_check_runs_ppo_then_grpo_then_lora_cpu(tmp_path, monkeypatch, capsy
                                  gc.LORA_RECIPE: ("ppo_lora", outcome == "lora_fails", 50.0)}[recipe]
         if failed:
             return 1, 20.0
-        write_run(tmp_path / name, grpo=True, lora=True)
+        write_run(tmp_path / name, grpo=True, lora=True, moe=False)
         (tmp_path / name / name).rename(run / name)
         return 0, seconds
 
@@ -430,7 +609,7 @@ def test_gpu_check_runs_ppo_then_grpo_then_lora_cpu(tmp_path, monkeypatch, capsy
     monkeypatch.setattr(gc, "verify", lambda py: dict(GPU_ENV))
     out, root = tmp_path / "out", tmp_path / "root"
     rc = gc.main(["--no-install", "--out", str(out), "--run-root", str(root), "--timeout", "400",
-                  *(["--no-lora"] if outcome == "no_lora" else []), "--",
+                  *({"no_lora": ["--no-lora"], "no_moe": ["--no-moe"]}.get(outcome, [])), "--",
                   "rl.critic_optimizer.lr=1e-3", "ppo.steps=5", "ppo.vf_coef=0.5", "sampling.max_new_tokens=8",
                   "lora.rank=4", "rl.algorithm=ppo"])
     res = json.loads((out / "gpu_check.json").read_text())
@@ -441,9 +620,9 @@ def test_gpu_check_runs_ppo_then_grpo_then_lora_cpu(tmp_path, monkeypatch, capsy
     base = [f"checkpoint.root={root}", "checkpoint.run_name=gpu_check", "model.params_dtype=bfloat16"]
     ppo_overrides = base + ["rl.critic_optimizer.lr=1e-3", "rl.steps=5", "rl.vf_coef=0.5", "sampling.max_new_tokens=8",
                             "rl.algorithm=ppo"]
-    # PPO: all but GRPO's 30% and LoRA's 25% of --timeout 400 (with --no-lora: all but GRPO's)
-    assert calls[0] == {"recipe": "pipelines/tiny_cpu.yaml", "overrides": ppo_overrides,
-                        "timeout": pytest.approx(280.0 if outcome == "no_lora" else 180.0), "log": "gpu_check.log"}
+    # PPO: all but GRPO's 21%, LoRA's 17.5% and MoE's 30% of --timeout 400 (--no-lora, --no-moe: but that one's)
+    assert calls[0] == {"recipe": "pipelines/tiny_cpu.yaml", "overrides": ppo_overrides, "log": "gpu_check.log",
+                        "timeout": pytest.approx({"no_lora": 196.0, "no_moe": 246.0}.get(outcome, 126.0))}
     assert res["overrides"] == ppo_overrides and res["ppo"]["run"]["overrides"] == ppo_overrides
     assert res["ppo"]["run"]["overrides_not_passed"] == ["lora.rank=4"]  # the LoRA run's only
     assert res["exit_code"] == res["ppo"]["run"]["exit_code"] == (1 if outcome == "rm_unfinished" else 0)
@@ -451,6 +630,8 @@ def test_gpu_check_runs_ppo_then_grpo_then_lora_cpu(tmp_path, monkeypatch, capsy
     assert res["command"].endswith("--config pipelines/tiny_cpu.yaml")
     assert res["grpo_command"].endswith("--config pipelines/tiny_cpu_grpo.yaml")
     assert res["lora_command"].endswith("--config pipelines/tiny_cpu_lora.yaml")
+    assert res["moe_command"] == "torchrun --standalone --nproc-per-node 1 -m megatron_rlhf pipeline --config " \
+        "pipelines/tiny_cpu_moe.yaml"
     # PPO's numbers whatever GRPO and LoRA did
     assert res["ppo_phases"]["train"] == {"seconds": 20.0, "peak_memory_bytes": 400 * 2**20}
     assert res["gold_score"] == {"before": 0.01, "after": 0.655}
@@ -462,8 +643,38 @@ def test_gpu_check_runs_ppo_then_grpo_then_lora_cpu(tmp_path, monkeypatch, capsy
         ["rl.critic_optimizer.lr=1e-3", "rl.vf_coef=0.5", "lora.rank=4", "rl.algorithm=ppo"]
     lora_ov = base + ["rl.critic_optimizer.lr=1e-3", "rl.steps=5", "rl.vf_coef=0.5", "sampling.max_new_tokens=8",
                       "lora.rank=4"]  # critic settings too: the LoRA recipe is PPO with a critic
+    # the MoE run: the GRPO run's overrides in its own run directory, every expert on the one process,
+    # in what PPO, GRPO and LoRA left of --timeout; it needs nothing of theirs
+    moe, moe_run = res["moe"], res["moe"]["run"]
+    moe_ov = [base[0], base[2], "rl.steps=5", "sampling.max_new_tokens=8", "checkpoint.run_name=gpu_check_moe",
+              "parallel.expert_parallel=1"]
+    moe_dir = root / "gpu_check_moe"
+    if outcome == "no_moe":
+        assert moe_run == {"skipped": "--no-moe"} and gc.MOE_RECIPE not in [c["recipe"] for c in calls]
+        assert not moe["complete"] and "MoE: not run: --no-moe" in table and "MoE SFT" not in table
+    else:
+        left = (400 - 100 - {"rm_unfinished": 0, "grpo_fails": 20}.get(outcome, 45)
+                - {"rm_unfinished": 0, "no_lora": 0, "lora_fails": 20}.get(outcome, 50))
+        assert calls[-1] == {"recipe": "pipelines/tiny_cpu_moe.yaml", "log": "gpu_check_moe.log",
+                             "overrides": moe_ov, "timeout": pytest.approx(left)}
+        failed = outcome == "moe_fails"
+        assert moe_run == {"recipe": "pipelines/tiny_cpu_moe.yaml", "overrides": moe_ov,
+                           "overrides_not_passed": grpo_not, "log": "gpu_check_moe.log", "exit_code": int(failed),
+                           "seconds": 30.0 if failed else 60.0, "timeout_seconds": pytest.approx(left)}
+        assert f"MoE SFT -> RM -> GRPO incl. start-up: {moe_run['seconds']} s" in table
+    if outcome == "moe_fails":  # marked missing, exit code 1; the other runs' numbers stand
+        missing = [str(moe_dir / f) for f in ("sft/summary.json", "rm/summary.json", "grpo/summary.json",
+                                              "grpo/metrics.jsonl")]
+        assert rc == 1 and not moe["complete"] and moe["missing"] == missing
+        assert f"MoE: the pipeline exited 1; missing {', '.join(missing)}" in table
+        assert stderr == (f"gpu-check: MoE the pipeline exited 1; missing {', '.join(missing)} "
+                          f"(log: {out / 'gpu_check_moe.log'})\n")
+        assert res["complete"] and res["grpo"]["complete"] and res["ppo_lora"]["complete"]
+    elif outcome != "no_moe":
+        assert moe["complete"] and moe["expert_module"] == "TEGroupedMLP" and moe["grouped_gemm"] is True
+        assert moe["gold_score"] == {"before": 0.02, "after": 0.45}
     if outcome == "rm_unfinished":
-        assert len(calls) == 1 and rc == 1
+        assert len(calls) == 2 and rc == 1  # PPO's pipeline, then the MoE run
         skipped = "RM did not finish in the PPO pipeline"
         assert grpo_run == {"recipe": "pipelines/tiny_cpu_grpo.yaml", "overrides": grpo_ov,
                             "overrides_not_passed": grpo_not, "log": "gpu_check_grpo.log", "skipped": skipped}
@@ -476,28 +687,34 @@ def test_gpu_check_runs_ppo_then_grpo_then_lora_cpu(tmp_path, monkeypatch, capsy
         return
     grpo_s = 20.0 if outcome == "grpo_fails" else 45.0
     assert calls[1] == {"recipe": "pipelines/tiny_cpu_grpo.yaml", "log": "gpu_check_grpo.log", "overrides": grpo_ov,
-                        # what PPO left of --timeout 400, less LoRA's share
-                        "timeout": pytest.approx(300.0 if outcome == "no_lora" else 200.0)}
+                        # what PPO left of --timeout 400, less LoRA's and MoE's shares (70 and 120 s)
+                        "timeout": pytest.approx({"no_lora": 180.0, "no_moe": 230.0}.get(outcome, 110.0))}
     assert grpo_run["overrides_not_passed"] == grpo_not
     assert grpo_run["timeout_seconds"] == calls[1]["timeout"] and grpo_run["seconds"] == grpo_s
     if outcome == "no_lora":
-        assert len(calls) == 2 and lora_run == {"skipped": "--no-lora"}
+        assert len(calls) == 3 and lora_run == {"skipped": "--no-lora"}
     else:
+        lora_left = 400 - 100 - grpo_s - (0 if outcome == "no_moe" else 120)  # what is left, less MoE's share
         assert calls[2] == {"recipe": "pipelines/tiny_cpu_lora.yaml", "log": "gpu_check_lora.log",
-                            "overrides": lora_ov, "timeout": pytest.approx(400 - 100 - grpo_s)}  # what is left
+                            "overrides": lora_ov, "timeout": pytest.approx(lora_left)}
         assert lora_run["overrides_not_passed"] == ["rl.algorithm=ppo"]
-        assert lora_run["timeout_seconds"] == pytest.approx(400 - 100 - grpo_s)
+        assert lora_run["timeout_seconds"] == pytest.approx(lora_left)
     files = sorted(p.name for p in out.iterdir())
-    assert len(files) <= 7  # the device tool brings back at most 8 files; the vLLM log would be the 8th
+    assert len(files) <= 8  # the device tool brings back at most 8 files; the vLLM log would be the 9th
     summaries = json.loads((out / "summaries.json").read_text())
     metrics = [json.loads(line) for line in (out / "rl_metrics.jsonl").read_text().splitlines()]
-    ran = {"ok": ["grpo", "ppo_lora"], "grpo_fails": ["ppo_lora"], "lora_fails": ["grpo"], "no_lora": ["grpo"]}[outcome]
-    assert sorted(summaries) == sorted(["ppo", "rm", "sft", *ran])
+    ran = {"grpo_fails": ["ppo_lora", "moe"], "lora_fails": ["grpo", "moe"], "no_lora": ["grpo", "moe"],
+           "moe_fails": ["grpo", "ppo_lora"], "no_moe": ["grpo", "ppo_lora"]}.get(outcome, ["grpo", "ppo_lora", "moe"])
+    moe_stages = ["moe_sft", "moe_rm", "moe_grpo"] if "moe" in ran else []
+    assert sorted(summaries) == sorted(["ppo", "rm", "sft", *[r for r in ran if r != "moe"], *moe_stages])
+    if "moe" in ran:
+        assert summaries["moe_grpo"]["expert_modules"] == MOE_MODULES["grpo"]
     assert metrics[0] == {"rl_run": "ppo", "step": 0, "eval_gold_score": 0.01}
-    assert [sum(m["rl_run"] == a for m in metrics) for a in ("ppo", "grpo", "ppo_lora")] == \
-        [42, 40 * ("grpo" in ran), 40 * ("ppo_lora" in ran)]
+    assert [sum(m["rl_run"] == a for m in metrics) for a in ("ppo", "grpo", "ppo_lora", "moe")] == \
+        [42, 40 * ("grpo" in ran), 40 * ("ppo_lora" in ran), 40 * ("moe" in ran)]
     assert files == sorted(["gpu_check.json", "gpu_check.log", "gpu_check.txt", "gpu_check_grpo.log",
                             *([] if outcome == "no_lora" else ["gpu_check_lora.log"]),
+                            *([] if outcome == "no_moe" else ["gpu_check_moe.log"]),
                             "rl_metrics.jsonl", "summaries.json"])
     assert f"GRPO incl. start-up: {grpo_s}" in table
     if outcome == "grpo_fails":
@@ -520,6 +737,8 @@ def test_gpu_check_runs_ppo_then_grpo_then_lora_cpu(tmp_path, monkeypatch, capsy
         assert f"PPO with LoRA the pipeline exited 1; missing {path}" in stderr
         assert f"(log: {out / 'gpu_check_lora.log'})" in stderr and "GRPO" not in stderr
         return
+    if outcome == "moe_fails":
+        return
     assert rc == 0 and stderr == ""
     if outcome == "no_lora":
         assert "PPO+LoRA: not run: --no-lora" in table and "PPO+LoRA incl." not in table
@@ -530,7 +749,8 @@ def test_gpu_check_runs_ppo_then_grpo_then_lora_cpu(tmp_path, monkeypatch, capsy
     assert summaries["ppo_lora"]["lora"] == LORA_SUMMARY
     assert lrows["train"].split()[1:] == ["20.0", "15.0", "400.0", "MiB", "220.0", "MiB", "180.0", "MiB", "(45%)"]
     assert ("SFT -> RM -> PPO incl. start-up: 100.0 s   GRPO incl. start-up: 45.0 s   "
-            "PPO+LoRA incl. start-up: 50.0 s") in table
+            "PPO+LoRA incl. start-up: 50.0 s" + ("" if outcome == "no_moe" else
+                                                 "   MoE SFT -> RM -> GRPO incl. start-up: 60.0 s")) in table
     assert not [line for line in table.splitlines()
                 if line.startswith(("missing", "GRPO:", "GRPO      missing", "PPO+LoRA:", "PPO+LoRA  missing"))]
 
@@ -616,7 +836,7 @@ def test_gpu_check_vllm_path_numbers_and_skip_line_cpu(tmp_path):
     assert gc.collect(run)["vllm"] == {}  # no vLLM run directory: no block
     assert "vLLM" not in gc.format_table(gc.collect(run))
     vllm = tmp_path / gc.VLLM_RUN
-    write_run(vllm, grpo=False)
+    write_run(vllm, grpo=False, moe=False)
     rows = [{"step": s, "refit_seconds": 0.5 * s, "refit_bytes_per_s": 2e9 * s, "generate_tokens_per_s": 1000.0 * s,
              "engine_sleep_freed_bytes": 2**30, "logprob_mismatch": 1e-3} for s in (1, 2, 3)]
     (vllm / "ppo" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))

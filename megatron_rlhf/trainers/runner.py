@@ -139,6 +139,8 @@ class StageRunner:
                                                     checkpoint_save_bytes=self.ckpt.last_save_bytes),
                    "checkpoint": str(self.ckpt.latest()), "checkpoint_warnings": self.checkpoint_warnings,
                    "inputs": self.inputs}
+        if experts := expert_modules(roles or self.trained):  # MoE models only: dense summaries are unchanged
+            summary["expert_modules"] = experts
         write_summary(self.out, summary)
         self.log.info(message)
         self.heartbeat.close()
@@ -184,6 +186,20 @@ def skipped_steps(roles: dict, by_role: bool = False) -> dict[str, int]:
     (`<role>_skipped_steps`; a stage with one role and by_role False: `skipped_steps`)."""
     return {f"{name}_skipped_steps" if by_role or len(roles) > 1 else "skipped_steps": role.guard.skipped
             for name, role in roles.items()}
+
+
+def expert_modules(roles: dict) -> dict[str, str]:
+    """The class of each role's expert module as built on this rank (megatron's MoE layers'
+    `experts`: TEGroupedMLP with Transformer Engine's grouped GEMM, SequentialMLP without), for
+    the summary (make gpu-check reports it); roles without MoE layers are left out."""
+    from megatron.core.transformer.moe.moe_layer import BaseMoELayer
+
+    found = {}
+    for name, role in roles.items():
+        kinds = sorted({type(m.experts).__name__ for m in role.module.modules() if isinstance(m, BaseMoELayer)})
+        if kinds:
+            found[name] = ", ".join(kinds)
+    return found
 
 
 def write_summary(directory: Path, summary: dict[str, Any]) -> None:
