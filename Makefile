@@ -213,7 +213,8 @@ clean-venv:
 # --no-grpo / --no-lora / --no-moe skip one); a table (per-phase peak memory of PPO vs GRPO and vs PPO+LoRA,
 # trainable parameters and optimizer state full vs LoRA; the MoE run's stages, the expert module its stages built:
 # TE's grouped MLP or SequentialMLP, gold, routing metrics) and $(GPU_CHECK_OUT)/gpu_check.json (8 files in
-# $(GPU_CHECK_OUT), 9 with the vLLM log). benchmarks/gpu_check.py says more.
+# $(GPU_CHECK_OUT), 9 with the vLLM log). benchmarks/gpu_check.py says more. Where one command may run 10 minutes
+# at most (a lent device), leave room for the set-up: GPU_CHECK_ARGS='--timeout 480' (or --no-moe).
 # benchmarks/gpu_ppo.py beside it: make bench-gpu (1B-parameter PPO: MFU, tokens/s, memory with offload
 # on/off; BENCH_GPU_ARGS=--dry-run for CPU; PY=python3 for the machine's CUDA torch).
 WHEELS_DIR       ?= .whl
