@@ -253,3 +253,29 @@ def test_routing_replay_glue_stays_on_the_device(fake):
     r = dataclasses.replace(rollout(), routes=routes)
     both = Rollout.cat([r, r.select(torch.tensor([1, 0], device=CUDA))], pad_id=0)
     on_cuda(selected=r.select(torch.tensor([2, 3], device=CUDA)).routes, concatenated=both.routes)
+
+
+def test_vllm_routes_land_on_the_device(fake):
+    """The vLLM engine's rollout (rollout/vllm_engine.py: `_to_rollout`) with each request's routed
+    experts (numpy, as vLLM returns them): the routes land on the actor's device with the rest,
+    and a pipeline stage's layer selection stays there."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from megatron_rlhf.config import load_config
+    from megatron_rlhf.models.routing import RoleRouterReplay, RoutingReplay
+    from megatron_rlhf.rollout.vllm_engine import VLLMRolloutEngine, stage_routes
+
+    m = load_config("pipelines/tiny_cpu.yaml", ["model.family=mixtral", "model.num_experts=4", "model.moe_router_topk=2",
+                                                "model.num_layers=4", "model.moe_dense_layers=[1]"]).model
+    engine = object.__new__(VLLMRolloutEngine)
+    engine.model, engine.eos_id, engine.pad_id, engine.returns_routes = m, 1, 0, True
+    prompts, responses = [[5, 6, 7], [8, 9]], [[3, 4, 1], [2]]
+    completions = [SimpleNamespace(token_ids=r, finish_reason="stop", logprobs=[{t: SimpleNamespace(logprob=-0.5)} for t in r],
+                                   routed_experts=np.zeros((len(p) + len(r) - 1, 4, 2), dtype=np.uint8))
+                   for p, r in zip(prompts, responses)]
+    r = engine._to_rollout(prompts, completions, CUDA)
+    stage = stage_routes(r.routes, RoutingReplay([RoleRouterReplay(3), RoleRouterReplay(4)], num_experts=4, topk=2), m)
+    on_cuda(routes=r.routes, tokens=r.tokens, stage=stage)
+    assert r.routes.shape == (2, 6, 3, 2) and stage.shape == (2, 6, 2, 2)

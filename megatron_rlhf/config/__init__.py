@@ -27,7 +27,7 @@ from megatron_rlhf.config.model import (
 from megatron_rlhf.config.recipe import from_dict, load_config, parse_overrides, read_recipe, rename_legacy_keys, yaml_problem
 from megatron_rlhf.config.rl import (
     CRITIC_FIELDS, CRITIC_FREE, GROUP_BASELINES, IMPORTANCE_RATIOS, KL_CONTROLLERS, KL_ESTIMATORS, LOSS_AGGREGATIONS,
-    REWARD_SOURCE_FIELDS, REWARD_SOURCE_TYPES, RL_ALGORITHMS, RewardSourceConfig, RLConfig,
+    REWARD_SOURCE_FIELDS, REWARD_SOURCE_TYPES, RL_ALGORITHMS, RewardSourceConfig, RLConfig, engine_returns_routes,
 )
 from megatron_rlhf.config.rollout import ROLLOUT_ENGINES, VLLM_CPU_HEAD_DIMS, RolloutConfig, check_vllm_cpu_model
 from megatron_rlhf.config.rules import policy_start, validate, warnings_for
@@ -49,6 +49,6 @@ __all__ = [
     "OVERFLOW_POLICIES", "OptimizerConfig", "ParallelConfig", "PipelineConfig", "REWARD_SOURCE_FIELDS",
     "REWARD_SOURCE_TYPES", "RLConfig", "RL_ALGORITHMS", "RMConfig", "ROLLOUT_ENGINES", "ROPE_SCALING_TYPES", "RecipeFacts", "ResilienceConfig", "RewardSourceConfig", "RolloutConfig",
     "RopeScalingConfig", "SFTConfig", "STAGES", "SamplingConfig", "STAGE_INPUTS", "StageConfig", "VLLM_CPU_HEAD_DIMS",
-    "check_vllm_cpu_model", "from_dict", "load_config", "parse_overrides", "policy_start", "read_recipe",
+    "check_vllm_cpu_model", "engine_returns_routes", "from_dict", "load_config", "parse_overrides", "policy_start", "read_recipe",
     "rename_legacy_keys", "validate", "warnings_for", "yaml_problem",
 ]

