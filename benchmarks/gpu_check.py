@@ -51,6 +51,12 @@ CUDA-enabled torch (it never installs torch):
    --vllm-timeout (240 s): refit GB/s, decode tokens/s and the device memory the engine's sleep
    frees (medians over iterations), gold before/after, mismatch; otherwise a "not run" line
    with the reason (--no-vllm skips it). Its log is the 9th file of <out>;
+4d. optional (--vllm-moe; off by default: its time on a GPU is not measured yet, so it has no share
+   of --timeout): routing replay with vLLM's routes. After the MoE run (4b), GRPO alone on
+   pipelines/tiny_cpu_moe.yaml with rollout.engine=vllm and rl.routing_replay=rollout, from that
+   run's SFT and RM, in <root>/gpu_check_vllm_moe, within --vllm-moe-timeout (240 s): vLLM's Model
+   Runner V2 returns the routes (rollout/vllm_engine.py), and the routing_ / expert_load metrics it
+   logs are reported (first -> last). Its log is gpu_check_vllm_moe.log;
 5. a table and <out>/gpu_check.json from what the stages wrote: per-stage seconds and peak
    memory; per RL phase (generate, score, train, eval) seconds and peak memory of PPO and GRPO
    side by side with the memory a critic-free algorithm saves (PPO minus GRPO) per phase and for
@@ -113,6 +119,8 @@ RUN_LABELS = {"ppo": "PPO", "grpo": "GRPO", "ppo_lora": "PPO+LoRA"}  # as the ta
 # The vLLM rollout path (when the GPU `vllm` package imports): its own SFT -> RM -> PPO on the
 # vLLM recipe (head size 32), in <root>/gpu_check_vllm, after PPO and GRPO.
 VLLM_RECIPE, VLLM_RUN = "pipelines/tiny_cpu_vllm.yaml", "gpu_check_vllm"
+# --vllm-moe: routing replay with vLLM's routes, GRPO on the MoE recipe from the MoE run's SFT and RM
+VLLM_MOE_RUN = "gpu_check_vllm_moe"
 # The mixture-of-experts run: its own SFT -> RM -> GRPO (every role a 4-expert top-2 Mixtral-style
 # model) in <root>/gpu_check_moe, after LoRA. The recipe splits the experts over two processes
 # (make pipeline-moe); on one GPU it runs in one, all experts on it (MOE_OVERRIDES, last: they win).
@@ -629,6 +637,38 @@ def collect(run_dir: str | Path) -> dict:
     }
 
 
+def run_vllm_moe(py: Path, overrides: list[str], root: Path, out: Path, timeout: float) -> dict:
+    """4d (--vllm-moe): GRPO on the MoE recipe with rollout.engine=vllm and rl.routing_replay=rollout,
+    from <root>/gpu_check_moe's SFT and RM, in <root>/gpu_check_vllm_moe; what happened and the
+    routing metrics its RL stage logged, for gpu_check.json's vllm_moe."""
+    if why := vllm_missing(py):
+        return {"skipped": f"the GPU `vllm` package does not import ({why})"}
+    moe = root / MOE_RUN
+    if not (moe / "sft").is_dir() or not (moe / "rm").is_dir():
+        return {"skipped": f"the MoE run left no SFT and RM in {moe}"}
+    ov, dropped = moe_overrides(overrides)
+    ov = [o for o in ov if o.split("=", 1)[0].strip() != "checkpoint.run_name"] + [
+        f"checkpoint.run_name={VLLM_MOE_RUN}", "pipeline.stages=[rl]", f"rl.sft_from={moe / 'sft'}",
+        f"rl.rm_from={moe / 'rm'}", "rollout.engine=vllm", "rl.routing_replay=rollout", "rl.steps=2"]
+    rc, seconds = run_pipeline(py, ov, out / "gpu_check_vllm_moe.log", timeout, MOE_RECIPE)
+    return {"recipe": MOE_RECIPE, "overrides": ov, "overrides_not_passed": dropped, "exit_code": rc,
+            "seconds": seconds, "timeout_seconds": timeout, "log": "gpu_check_vllm_moe.log",
+            "routing": routing_metrics(root / VLLM_MOE_RUN / MOE_STAGES[-1] / "metrics.jsonl")}
+
+
+def vllm_moe_lines(v: dict) -> list[str]:
+    """4d's lines: how it ended and the routing metrics (first -> last)."""
+    if not v:
+        return []
+    if "skipped" in v:
+        return ["", f"vLLM routing replay (--vllm-moe): skipped: {v['skipped']}"]
+    lines = ["", f"vLLM routing replay (--vllm-moe, {MOE_RECIPE} GRPO, rollout.engine=vllm): exit {v.get('exit_code')} "
+                 f"in {_s(v.get('seconds'))} s"]
+    for key, fl in (v.get("routing") or {}).items():
+        lines.append(f"  {key}: {_metric_value(fl['first']['value'])} -> {_metric_value(fl['last']['value'])}")
+    return lines
+
+
 def routing_metrics(metrics_path: Path) -> dict:
     """The metrics.jsonl keys that start with ROUTING_PREFIXES, each with its first and last
     logged value ({"step", "value"}; a resumed run re-logs steps: the last line of a step wins);
@@ -828,6 +868,7 @@ def format_table(res: dict) -> str:
     if res.get("moe"):  # gpu_check.json files of earlier versions have none
         lines += moe_lines(res["moe"], mem_head)
     lines += vllm_lines(res.get("vllm") or {})
+    lines += vllm_moe_lines(res.get("vllm_moe") or {})
     if res.get("missing"):
         lines.append("missing: " + ", ".join(res["missing"]))
     if not gpu:
@@ -1076,6 +1117,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-vllm", action="store_true", help="skip the vLLM rollout path even when vllm imports")
     ap.add_argument("--vllm-timeout", type=float, default=float(os.environ.get("GPU_CHECK_VLLM_TIMEOUT", 240)),
                     help="seconds for the vLLM recipe's SFT -> RM -> PPO (env GPU_CHECK_VLLM_TIMEOUT; default 240)")
+    ap.add_argument("--vllm-moe", action="store_true",
+                    help="also GRPO on the MoE recipe with rollout.engine=vllm and rl.routing_replay=rollout (4d)")
+    ap.add_argument("--vllm-moe-timeout", type=float, default=float(os.environ.get("GPU_CHECK_VLLM_MOE_TIMEOUT", 240)),
+                    help="seconds for --vllm-moe's GRPO run (env GPU_CHECK_VLLM_MOE_TIMEOUT; default 240)")
     ap.add_argument("--run-root", default=None, help="run root (default: a new temporary folder, removed after)")
     ap.add_argument("--keep-run", action="store_true", help="keep the temporary run root")
     ap.add_argument("--cpu", action="store_true", help="accept a torch without a GPU (tests this script on CPU)")
@@ -1156,7 +1201,10 @@ def main(argv: list[str] | None = None) -> int:
     moe_run = run_moe(py, given, out, args.timeout - seconds - grpo_run.get("seconds", 0) - lora_run.get("seconds", 0),
                       args.no_moe)
     vllm_run = run_vllm(py, overrides, root, out, args.vllm_timeout, args.no_vllm)
+    vllm_moe = run_vllm_moe(py, given, root, out, args.vllm_moe_timeout) if args.vllm_moe and not args.no_moe else None
     res = collect(run_dir)
+    if vllm_moe is not None:
+        res["vllm_moe"] = vllm_moe
     res["vllm"] = {**res["vllm"], "run": vllm_run}
     res["moe"]["run"] = moe_run
     res["ppo"]["run"] = {"recipe": RECIPE, "overrides": overrides, "overrides_not_passed": lora_only, "exit_code": rc,
@@ -1181,6 +1229,8 @@ def main(argv: list[str] | None = None) -> int:
         if not skip and run_state(res[name]):
             log = res[name]["run"]["log"] if "exit_code" in res[name]["run"] else None
             failed.append(f"{label} {run_state(res[name])}" + (f" (log: {out / log})" if log else ""))
+    if vllm_moe is not None and vllm_moe.get("exit_code") not in (None, 0):
+        failed.append(f"the vLLM routing replay run exited {vllm_moe['exit_code']} (log: {out / 'gpu_check_vllm_moe.log'})")
     if vllm_run.get("exit_code") not in (None, 0):
         failed.append(f"the vLLM rollout path {run_state(res['vllm'])} (log: {out / 'gpu_check_vllm.log'})")
     for line in failed:
