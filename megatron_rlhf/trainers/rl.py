@@ -393,7 +393,8 @@ def train(cfg: Config) -> dict:
                             micro_batch_tokens=rl.micro_batch_tokens)
     try:
         with make_engine(cfg.rollout, cfg.model, roles["actor"], tok.eos_id, tok.pad_id, workdir=runner.out,
-                         seed=cfg.seed, verbose=cfg.logging.verbose) as engine:
+                         seed=cfg.seed, verbose=cfg.logging.verbose,
+                         routes=rl.replays_routes(cfg.model, cfg.rollout.engine)) as engine:
             return run_iterations(cfg, runner, data, roles, engine, sched, rewards, prompts)
     except RewardSourceError as err:  # stop once the checkpoints already started are committed
         runner.ckpt.wait()
