@@ -509,19 +509,27 @@ def _read_json(path: Path, missing: list) -> dict:
         return {}
 
 
+def _records_by_step(metrics_path: Path) -> dict:
+    """metrics.jsonl's records merged per step (a resumed run re-logs steps: the last value of a
+    key wins); unreadable lines skipped, {} without the file."""
+    by_step = {}
+    for line in metrics_path.read_text().splitlines() if metrics_path.exists() else []:
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(rec, dict) and "step" in rec:
+            by_step.setdefault(rec["step"], {}).update(rec)
+    return by_step
+
+
 def _mismatch(metrics_path: Path, missing: list) -> dict:
     """logprob_mismatch at the first and last step of metrics.jsonl ({"step", "value"} each)."""
     if not metrics_path.exists():
         missing.append(str(metrics_path))
         return {"first": None, "last": None}
-    by_step = {}
-    for line in metrics_path.read_text().splitlines():
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            continue
-        if "logprob_mismatch" in rec and "step" in rec:
-            by_step[rec["step"]] = rec["logprob_mismatch"]  # a resumed run re-logs steps: keep the last
+    by_step = {step: rec["logprob_mismatch"] for step, rec in _records_by_step(metrics_path).items()
+               if "logprob_mismatch" in rec}
     if not by_step:
         return {"first": None, "last": None}
     first, last = min(by_step), max(by_step)
@@ -535,14 +543,7 @@ def pi_old_mismatch(metrics_path: Path) -> dict:
     the iterations that recomputed them ("recomputed": rl.reuse_rollout_logprobs off, or one of its
     recompute steps: those log logprob_mismatch) and over those that reused the engine's ("reused");
     "engine": the median logprob_mismatch, what reused ones would be off by. None: no such step."""
-    by_step = {}
-    for line in metrics_path.read_text().splitlines() if metrics_path.exists() else []:
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            continue
-        if "step" in rec:
-            by_step.setdefault(rec["step"], {}).update(rec)  # a resumed run re-logs steps: the last wins
+    by_step = _records_by_step(metrics_path)
     measured = [r for r in by_step.values() if "old_logprob_mismatch" in r]
     return {"recomputed": _median([r["old_logprob_mismatch"] for r in measured if "logprob_mismatch" in r]),
             "reused": _median([r["old_logprob_mismatch"] for r in measured if "logprob_mismatch" not in r]),
@@ -673,18 +674,12 @@ def routing_metrics(metrics_path: Path) -> dict:
     """The metrics.jsonl keys that start with ROUTING_PREFIXES, each with its first and last
     logged value ({"step", "value"}; a resumed run re-logs steps: the last line of a step wins);
     {} when the stage logged none (or has no metrics.jsonl)."""
-    by_step = {}
-    for line in metrics_path.read_text().splitlines() if metrics_path.exists() else []:
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(rec, dict) and "step" in rec:
-            by_step.setdefault(rec["step"], {}).update(
-                {k: v for k, v in rec.items() if isinstance(k, str) and k.startswith(ROUTING_PREFIXES)})
+    by_step = _records_by_step(metrics_path)
     found = {}
     for step in sorted(by_step):
         for key, value in by_step[step].items():
+            if not key.startswith(ROUTING_PREFIXES):
+                continue
             value = _finite(value) if isinstance(value, (int, float)) else value  # lists etc. as logged
             found.setdefault(key, {"first": {"step": step, "value": value}})["last"] = {"step": step, "value": value}
     return dict(sorted(found.items()))
