@@ -106,6 +106,28 @@ def test_a_replayed_forward_counts_the_tokens_replay_overrode():
     assert r.take_overridden(sequence_parallel=False)["compared"].tolist() == [0.0]  # taken
 
 
+def test_a_pipeline_stage_without_moe_layers_still_takes_part():
+    """An MoE model whose stage holds only dense layers: that stage gets routes without layers and
+    runs every step the others run (their collectives would wait for it otherwise)."""
+    from types import SimpleNamespace
+
+    module = torch.nn.Linear(2, 2)
+    module.config = SimpleNamespace(moe_enable_routing_replay=True, num_moe_experts=E, moe_router_topk=K)
+    r = RoutingReplay.attach(module)
+    assert r is not None and r.layers == 0
+    module.config.moe_enable_routing_replay = False
+    assert RoutingReplay.attach(module) is None  # a model built without replay
+    routes = r.new_routes(2, 5, "cpu")
+    assert routes.shape == (2, 5, 0, K)
+    r.write_step(routes, 0, 3)
+    targets, routed = r.targets(routes, torch.tensor([5, 4]), (0, 1))
+    assert targets == [] and routed.shape == (10, 0)
+    r.compare(routes, torch.tensor([5, 4]), None)
+    counts = r.take_disagreement(sequence_parallel=False)
+    assert counts["compared"].shape == (0,) and r.take_overridden(sequence_parallel=False)["differing"].shape == (0,)
+    assert expert_load(routes, E).shape == (0, E)
+
+
 def test_expert_load_counts_routed_tokens_per_layer():
     routes = torch.tensor([[[[0, 1]], [[1, 2]], [[255, 255]]]], dtype=torch.uint8)  # [1, 3, 1, 2]
     assert expert_load(routes, E).tolist() == [[1.0, 2.0, 1.0, 0.0]]

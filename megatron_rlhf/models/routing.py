@@ -96,13 +96,15 @@ class RoutingReplay:
 
     def __init__(self, routers: list[RoleRouterReplay], num_experts: int, topk: int):
         self.routers, self.num_experts, self.topk = routers, num_experts, topk
-        # compare mode: per layer, tokens whose top-k set differed from the given routes, and tokens compared
-        self.differing = self.compared = None
+        # compare mode: per layer, [tokens whose top-k set differed from the given routes, tokens compared]
+        self.differing = None
 
     @classmethod
     def attach(cls, module: torch.nn.Module) -> RoutingReplay | None:
         """Give every router of `module` built with megatron's routing replay its own
-        RoleRouterReplay; None when there is none (a dense model, or built without replay)."""
+        RoleRouterReplay; None for a model built without replay (dense, or a role that routes
+        freely). A pipeline stage of an MoE model whose layers are all dense gets one without
+        routers: every stage then records, replays and reduces the same way (collectives)."""
         routers = []
         for sub in module.modules():
             original = getattr(sub, "router_replay", None)
@@ -111,9 +113,9 @@ class RoutingReplay:
                     RouterReplay.global_router_replay_instances.remove(original)
                 sub.router_replay = RoleRouterReplay(original.layer_number)
                 routers.append(sub.router_replay)
-        if not routers:
-            return None
         config = module.config
+        if not config.moe_enable_routing_replay:
+            return None
         return cls(routers, config.num_moe_experts, config.moe_router_topk)
 
     @property
@@ -156,6 +158,8 @@ class RoutingReplay:
     def write_step(self, routes: torch.Tensor, start: int, end: int) -> None:
         """The last forward's choices for positions [start, end) of every row, into `routes`
         (one indexed copy; no host sync)."""
+        if not self.routers:
+            return
         length, batch = end - start, routes.size(0)
         step = self.recorded().view(length, batch, self.layers, self.topk).transpose(0, 1)
         routes[:, start:end].copy_(step)
@@ -178,8 +182,8 @@ class RoutingReplay:
             rank, size = sequence_shard
             part = w // size
             filled, unrouted = filled[:, rank * part:(rank + 1) * part], unrouted[:, rank * part:(rank + 1) * part]
-        tokens = filled.transpose(0, 1).reshape(-1, self.layers, self.topk)
-        return list(tokens.unbind(1)), ~unrouted.transpose(0, 1).reshape(-1, self.layers)
+        tokens = filled.transpose(0, 1).flatten(0, 1)  # [w' * b, layers, k]
+        return list(tokens.unbind(1)), ~unrouted.transpose(0, 1).flatten(0, 1)
 
     def _unrouted(self, routes: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         """[b, w, layers] True where the rollout routed nothing: marked so, or past the row's end
@@ -196,9 +200,9 @@ class RoutingReplay:
         if sequence_shard is not None:
             rank, size = sequence_shard
             routes, routed = (x[:, rank * (w // size):(rank + 1) * (w // size)] for x in (routes, routed))
-        given = routes.transpose(0, 1).reshape(-1, self.layers, self.topk).long()
-        routed = routed.transpose(0, 1).reshape(-1, self.layers)  # [tokens, layers]
-        seen = self.recorded().long()
+        given = routes.transpose(0, 1).flatten(0, 1).long()
+        routed = routed.transpose(0, 1).flatten(0, 1)  # [tokens, layers]
+        seen = self.recorded().long() if self.routers else given
         differ = (given.sort(-1).values != seen.sort(-1).values).any(-1) & routed
         counts = torch.stack([differ.sum(0), routed.sum(0)]).double()
         if self.differing is None:
@@ -241,7 +245,7 @@ def expert_load(routes: torch.Tensor, num_experts: int) -> torch.Tensor:
     """[layers, experts] tokens each expert received in `routes` [B, S, layers, k] (unrouted
     positions not counted), on the routes' device."""
     layers = routes.size(2)
-    flat = routes.long().permute(2, 0, 1, 3).reshape(layers, -1)  # [layers, B*S*k]
+    flat = routes.long().permute(2, 0, 1, 3).flatten(1)  # [layers, B*S*k]
     flat = flat.masked_fill(flat == unrouted_mark(routes.dtype), num_experts)  # a column dropped below
     counts = torch.zeros(layers, num_experts + 1, dtype=torch.float64, device=routes.device)
     counts.scatter_add_(1, flat, torch.ones_like(flat, dtype=torch.float64))
