@@ -25,6 +25,7 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
 
+from megatron_rlhf.models.microbatches import padding_positions
 from megatron_rlhf.parallel import device
 from megatron_rlhf.parallel.collectives import all_reduce, dp_sum
 
@@ -188,8 +189,7 @@ class RoutingReplay:
     def _unrouted(self, routes: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         """[b, w, layers] True where the rollout routed nothing: marked so, or past the row's end
         (where the microbatch may have been padded for sequence parallelism)."""
-        past_end = torch.arange(routes.size(1), device=routes.device)[None, :] >= lengths[:, None]
-        return (routes == self.unrouted).any(-1) | past_end[:, :, None]
+        return (routes == self.unrouted).any(-1) | padding_positions(lengths, routes.size(1))[:, :, None]
 
     def compare(self, routes: torch.Tensor, lengths: torch.Tensor, sequence_shard: tuple[int, int] | None) -> None:
         """After a recorded forward of a microbatch with rollout routes [b, w, layers, k]: count,

@@ -34,6 +34,7 @@ from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_para
 
 from megatron_rlhf.config import ModelConfig
 from megatron_rlhf.models.gpt import sequence_parallel_disabled
+from megatron_rlhf.models.microbatches import padding_positions
 from megatron_rlhf.parallel import cpu, device
 from megatron_rlhf.parallel.collectives import dp_max
 from megatron_rlhf.rollout.base import Rollout, RolloutEngine, SamplingParams, sample_next
@@ -194,8 +195,7 @@ class MegatronRolloutEngine(RolloutEngine):
         logprobs = from_last_stage_tp0(logprobs, [batch, width], torch.float32, layout)
         if routes is not None:  # what rows were fed after their end (pad) was never theirs
             routes = routes[:, :width].contiguous()
-            past_end = torch.arange(width, device=routes.device)[None, :] >= state.lengths[:, None]
-            routes.masked_fill_(past_end[:, :, None, None], routers.unrouted)
+            routes.masked_fill_(padding_positions(state.lengths, width)[:, :, None, None], routers.unrouted)
         return Rollout(state.tokens[:, :width], state.prompt_lengths, state.lengths, logprobs, state.finished, routes)
 
     def _decode(self, state: Decoding, context, positions, shortest: int, total: int, generator, sampling,
