@@ -30,11 +30,15 @@ PHASES: dict[str, dict[str, str]] = {
 }
 
 
-def phases_for(roles, reward_in_generate: bool = False, engine: str = "megatron") -> dict[str, dict[str, str]]:
+def phases_for(roles, reward_in_generate: bool = False, engine: str = "megatron",
+               asynchronous: bool = False) -> dict[str, dict[str, str]]:
     """PHASES for the roles that exist (a critic-free algorithm has no critic); with dynamic
     sampling the reward model scores candidate groups during generate, so it is on the device.
     A separate engine generates from its own copy of the weights: generate needs no actor, eval
-    only the judges, and there is a sync phase; the in-place engine has none."""
+    only the judges, and there is a sync phase; the in-place engine has none. `asynchronous`
+    (rl.max_staleness >= 1): between train and score the trainer only waits for the engine
+    (`wait`), refits it and takes a buffered batch, so those phases keep score's roles in place
+    instead of moving memory back and forth."""
     table = {phase: {r: need for r, need in needs.items() if r in roles} for phase, needs in PHASES.items()}
     if engine == "megatron":
         del table["sync"]
@@ -42,6 +46,9 @@ def phases_for(roles, reward_in_generate: bool = False, engine: str = "megatron"
         del table["generate"]["actor"], table["eval"]["actor"]
     if reward_in_generate and "reward" in roles:
         table["generate"]["reward"] = "params"
+    if asynchronous:
+        for phase in ("wait", "sync", "generate"):
+            table[phase] = dict(table["score"])
     return table
 
 

@@ -168,6 +168,14 @@ class RLConfig:
     # the first) still recomputes them and logs the mismatch (0: only the first).
     reuse_rollout_logprobs: bool = False
     logprob_recompute_interval: int = 10
+    # Asynchronous RL (docs/async_rl.md). 0: on-policy, generate -> score -> train in turn. N >= 1:
+    # the vLLM engine generates the next batches while the trainer scores and trains this one, on
+    # a fixed schedule: batch k (the one step k trains) is generated entirely by the policy after
+    # max(0, k - 1 - N) updates, refits happen only between batches, so runs, resumed ones too,
+    # see the same samples whatever the timing. The PPO ratio is taken against the recomputed
+    # (proximal) policy; the engine's log-probs weigh it by rl.tis_cap / rl.mismatch_mask_threshold
+    # (decoupled PPO: algorithms/losses.py). Needs rollout.engine=vllm.
+    max_staleness: int = 0
     # Rollout routing replay (R3), mixture-of-experts models: `rollout` records the experts the
     # rollout chose for every token and routes the actor's score and train forwards through
     # them (its routers keep their probabilities, so their gradient and the load-balancing loss
@@ -312,6 +320,13 @@ class RLConfig:
         if p.logprob_recompute_interval < 0:
             raise ConfigError(f"rl.logprob_recompute_interval={p.logprob_recompute_interval}: must be >= 0 "
                               "(0: recompute only in the first iteration)")
+        if p.max_staleness < 0:
+            raise ConfigError(f"rl.max_staleness={p.max_staleness}: must be >= 0 (0: on-policy; 1: the engine "
+                              "generates one batch ahead of the trainer)")
+        if p.max_staleness and p.dynamic_sampling:
+            raise ConfigError(f"rl.max_staleness={p.max_staleness} with rl.dynamic_sampling=true: dynamic sampling "
+                              "draws more prompts after scoring a batch, which a batch generated ahead cannot wait "
+                              "for; set rl.dynamic_sampling=false or rl.max_staleness=0")
         if p.reuse_rollout_logprobs and p.corrects_mismatch:
             raise ConfigError("rl.reuse_rollout_logprobs=true with rl.tis_cap / rl.mismatch_mask_threshold: the "
                               "correction weighs pi_old against pi_rollout, which reusing makes the same; "

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from megatron_rlhf.config.errors import ConfigError
 from megatron_rlhf.config.model import ModelConfig
@@ -30,6 +30,13 @@ class RolloutConfig:
     sleep_level: int = 1             # GPU: 0 keep, 1 offload weights + drop KV, 2 drop both
     refit_bucket_bytes: int = 256 * 2**20  # largest bucket of HF tensors sent to the engine at once
     enforce_eager: bool = True       # no CUDA graphs / torch.compile in the engine
+    # vllm only. CPUs the engine process and its threads run on (os.sched_setaffinity ids); the
+    # trainer is then pinned to the other CPUs it may use, so that with rl.max_staleness >= 1
+    # generation and training do not take turns on the same cores. Empty: no pinning.
+    engine_cpus: list[int] = field(default_factory=list)
+    # vllm only. A generation, refit or engine call that takes longer stops the stage with an
+    # error naming the engine (a hung engine process), instead of waiting forever.
+    engine_timeout_seconds: float = 1800.0
 
     def check(self, m: ModelConfig, p: ParallelConfig) -> None:
         r = self
@@ -40,6 +47,12 @@ class RolloutConfig:
         if not 0 < r.gpu_memory_utilization < 1 or r.sleep_level not in (0, 1, 2):
             raise ConfigError(f"rollout.gpu_memory_utilization={r.gpu_memory_utilization} must be in (0, 1) and "
                               f"rollout.sleep_level={r.sleep_level} one of 0, 1, 2")
+        if r.engine_timeout_seconds <= 0:
+            raise ConfigError(f"rollout.engine_timeout_seconds={r.engine_timeout_seconds}: must be > 0 (seconds a "
+                              "generation or refit may take before the stage stops)")
+        cpus = list(r.engine_cpus)
+        if any(not isinstance(c, int) or c < 0 for c in cpus) or len(set(cpus)) != len(cpus):
+            raise ConfigError(f"rollout.engine_cpus={cpus}: distinct CPU ids >= 0 (e.g. [1]), or [] for no pinning")
         if r.engine != "vllm":
             return
         tp = r.tensor_parallel

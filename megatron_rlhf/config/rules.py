@@ -41,6 +41,14 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
         raise ConfigError(f"rl.reuse_rollout_logprobs=true with rollout.engine={cfg.rollout.engine}: only the in-place "
                           "megatron engine samples with the actor's own weights and softmax; a separate engine's "
                           "log-probs are not pi_old. Set rl.reuse_rollout_logprobs=false or rollout.engine=megatron")
+    if cfg.rl.max_staleness and cfg.rollout.engine != "vllm":
+        raise ConfigError(f"rl.max_staleness={cfg.rl.max_staleness} with rollout.engine={cfg.rollout.engine}: the "
+                          "in-place engine samples with the actor's own weights in the trainer's process, so it "
+                          "cannot run ahead of training; set rollout.engine=vllm or rl.max_staleness=0")
+    if cfg.rollout.engine_cpus and cfg.rollout.engine != "vllm":
+        raise ConfigError(f"rollout.engine_cpus={list(cfg.rollout.engine_cpus)} with rollout.engine="
+                          f"{cfg.rollout.engine}: only the vLLM engine runs in a process of its own to pin; "
+                          "remove rollout.engine_cpus or set rollout.engine=vllm")
     # rl.routing_replay=rollout with vLLM on a machine without CUDA: refused when the engine starts
     # (VLLMRolloutEngine), not here, where a GPU job is often validated on a login node without one
     check_pipeline(cfg)

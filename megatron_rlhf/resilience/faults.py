@@ -11,6 +11,9 @@ SIGKILL). Configured by one environment variable so that launchers pass it throu
     MEGATRON_RLHF_FAULT="nan@train:5+"       ... and of every later step
     MEGATRON_RLHF_FAULT="kill_engine@generate:3"  the rollout engine's processes (vLLM) are
                                              SIGKILLed as step 3 starts generating
+    MEGATRON_RLHF_FAULT="kill_engine@refit:4"   ... as step 4 refits the engine's weights
+    MEGATRON_RLHF_FAULT="hang_engine@refit:2"   the engine's processes stop (SIGSTOP) as step 2
+                                             refits: a hung engine (rollout.engine_timeout_seconds)
     MEGATRON_RLHF_FAULT="kill@serve:4"       a serve-reward process dies as it starts scoring
                                              its 4th batch (a reward service lost mid-run)
 
@@ -27,8 +30,9 @@ import time
 from dataclasses import dataclass
 
 ENV = "MEGATRON_RLHF_FAULT"
-KINDS = ("kill", "hang", "sigusr1", "nan", "kill_engine")
-POINTS = ("train", "save", "generate", "serve")
+KINDS = ("kill", "hang", "sigusr1", "nan", "kill_engine", "hang_engine")
+ENGINE_KINDS = ("kill_engine", "hang_engine")  # fired by the rollout engine on its own processes
+POINTS = ("train", "save", "generate", "refit", "serve")
 
 
 @dataclass
@@ -85,7 +89,7 @@ class FaultInjector:
         """Fire the process-level faults (kill, hang, signal) due here."""
         step = self.step if step is None else step
         for fault in self.faults:
-            if fault.kind in ("nan", "kill_engine") or not fault.due(point, step, self._rank()):
+            if fault.kind == "nan" or fault.kind in ENGINE_KINDS or not fault.due(point, step, self._rank()):
                 continue
             print(f"[fault injection] rank {self._rank()}: {fault.kind} at {point} of step {step}", flush=True)
             if fault.kind == "kill":
@@ -98,9 +102,15 @@ class FaultInjector:
                 self.faults.remove(fault)  # once; the handler only sets a flag
                 return
 
-    def engine_crash_due(self) -> bool:
-        """A kill_engine fault is due as the current step generates (on this rank)."""
-        return any(f.kind == "kill_engine" and f.due("generate", self.step, self._rank()) for f in self.faults)
+    def engine_fault_due(self, point: str) -> str | None:
+        """The engine fault (kill_engine, hang_engine) due at `point` (generate, refit) of the
+        current step on this rank, fired once; None if none."""
+        for fault in self.faults:
+            if fault.kind in ENGINE_KINDS and fault.due(point, self.step, self._rank()):
+                if not fault.onwards:
+                    self.faults.remove(fault)
+                return fault.kind
+        return None
 
     def corrupt_loss(self, loss):
         """`loss` made NaN where a nan fault is due at the train point of the current step."""

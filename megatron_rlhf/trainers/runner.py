@@ -21,7 +21,7 @@ import json
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch.distributed as dist
 
@@ -98,22 +98,32 @@ class StageRunner:
     def due(self, interval: int) -> bool:
         return periodic(self.step, interval, self.total)
 
-    def end_step(self, metrics: dict, consumed_samples: int, evaluated: bool = False, **state) -> None:
+    def end_step(self, metrics: dict, consumed_samples: int, evaluated: bool = False,
+                 before_save: Callable[[], dict] | None = None, **state) -> None:
         """Log (on the interval and after an eval), checkpoint when due or signalled (with the
-        stage-specific trainer `state`), beat the heartbeat."""
+        stage-specific trainer `state`, and `before_save()`'s, called only when a checkpoint is
+        taken: e.g. draining the rollout engine's batch in flight), beat the heartbeat."""
         if self.due(self.log_interval) or evaluated:
             self.log.log(self.step, metrics)
+        step, sampler, trained = self.step, self.sampler, self.trained
+
+        def full_state() -> dict:
+            extra = before_save() if before_save is not None else {}  # first: it may draw nothing, but drains
+            return trainer_state(step, consumed_samples, sampler, trained, **state, **extra)
+
         checkpoint_if_due(self.ckpt, self.log, self.preemption, self.step, self.total, self.save_interval,
-                          self.trained, trainer_state(self.step, consumed_samples, self.sampler, self.trained, **state))
+                          self.trained, full_state)
         self.heartbeat.beat()
 
     @contextmanager
-    def rewind_on(self, errors: tuple[type[BaseException], ...], consumed_samples: int, **state):
+    def rewind_on(self, errors: tuple[type[BaseException], ...], consumed_samples: int,
+                  before_save: Callable[[], dict] | None = None, **state):
         """Wrap the part of a step that changes no weights (e.g. generate and score). If it
         raises one of `errors`, the previous step is checkpointed as it ended (the sampler's
         position and the RNG streams from before this part, the trainer `state` given) unless it
         already was, then the error propagates: a rerun resumes as if nothing had happened."""
         position, rng = self.sampler.state_dict(), rng_state()
+        state = {**state, **(before_save() if before_save is not None else {})}  # as the previous step ended
         try:
             yield
         except errors:
@@ -211,16 +221,17 @@ def write_summary(directory: Path, summary: dict[str, Any]) -> None:
 
 
 def checkpoint_if_due(ckpt, log, preemption, step: int, total: int, save_interval: int,
-                      roles: dict, state: dict) -> None:
+                      roles: dict, state: dict | Callable[[], dict]) -> None:
     """Save on the interval, at the last step, or when any rank was signalled; after a
     signalled save, wait for it to be committed and exit for requeue
-    (resilience/preemption.py). Commits finished async saves on the way."""
+    (resilience/preemption.py). Commits finished async saves on the way. `state`: the trainer
+    state, or a function that makes it (called only when a checkpoint is taken)."""
     preempted = preemption.should_stop()
     # An interval save waits for a good step: a run that keeps producing NaN must stop with
     # its last checkpoint from before the trouble, not one taken in the middle of it.
     in_nonfinite_streak = any(role.guard.consecutive for role in roles.values())
     if (periodic(step, save_interval, total) and not in_nonfinite_streak) or step == total or preempted:
-        ckpt.save(step, roles, state)
+        ckpt.save(step, roles, state() if callable(state) else state)
     ckpt.poll()
     if preempted and step < total:
         ckpt.wait()

@@ -108,7 +108,7 @@ def start_points(cfg: Config, stage: str) -> dict[str, tuple[str, str | None]]:
         if (sft / "latest").exists() or not cfg.model.init_from_hf:
             return {"start": ("ckpt", str(sft))}
         return {"start": ("hf", cfg.model.init_from_hf)}
-    rl = cfg.rl  # trainers/rl.py load_inputs
+    rl = cfg.rl  # trainers/rl_inputs.py load_inputs
     policy_stage, given = policy_start(cfg)
     starts = {"start.policy": ("ckpt", given or str(stage_dir(cfg, policy_stage)))}
     if rl.needs_rm_checkpoint:
