@@ -8,7 +8,7 @@ import json
 import matplotlib.image
 import pytest
 
-from megatron_rlhf.logging.report import (ALARM, LEGACY_NAMES, alarm_spans, curves_figure, gold_vs_proxy_figure,
+from megatron_rlhf.logging.report import (ALARM, LEGACY_NAMES, alarm_spans, curves_figure, gold_vs_proxy_figure, phase_time_figure,
                                           write_report)
 
 PHASE_SECONDS = {"ppo": {"generate": 120.0, "score": 30.0, "train": 45.5, "eval": 4.5},
@@ -119,6 +119,22 @@ def test_report_of_a_finished_run_plots_judges_and_times_each_rl_stage(tmp_path)
     assert "| stage | generate | score | train | eval | total |" in table
     assert "| ppo | 120 (60%) | 30 (15%) | 45.5 (23%) | 4.5 (2%) | 200 |" in table
     assert "| grpo | 80 (80%) | 10 (10%) | 10 (10%) | 0 (0%) | 100 |" in table
+
+
+def test_an_async_stage_shows_its_wait_and_the_engine_generating_beside_the_trainer(tmp_path):
+    run = synthetic_run(tmp_path / "run")
+    summary = rl_summary("grpo")
+    summary.update(phase_seconds={"wait": 5.0, "sync": 5.0, "generate": 1.0, "score": 40.0, "train": 49.0},
+                   max_staleness=1, engine_generate_seconds=60.0)
+    (run / "grpo" / "summary.json").write_text(json.dumps(summary))
+    table = sections(write_report(run).read_text())["Time per phase (seconds, share of the stage)"]
+    assert "| stage | wait | sync | generate | score | train | eval | total | engine (overlapped) |" in table
+    assert "| grpo | 5 (5%) | 5 (5%) | 1 (1%) | 40 (40%) | 49 (49%) | 0 (0%) | 100 | 60 |" in table
+    assert "| ppo | 0 (0%) | 0 (0%) | 120 (60%) |" in table and table.split("| ppo |")[1].split("\n")[0].endswith("| - |")
+    assert_png(run / "report_phase_time.png")
+    fig = phase_time_figure({"grpo": summary["phase_seconds"]}, {"grpo": 60.0})
+    labels = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+    assert labels[-1] == "vLLM engine generating (overlapped)" and "wait" in labels
 
 
 def test_the_phase_time_bars_compare_every_rl_stage_of_the_run(tmp_path):

@@ -32,7 +32,11 @@ PROXY, INDEPENDENT = "reward", ("gold_score", "holdout_rm_score")
 LEGACY_NAMES = {"rm_score": "reward", "eval_rm_score": "eval_reward", "eval_win_rate_rm": "eval_win_rate_reward",
                 "rm_score_eval_before": "reward_eval_before", "rm_score_eval_after": "reward_eval_after",
                 "win_rate_rm_final": "win_rate_reward_final"}
-PHASES = ("sync", "generate", "score", "train", "eval")  # sync: only with a separate rollout engine
+# sync: only with a separate rollout engine; wait: with rl.max_staleness >= 1, the trainer waiting
+# for the batch the engine generates ahead
+PHASES = ("wait", "sync", "generate", "score", "train", "eval")
+# the engine's own generation time with rl.max_staleness >= 1: beside the trainer's phases, not one of them
+OVERLAPPED = "engine (overlapped)"
 ALARM = "reward-hacking alarm"
 
 
@@ -173,15 +177,21 @@ def kl_vs_reward_figure(rows: list[dict], title: str):
     return fig
 
 
-def phase_time_figure(seconds: dict[str, dict]):
-    """A stacked bar per RL stage: its seconds in each phase."""
+def phase_time_figure(seconds: dict[str, dict], engine: dict[str, float] | None = None):
+    """A stacked bar per RL stage: its seconds in each phase; beside it, hatched, the seconds an
+    asynchronous stage's engine generated while the trainer ran those phases (`engine`)."""
+    engine = engine or {}
     fig = _figure(2 + 1.2 * len(seconds), 3.4)
     ax = fig.subplots()
-    bottom = [0.0] * len(seconds)
+    xs, bottom = list(range(len(seconds))), [0.0] * len(seconds)
     for phase in phases_run(seconds):
         values = [s.get(phase) or 0.0 for s in seconds.values()]
-        ax.bar(list(seconds), values, bottom=bottom, label=phase)
+        ax.bar(xs, values, width=0.5, bottom=bottom, label=phase)
         bottom = [b + v for b, v in zip(bottom, values)]
+    if engine:
+        ax.bar([x + 0.4 for x in xs], [engine.get(stage, 0.0) for stage in seconds], width=0.25, hatch="//",
+               fill=False, label="vLLM engine generating (overlapped)")
+    ax.set_xticks(xs, list(seconds))
     ax.set_ylabel("seconds")
     ax.legend(fontsize=8)
     ax.set_title("time per phase")
@@ -193,14 +203,18 @@ def phases_run(seconds: dict[str, dict]) -> list[str]:
     return [p for p in PHASES if any(p in phases for phases in seconds.values())]
 
 
-def phase_time_table(seconds: dict[str, dict]) -> list[str]:
-    columns = phases_run(seconds)
-    lines = ["| stage | " + " | ".join(columns) + " | total |", "|---" * (len(columns) + 2) + "|"]
+def phase_time_table(seconds: dict[str, dict], engine: dict[str, float] | None = None) -> list[str]:
+    """One row per stage: each phase's seconds and share of the stage; with an asynchronous stage
+    (`engine`), a last column of the engine's generation seconds, overlapped, not in the total."""
+    columns, engine = phases_run(seconds), engine or {}
+    extra = [OVERLAPPED] if engine else []
+    lines = ["| stage | " + " | ".join(columns + ["total"] + extra) + " |", "|---" * (len(columns) + 2 + len(extra)) + "|"]
     for stage, phases in seconds.items():
         values = [phases.get(p) or 0.0 for p in columns]  # a phase the stage never ran: 0
         total = sum(values)
         cells = [f"{v:.4g} ({v / max(total, 1e-9):.0%})" for v in values]
-        lines.append(f"| {stage} | " + " | ".join(cells) + f" | {total:.4g} |")
+        overlapped = [f"{engine[stage]:.4g}" if stage in engine else "-"] if engine else []
+        lines.append(f"| {stage} | " + " | ".join(cells + [f"{total:.4g}"] + overlapped) + " |")
     return lines
 
 
@@ -257,9 +271,13 @@ def phase_time_section(run_dir: Path, rl_stages: list[str]) -> list[str]:
     seconds = {s: summary["phase_seconds"] for s, summary in summaries if summary.get("phase_seconds")}
     if not seconds:
         return []
-    out = _save(phase_time_figure(seconds), run_dir / "report_phase_time.png")
+    engine = {s: summary["engine_generate_seconds"] for s, summary in summaries
+              if s in seconds and summary.get("max_staleness") and summary.get("engine_generate_seconds") is not None}
+    out = _save(phase_time_figure(seconds, engine), run_dir / "report_phase_time.png")
+    note = ([f"{OVERLAPPED}: seconds the vLLM engine generated the next batches while the trainer ran the phases "
+             "(rl.max_staleness >= 1); not part of the total", ""] if engine else [])
     return ["## Time per phase (seconds, share of the stage)", "", f"![phase time]({out.name})", "",
-            *phase_time_table(seconds), ""]
+            *phase_time_table(seconds, engine), "", *note]
 
 
 def write_report(run_dir: str | Path, stages: list[str] | None = None) -> Path:

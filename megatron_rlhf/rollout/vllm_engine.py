@@ -311,8 +311,8 @@ class VLLMRolloutEngine(RolloutEngine):
                 if self.stale:
                     raise EngineError("the engine's weights are stale (no successful refit since the last change): "
                                       "update_weights() must succeed before generate()")
-                inject_engine_fault("generate", self.watch.processes)  # fire drill: dies (or hangs) mid-generation
                 pending = PendingGeneration(lambda: self._generate_here(prompts, sampling, seed))
+                inject_engine_fault("generate", self.watch.processes)  # fire drill: dies (or hangs) mid-generation
         return Submitted(prompts, pending)
 
     @torch.no_grad()
