@@ -92,7 +92,19 @@ def rollout_correction(old_logprobs: Tensor, rollout_logprobs: Tensor, mask: Ten
       mask_threshold t:   a row whose geometric-mean ratio exp(mean_t log(pi_old_t / pi_rollout_t))
                           lies outside [1/t, t] gets weight 0 on every token.
     Both None: ones. A masked row stays a unit of the loss's denominator, so the weights never
-    change how the loss averages over the global batch."""
+    change how the loss averages over the global batch.
+
+    Asynchronous RL (rl.max_staleness = N >= 1) is decoupled PPO (Hilton et al. 2022, "Batch
+    size-invariance for policy optimization"; AReaL's and NeMo-RL's async objective): batch k was
+    sampled by the behaviour policy pi_behav = the engine at version k - 1 - N (rollout_logprobs),
+    the proximal policy pi_prox = the actor at version k - 1 recomputed in the score phase
+    (old_logprobs), and per token
+        loss_t = -w_t * min(r_t A_t, clip(r_t, 1 - eps, 1 + eps_high) A_t),
+        r_t = pi_t / pi_prox_t (gradient),  w_t = min(pi_prox_t / pi_behav_t, c)  (no gradient),
+    so the trust region is around the recent policy and the staleness is corrected by w; with
+    rl.tis_cap unset w = 1 (the staleness uncorrected: a warning says so). At N = 0 with the same
+    settings this is today's objective exactly (pi_behav is the same version as pi_prox, its
+    log-probs the engine's). tests/test_async_schedule.py checks it by hand."""
     log_ratio = (old_logprobs - rollout_logprobs).detach() * mask
     weights = torch.ones_like(log_ratio)
     if tis_cap is not None:

@@ -224,6 +224,8 @@ class VLLMRolloutEngine(RolloutEngine):
                 self.llm = start_engine(rollout, model, model_dir, seed, self.returns_routes)
                 self.watch = EngineWatch(self.llm, [p for p in child_processes() if p.pid not in before])
                 self.reaper = start_reaper(self.watch.processes)
+                # which processes are this engine's (an operator's ps, the fire drills' checks)
+                (model_dir / "engine_pids.json").write_text(json.dumps([p.pid for p in self.watch.processes]) + "\n")
             if keep_cpus:  # after the engine started (it inherited the engine's CPUs): the trainer keeps the rest
                 pin_threads(keep_cpus)
 
@@ -429,3 +431,8 @@ class Submitted:
     thread generating it (None on the replica's other ranks)."""
     prompts: list[list[int]]
     pending: PendingGeneration | None
+
+    @property
+    def seconds(self) -> float:
+        """The engine's time on it once collected (0 on the replica's other ranks)."""
+        return self.pending.seconds if self.pending is not None and self.pending.seconds is not None else 0.0

@@ -233,7 +233,8 @@ def actor_loss(outputs: dict, microbatch: dict, rl: RLConfig, kl_coef: float):
     if mb.rollout_logprobs is not None:  # the rollout engine's distribution differs from pi_old
         weights = rollout_correction(mb.old_logprobs, mb.rollout_logprobs, mb.mask, rl.tis_cap, rl.mismatch_mask_threshold)
         policy = policy * weights
-        correction = {"tis_weight_mean": weights, "mismatch_masked_fraction": (weights == 0).float()}
+        correction = {"tis_weight_mean": weights, "mismatch_masked_fraction": (weights == 0).float(),
+                      **({"tis_capped_fraction": (weights >= rl.tis_cap).float()} if rl.tis_cap is not None else {})}
     objective = policy - rl.entropy_coef * outputs["entropy"]
     if not rl.kl_in_reward:
         objective = objective + kl_coef * kl_loss_estimate(logprobs, mb.ref_logprobs, rl.kl_estimator, rl.kl_clip,

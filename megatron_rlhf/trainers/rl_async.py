@@ -121,9 +121,7 @@ class AsyncRollouts:
         batch, start = self.in_flight, time.perf_counter()
         self.in_flight = None
         batch.rollout = self.engine.collect(batch.submitted)
-        pending = batch.submitted.pending
-        batch.engine_seconds = pending.seconds if pending is not None and pending.seconds is not None else 0.0
-        batch.submitted = None
+        batch.engine_seconds, batch.submitted = batch.submitted.seconds, None
         self._add("trainer_wait_seconds", time.perf_counter() - start)
         self._add("engine_generate_seconds", batch.engine_seconds)
         self.engine_seconds_total += batch.engine_seconds
@@ -133,7 +131,7 @@ class AsyncRollouts:
         """Step `step`'s batch; the engine holds `version` (= step - 1) and nothing is in flight."""
         n = self.rl.max_staleness
         next_index = self.buffer[-1].index + 1 if self.buffer else step
-        while next_index < step + n:  # the first step (or a resume without a buffer): generate now
+        while next_index < min(step + n, self.rl.steps + 1):  # the first step: generate what is missing now
             self.in_flight = self._submit(next_index, version)
             self.wait_in_flight()
             next_index += 1
