@@ -13,7 +13,8 @@ base) in <root>/n<N>_r<repeat>, one process, interleaved: one round of all N aft
 Pinning: each RL run is started with the CPU affinity {trainer CPU, engine CPU} (--cpus, default
 the first two this process may use) and rollout.engine_cpus=[engine CPU]: the engine process and
 its threads run on that one, the trainer keeps the other (megatron_rlhf/rollout/vllm_process.py).
-N = 0 runs pinned the same way, so the comparison is only the overlap.
+N = 0 runs pinned the same way, and every N with the same rl.tis_cap (--tis-cap, 2 as
+pipelines/tiny_cpu_async.yaml), so the comparison is only the overlap.
 
 Measured per run (rl.log_interval=1: a metrics.jsonl record per step):
   * wall samples/s: samples trained / wall seconds of the steady-state steps, where a step's wall
@@ -207,7 +208,7 @@ def build_base(root: Path, sizes: list[str]) -> tuple[Path, Path]:
 def rl_overrides(args, n: int, sft: Path, rm: Path) -> list[str]:
     return [*args.sizes, "pipeline.stages=[rl]", f"rl.sft_from={sft}", f"rl.rm_from={rm}", f"rl.steps={args.steps}",
             f"rl.max_staleness={n}", f"rollout.engine_cpus=[{args.cpus[1]}]", "rl.log_interval=1",
-            f"rl.eval_interval={args.eval_interval}", "rl.save_interval=0"]
+            f"rl.eval_interval={args.eval_interval}", "rl.save_interval=0", f"rl.tis_cap={args.tis_cap}"]
 
 
 def run_rl(args, n: int, repeat: int, sft: Path, rm: Path) -> dict:
@@ -238,6 +239,8 @@ def main() -> None:
     ap.add_argument("--staleness", type=int, nargs="+", default=[0, 1, 2], help="rl.max_staleness values")
     ap.add_argument("--eval-interval", type=int, default=1, help="RL steps between gold evaluations")
     ap.add_argument("--skip-steps", type=int, default=1, help="first steps left out of the steady state")
+    ap.add_argument("--tis-cap", type=float, default=2.0,
+                    help="rl.tis_cap for every N (as pipelines/tiny_cpu_async.yaml): the same objective throughout")
     ap.add_argument("--cpus", type=int, nargs=2, help="trainer CPU, engine CPU (default: the first two allowed)")
     ap.add_argument("--root", type=Path, help="run directory (default /tmp/async_rl; --quick: a temporary one)")
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks/results/async_rl.json")
@@ -275,7 +278,7 @@ def main() -> None:
         "benchmark": "asynchronous RL (rl.max_staleness) on CPU, vLLM engine, trainer and engine pinned one core each",
         "quick": args.quick, "recipe": str(RECIPE.relative_to(REPO)),
         "config": {"steps": args.steps, "repeats": args.repeats, "staleness": args.staleness,
-                   "eval_interval": args.eval_interval, "skip_steps": args.skip_steps, "cpus": args.cpus,
+                   "eval_interval": args.eval_interval, "tis_cap": args.tis_cap, "skip_steps": args.skip_steps, "cpus": args.cpus,
                    "overrides": args.sizes},
         "wall_definition": "samples trained / sum of the steady steps' wait+sync+generate+score+train seconds",
         "cpu_definition": "user+system seconds of the stage's whole process tree / samples trained",
