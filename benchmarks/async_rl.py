@@ -2,7 +2,7 @@
 
     .venv-vllm/bin/python benchmarks/async_rl.py [--steps 20] [--repeats 3] [--staleness 0 1 2]
         [--eval-interval 1] [--cpus 0 1] [--root /tmp/async_rl] [--out benchmarks/results/async_rl.json]
-    .venv-vllm/bin/python benchmarks/async_rl.py --quick   # tiny sizes, N = 0 and 1, 2 steps, 1 repeat
+    .venv-vllm/bin/python benchmarks/async_rl.py --quick   # tiny sizes, N = 0 and 1, 3 steps, 1 repeat
 
 The default recipe with the vLLM engine (pipelines/tiny_cpu_vllm.yaml). SFT and RM are trained once
 (`pipeline` with pipeline.stages=[sft,rm] in <root>/base; finished stages are skipped on a rerun);
@@ -22,7 +22,8 @@ Measured per run (rl.log_interval=1: a metrics.jsonl record per step):
     another, so their sum is the step's wall time) without eval (the benchmark evaluates every
     --eval-interval steps for the gold curves; that costs every N alike and is not training).
     Steady state: the steps after the first --skip-steps (the first step at N >= 1 generates
-    its N look-ahead batches in the foreground).
+    its N look-ahead batches in the foreground: the fill) and before the last N (they have no
+    batch left to generate ahead: the drain).
   * CPU seconds per sample: user + system time of the whole stage process tree (the launcher,
     the trainer and the engine processes, all descendants reaped in turn: getrusage(RUSAGE_CHILDREN)
     around the run) over the samples trained; it includes start-up and the evals, the same for
@@ -91,9 +92,12 @@ def gold_curve(records: list[dict], samples_per_step: int) -> list[list[float]]:
 def run_result(records: list[dict], samples_per_step: int, max_staleness: int, skip_steps: int) -> dict:
     """One RL run's figures from its metrics.jsonl records (see the module docstring)."""
     steps = [r for r in records if r["step"] >= 1]
-    steady = [r for r in steps if r["step"] > skip_steps]
+    last = max((r["step"] for r in steps), default=0)
+    # the last N steps generate nothing ahead (no batch past rl.steps): the drain, left out like the fill
+    steady = [r for r in steps if skip_steps < r["step"] <= last - max_staleness]
     if not steady:
-        raise ValueError(f"no steps after the first {skip_steps} in {len(steps)} logged steps: run more --steps")
+        raise ValueError(f"no steps after the first {skip_steps} and before the last {max_staleness} in "
+                         f"{len(steps)} logged steps: run more --steps")
     wall = sum(map(step_wall_seconds, steady))
     waited, generating = (sum(x) for x in zip(*(generation_seconds(r, max_staleness) for r in steady)))
     samples = samples_per_step * len(steady)
@@ -244,7 +248,7 @@ def main() -> None:
     ap.add_argument("--cpus", type=int, nargs=2, help="trainer CPU, engine CPU (default: the first two allowed)")
     ap.add_argument("--root", type=Path, help="run directory (default /tmp/async_rl; --quick: a temporary one)")
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks/results/async_rl.json")
-    ap.add_argument("--quick", action="store_true", help="tiny sizes, N = 0 and 1, 2 steps, 1 repeat")
+    ap.add_argument("--quick", action="store_true", help="tiny sizes, N = 0 and 1, 3 steps, 1 repeat")
     args = ap.parse_args()
     if importlib.util.find_spec("vllm") is None:
         raise SystemExit("vLLM does not import: run with .venv-vllm/bin/python (make vllm-setup)")
@@ -253,9 +257,10 @@ def main() -> None:
     if len(set(args.cpus)) != 2 or not set(args.cpus) <= set(allowed):
         raise SystemExit(f"--cpus {args.cpus}: two distinct CPUs among this process's {allowed}")
     if args.quick:
-        args.steps, args.repeats, args.staleness, args.eval_interval = 2, 1, [0, 1], 1
-    if args.steps <= args.skip_steps:
-        raise SystemExit(f"--steps {args.steps}: more than --skip-steps {args.skip_steps} needed for a steady state")
+        args.steps, args.repeats, args.staleness, args.eval_interval = 3, 1, [0, 1], 1
+    if args.steps <= args.skip_steps + max(args.staleness):
+        raise SystemExit(f"--steps {args.steps}: more than --skip-steps {args.skip_steps} + the largest --staleness "
+                         f"{max(args.staleness)} needed for a steady state")
     args.sizes = QUICK_SIZES if args.quick else []
     with tempfile.TemporaryDirectory(prefix="async_rl_") as tmp:
         args.root = args.root or (Path(tmp) if args.quick else Path("/tmp/async_rl"))
@@ -270,7 +275,7 @@ def main() -> None:
                       f"process {r['process_wall_seconds']:.0f} s", flush=True)
     rows = summarise(runs)
     ratios = speedups(rows)
-    print(f"\nRL stage, {RECIPE.name}, {args.steps} steps ({args.skip_steps} left out), trainer on CPU {args.cpus[0]}, "
+    print(f"\nRL stage, {RECIPE.name}, {args.steps} steps (the first {args.skip_steps} and the last N left out), trainer on CPU {args.cpus[0]}, "
           f"engine on CPU {args.cpus[1]}; {args.repeats} interleaved repeats")
     print("\n".join(table_lines(rows, ratios)))
     args.out.parent.mkdir(parents=True, exist_ok=True)
