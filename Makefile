@@ -13,7 +13,7 @@ PYTHON312 ?= $(shell (python3.12 -c 'import sys' >/dev/null 2>&1 && command -v p
 	(v=$$(pyenv versions --bare 2>/dev/null | grep '^3\.12' | tail -n1); \
 	 [ -n "$$v" ] && PYENV_VERSION=$$v pyenv which python3.12 2>/dev/null))
 
-.PHONY: setup test test-fast pipeline pipeline-moe pipeline-vllm pipeline-arithmetic pipeline-dpo smoke sft rm dpo rl ppo bench bench-vllm clean-venv
+.PHONY: setup test test-fast pipeline pipeline-moe pipeline-vllm pipeline-async pipeline-arithmetic pipeline-dpo smoke sft rm dpo rl ppo bench bench-vllm clean-venv
 
 setup: $(STAMP)
 
@@ -102,6 +102,13 @@ VLLM_CONFIG ?= pipelines/tiny_cpu_vllm.yaml
 pipeline-vllm: $(VLLM_STAMP)
 	$(VENV_VLLM)/bin/python -m megatron_rlhf.torchrun --nproc-per-node $(PIPELINE_NPROC) \
 	  pipeline --config $(VLLM_CONFIG) $(ARGS)
+
+# Asynchronous RL: the vLLM pipeline with rl.max_staleness=1, the engine on CPU 1 and the trainer on
+# CPU 0 (pipelines/tiny_cpu_async.yaml; README "Asynchronous RL"). The benchmark of N = 0, 1, 2:
+# $(VENV_VLLM)/bin/python benchmarks/async_rl.py
+pipeline-async: $(VLLM_STAMP)
+	$(VENV_VLLM)/bin/python -m megatron_rlhf.torchrun --nproc-per-node $(PIPELINE_NPROC) \
+	  pipeline --config pipelines/tiny_cpu_async.yaml $(ARGS)
 
 # SFT -> PPO on the verifiable arithmetic task with a rule reward only (README "Reward sources").
 pipeline-arithmetic: setup

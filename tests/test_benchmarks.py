@@ -151,6 +151,21 @@ def check_train_step(res: dict) -> None:
             assert sum(per_repeat[p][i] for p in ("fwd_bwd", "guard", "optimizer")) <= whole + 1e-6, row
 
 
+def check_async_rl(res: dict) -> None:
+    assert res["quick"]
+    assert [r["max_staleness"] for r in res["rows"]] == [0, 1], res["rows"]
+    assert [r["max_staleness"] for r in res["runs"]] == [0, 1]  # one round, in order
+    for row in res["rows"]:
+        positive(row["wall_s_per_sample"], "min", "median")
+        positive(row["cpu_s_per_sample"], "min", "median")
+        assert 0 <= row["trainer_idle_fraction"] <= 1 and 0 < row["engine_busy_fraction"] <= 1, row
+        assert row["gold_curve_median"][0][0] == 0 and len(row["gold_curve_median"]) == 4, row  # steps 0..3
+    assert res["speedups"]["0"] == {"median": 1.0, "min": 1.0}
+    positive(res["speedups"]["1"], "median", "min")
+    n1 = res["runs"][1]
+    assert n1["staleness_mean"] == 1.0 and n1["summary_engine_generate_seconds"] > 0, n1  # the async path ran
+
+
 BENCHMARKS = {
     "bench_roles": check_bench_roles,
     "memory": check_memory,
@@ -163,8 +178,9 @@ BENCHMARKS = {
     "reward_server": check_reward_server,
     "train_step": check_train_step,
     "rollout_engines": check_rollout_engines,
+    "async_rl": check_async_rl,
 }
-NEEDS_VLLM = {"rollout_engines"}
+NEEDS_VLLM = {"rollout_engines", "async_rl"}
 
 
 def run_quick(name: str, out: Path) -> tuple[list[str], float]:
@@ -210,3 +226,78 @@ def test_every_benchmark_is_covered():
     own_tests = {"gpu_check", "vs_trl", "gpu_ppo"}
     scripts = {p.stem for p in (REPO / "benchmarks").glob("*.py")} - own_tests
     assert scripts <= set(BENCHMARKS), f"benchmarks without a quick-mode test: {sorted(scripts - set(BENCHMARKS))}"
+
+
+def load_async_rl():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("async_rl", REPO / "benchmarks/async_rl.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def async_records(n: int, step_phases: dict, wait: float, engine: float, golds: dict) -> list[dict]:
+    """metrics.jsonl of a 3-step run: step 0 (the start-up eval) and steps 1..3, eval every step."""
+    records = [{"step": 0, "eval_gold_score": golds[0], "eval_seconds": 5.0}]
+    for step in (1, 2, 3):
+        r = {"step": step, **{f"{p}_seconds": s for p, s in step_phases.items()}, "eval_seconds": 5.0,
+             "eval_gold_score": golds[step], "refit_seconds": 9.0}  # eval and refit_seconds are not step wall
+        if n:
+            r.update(trainer_wait_seconds=wait, engine_generate_seconds=engine, staleness=float(min(n, step - 1)))
+        records.append(r)
+    return records
+
+
+def test_async_benchmark_wall_time_is_the_steps_phases_without_eval_and_the_first_step():
+    bench = load_async_rl()
+    golds = {0: 0.1, 1: 0.2, 2: 0.3, 3: 0.4}
+    on_policy = bench.run_result(async_records(0, {"sync": 0.5, "generate": 2.0, "score": 1.0, "train": 1.5},
+                                               0, 0, golds), samples_per_step=32, max_staleness=0, skip_steps=1)
+    assert on_policy["steady_steps"] == 2 and on_policy["steady_samples"] == 64
+    assert math.isclose(on_policy["steady_wall_seconds"], 2 * 5.0)
+    assert math.isclose(on_policy["wall_samples_per_s"], 64 / 10.0)
+    # on-policy the trainer waits through the generate phase, which is the engine's work
+    assert math.isclose(on_policy["trainer_idle_fraction"], 0.4) and math.isclose(on_policy["engine_busy_fraction"], 0.4)
+    assert on_policy["gold_curve"] == [[0, 0.1], [32, 0.2], [64, 0.3], [96, 0.4]] and on_policy["gold_final"] == 0.4
+    assert on_policy["phase_seconds"]["eval"] == 10.0
+
+    ahead = bench.run_result(async_records(1, {"wait": 0.2, "sync": 0.5, "generate": 0.01, "score": 1.0,
+                                               "train": 1.5}, 0.2, 2.0, golds), 32, max_staleness=1, skip_steps=1)
+    assert ahead["steady_steps"] == 1  # step 1 fills the look-ahead, step 3 (the last N) drains it
+    assert math.isclose(ahead["steady_wall_seconds"], 3.21)
+    assert math.isclose(ahead["trainer_idle_fraction"], 0.2 / 3.21)
+    assert math.isclose(ahead["engine_busy_fraction"], 2.0 / 3.21)
+    assert ahead["staleness_mean"] == 1.0
+    with pytest.raises(ValueError, match="run more --steps"):
+        bench.run_result(async_records(0, {"train": 1.0}, 0, 0, golds), 32, 0, skip_steps=3)
+
+
+def test_async_benchmark_summary_speedups_and_table():
+    bench = load_async_rl()
+
+    def run(n, wall, cpu, gold):
+        return {"max_staleness": n, "wall_s_per_sample": wall, "cpu_s_per_sample": cpu, "process_wall_seconds": 60.0,
+                "trainer_idle_fraction": 0.5 - 0.2 * n, "engine_busy_fraction": 0.4 + 0.2 * n, "staleness_mean": n,
+                "gold_final": gold, "gold_curve": [[0, 0.1], [32, gold]]}
+
+    walls = {0: [0.10, 0.12, 0.11], 1: [0.07, 0.08, 0.075]}
+    runs = [run(n, walls[n][i], 0.2 + 0.01 * n, 0.3 + 0.01 * i) for i in range(3) for n in (0, 1)]  # ABAB
+    rows = bench.summarise(runs)
+    assert [r["max_staleness"] for r in rows] == [0, 1] and rows[0]["repeats"] == 3
+    base = rows[0]["wall_s_per_sample"]
+    assert (base["min"], base["median"]) == (0.10, 0.11)
+    assert math.isclose(rows[0]["wall_samples_per_s"]["median"], 1 / 0.11)
+    assert math.isclose(rows[0]["wall_samples_per_s"]["best"], 1 / 0.10)
+    assert math.isclose(rows[0]["wall_spread"], 0.11 / 0.10 - 1)
+    assert rows[1]["gold_final"]["min"] == 0.3 and rows[1]["gold_final"]["median"] == 0.31
+    assert rows[1]["gold_curve_median"] == [[0, 0.1], [32, 0.31]]
+    ratios = bench.speedups(rows)
+    assert ratios["0"] == {"median": 1.0, "min": 1.0}
+    assert math.isclose(ratios["1"]["median"], 0.11 / 0.075) and math.isclose(ratios["1"]["min"], 0.10 / 0.07)
+    assert bench.speedups(rows[1:]) == {}  # no N = 0 to compare with
+    text = "\n".join(bench.table_lines(rows, ratios))
+    assert "| 1 | 3 | 13.33 (14.29) |" in text and "1.47x (1.43x)" in text
+    assert "gold curve N=1 (samples: median gold): 0: 0.100  32: 0.310" in text
+    assert "goal N=1 >= 1.3x the wall samples/s of N=0: met (1.47x, median)" in text
+    assert bench.median_curve([[[0, 1.0], [8, 2.0]], [[0, 3.0]]]) == [[0, 2.0]]  # points every run has

@@ -140,7 +140,7 @@ RECIPES = {"tiny_cpu.yaml": (1, 2), "tiny_cpu_grpo.yaml": (1, 2), "tiny_cpu_rloo
            "tiny_cpu_reinforce_pp.yaml": (1, 2), "tiny_cpu_vllm.yaml": (1, 2), "tiny_cpu_arithmetic.yaml": (1, 2), "tiny_cpu_dpo.yaml": (1, 2), "tiny_cpu_dpo_ppo.yaml": (1, 2), "llama3_8b.yaml": (8,), "qwen3_8b.yaml": (8,), "llama3_70b.yaml": (64,),
            "llama3_70b_grpo.yaml": (64,), "llama3_70b_dpo.yaml": (64,), "tiny_cpu_lora.yaml": (1, 2),
            "llama3_70b_lora.yaml": (64,), "tiny_cpu_dpo_lora.yaml": (1, 2),
-           "tiny_cpu_moe.yaml": (2,), "qwen3_30b_a3b_grpo.yaml": (16,), "qwen3_235b_a22b_grpo.yaml": (256,)}
+           "tiny_cpu_moe.yaml": (2,), "tiny_cpu_async.yaml": (1, 2), "llama3_70b_grpo_async.yaml": (64,), "qwen3_30b_a3b_grpo.yaml": (16,), "qwen3_235b_a22b_grpo.yaml": (256,)}
 PIPELINES = Path(__file__).resolve().parent.parent / "pipelines"
 
 
