@@ -151,21 +151,6 @@ def check_train_step(res: dict) -> None:
             assert sum(per_repeat[p][i] for p in ("fwd_bwd", "guard", "optimizer")) <= whole + 1e-6, row
 
 
-def check_async_rl(res: dict) -> None:
-    assert res["quick"]
-    assert [r["max_staleness"] for r in res["rows"]] == [0, 1], res["rows"]
-    assert [r["max_staleness"] for r in res["runs"]] == [0, 1]  # one round, in order
-    for row in res["rows"]:
-        positive(row["wall_s_per_sample"], "min", "median")
-        positive(row["cpu_s_per_sample"], "min", "median")
-        assert 0 <= row["trainer_idle_fraction"] <= 1 and 0 < row["engine_busy_fraction"] <= 1, row
-        assert row["gold_curve_median"][0][0] == 0 and len(row["gold_curve_median"]) == 4, row  # steps 0..3
-    assert res["speedups"]["0"] == {"median": 1.0, "min": 1.0}
-    positive(res["speedups"]["1"], "median", "min")
-    n1 = res["runs"][1]
-    assert n1["staleness_mean"] == 1.0 and n1["summary_engine_generate_seconds"] > 0, n1  # the async path ran
-
-
 BENCHMARKS = {
     "bench_roles": check_bench_roles,
     "memory": check_memory,
@@ -178,9 +163,8 @@ BENCHMARKS = {
     "reward_server": check_reward_server,
     "train_step": check_train_step,
     "rollout_engines": check_rollout_engines,
-    "async_rl": check_async_rl,
 }
-NEEDS_VLLM = {"rollout_engines", "async_rl"}
+NEEDS_VLLM = {"rollout_engines"}
 
 
 def run_quick(name: str, out: Path) -> tuple[list[str], float]:
@@ -223,7 +207,9 @@ def test_benchmark_quick_mode_runs(name, quick_runs):
 def test_every_benchmark_is_covered():
     """A new benchmark gets a quick mode and an entry here (gpu_check.py: test_gpu.py; vs_trl.py and
     gpu_ppo.py: their own tests)."""
-    own_tests = {"gpu_check", "vs_trl", "gpu_ppo"}
+    # async_rl: its pure functions are tested below; a run of it is a vLLM engine start per N (~3 min of CI),
+    # and tests/test_async_rl.py runs the same stage end to end
+    own_tests = {"gpu_check", "vs_trl", "gpu_ppo", "async_rl"}
     scripts = {p.stem for p in (REPO / "benchmarks").glob("*.py")} - own_tests
     assert scripts <= set(BENCHMARKS), f"benchmarks without a quick-mode test: {sorted(scripts - set(BENCHMARKS))}"
 
