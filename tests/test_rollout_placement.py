@@ -7,12 +7,15 @@ through a real vLLM engine: tests/test_refit_broadcast.py.
 """
 
 import multiprocessing
+import sys
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
+from test_gpu_check_reuse import load_gpu_check
 
 from megatron_rlhf.config import ConfigError, RolloutConfig, load_config, validate
 from megatron_rlhf.rollout.placement import cuda_visible_devices, engine_device_ids, engine_slot, refit_transport
@@ -158,3 +161,12 @@ def test_a_bucket_crosses_a_private_gloo_group_intact(corrupt):
     else:
         assert status == "ok", detail
         assert detail == checksums(sent)
+
+
+def test_gpu_check_skips_the_separate_placement_below_two_gpus(tmp_path):
+    gc = load_gpu_check()
+    run = gc.run_vllm_separate(Path(sys.executable), [], tmp_path, tmp_path, 10)  # this machine: no CUDA device
+    assert run["skipped"].startswith("needs 2 GPUs"), run
+    assert "skipped: needs 2 GPUs" in gc.vllm_separate_lines(run)[-1]
+    line = gc.vllm_separate_lines({"exit_code": 0, "seconds": 61.0, "refit_seconds": 0.012, "refit_gb_per_s": 3.5})
+    assert "refit 0.012 s, 3.50 GB/s" in line[-1]
