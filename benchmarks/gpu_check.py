@@ -57,6 +57,12 @@ CUDA-enabled torch (it never installs torch):
    run's SFT and RM, in <root>/gpu_check_vllm_moe, within --vllm-moe-timeout (240 s): vLLM's Model
    Runner V2 returns the routes (rollout/vllm_engine.py), and the routing_ / expert_load metrics it
    logs are reported (first -> last). Its log is gpu_check_vllm_moe.log;
+4e. optional (--vllm-separate; off by default: another engine start and RL stage): PPO alone on
+   the vLLM recipe from 4c's SFT and RM with rollout.placement=separate (the engine on device 1,
+   the trainer on device 0, rollout.sleep_level=0), refit by NCCL broadcast
+   (rollout/refit_broadcast.py), in <root>/gpu_check_vllm_separate within --vllm-separate-timeout
+   (240 s): refit seconds and GB/s (medians). With fewer than 2 GPUs it says "skipped: needs 2
+   GPUs". Its log is gpu_check_vllm_separate.log;
 5. a table and <out>/gpu_check.json from what the stages wrote: per-stage seconds and peak
    memory; per RL phase (generate, score, train, eval) seconds and peak memory of PPO and GRPO
    side by side with the memory a critic-free algorithm saves (PPO minus GRPO) per phase and for
@@ -121,6 +127,8 @@ RUN_LABELS = {"ppo": "PPO", "grpo": "GRPO", "ppo_lora": "PPO+LoRA"}  # as the ta
 VLLM_RECIPE, VLLM_RUN = "pipelines/tiny_cpu_vllm.yaml", "gpu_check_vllm"
 # --vllm-moe: routing replay with vLLM's routes, GRPO on the MoE recipe from the MoE run's SFT and RM
 VLLM_MOE_RUN = "gpu_check_vllm_moe"
+# --vllm-separate: PPO on the vLLM recipe with the engine on a device of its own (NCCL broadcast refit)
+VLLM_SEPARATE_RUN = "gpu_check_vllm_separate"
 # The mixture-of-experts run: its own SFT -> RM -> GRPO (every role a 4-expert top-2 Mixtral-style
 # model) in <root>/gpu_check_moe, after LoRA. The recipe splits the experts over two processes
 # (make pipeline-moe); on one GPU it runs in one, all experts on it (MOE_OVERRIDES, last: they win).
@@ -864,6 +872,7 @@ def format_table(res: dict) -> str:
         lines += moe_lines(res["moe"], mem_head)
     lines += vllm_lines(res.get("vllm") or {})
     lines += vllm_moe_lines(res.get("vllm_moe") or {})
+    lines += vllm_separate_lines(res.get("vllm_separate") or {})
     if res.get("missing"):
         lines.append("missing: " + ", ".join(res["missing"]))
     if not gpu:
@@ -972,6 +981,48 @@ def run_vllm(py: Path, overrides: list[str], root: Path, out: Path, timeout: flo
     rc, seconds = run_pipeline(py, ov, out / "gpu_check_vllm.log", timeout, VLLM_RECIPE)
     return {"recipe": VLLM_RECIPE, "overrides": ov, "exit_code": rc, "seconds": seconds, "timeout_seconds": timeout,
             "log": "gpu_check_vllm.log"}
+
+
+def cuda_devices(py: Path) -> int:
+    """How many CUDA devices `py`'s torch sees (0 when it cannot tell)."""
+    proc = subprocess.run([str(py), "-c", "import torch; print(torch.cuda.device_count())"], capture_output=True,
+                          text=True, cwd=REPO)
+    lines = proc.stdout.split()
+    return int(lines[-1]) if proc.returncode == 0 and lines and lines[-1].isdigit() else 0
+
+
+def run_vllm_separate(py: Path, overrides: list[str], root: Path, out: Path, timeout: float) -> dict:
+    """4e (--vllm-separate): PPO on the vLLM recipe from 4c's SFT and RM with the engine on a
+    device of its own (rollout.placement=separate: refit by NCCL broadcast), in
+    <root>/gpu_check_vllm_separate; what happened and its refit numbers, for gpu_check.json."""
+    if (n := cuda_devices(py)) < 2:
+        return {"skipped": f"needs 2 GPUs (this machine has {n}): the trainer keeps device 0, the engine takes "
+                           "device 1 (rollout.placement=separate)"}
+    if why := vllm_missing(py):
+        return {"skipped": f"the GPU `vllm` package does not import ({why})"}
+    base = root / VLLM_RUN
+    if not (base / "sft").is_dir() or not (base / "rm").is_dir():
+        return {"skipped": f"the vLLM run (4c) left no SFT and RM in {base}"}
+    ov = [o for o in overrides if o.split("=", 1)[0].strip() != "checkpoint.run_name"] + [
+        f"checkpoint.run_name={VLLM_SEPARATE_RUN}", "pipeline.stages=[rl]", f"rl.sft_from={base / 'sft'}",
+        f"rl.rm_from={base / 'rm'}", "rollout.engine=vllm", "rollout.placement=separate", "rollout.sleep_level=0",
+        "rl.steps=2"]
+    log = "gpu_check_vllm_separate.log"
+    rc, seconds = run_pipeline(py, ov, out / log, timeout, VLLM_RECIPE)
+    numbers = collect_vllm(root / VLLM_SEPARATE_RUN)
+    return {"recipe": VLLM_RECIPE, "overrides": ov, "exit_code": rc, "seconds": seconds, "timeout_seconds": timeout,
+            "log": log, "refit_seconds": numbers.get("refit_seconds"), "refit_gb_per_s": numbers.get("refit_gb_per_s")}
+
+
+def vllm_separate_lines(v: dict) -> list[str]:
+    """4e's lines: how it ended and its refit by broadcast."""
+    if not v:
+        return []
+    if "skipped" in v:
+        return ["", f"vLLM on its own device (--vllm-separate): skipped: {v['skipped']}"]
+    return ["", f"vLLM on its own device (--vllm-separate, rollout.placement=separate, NCCL broadcast refit): exit "
+                f"{v.get('exit_code')} in {_s(v.get('seconds'))} s; refit {_s(v.get('refit_seconds'), '{:.3f}')} s, "
+                f"{_s(v.get('refit_gb_per_s'), '{:.2f}')} GB/s (medians)"]
 
 
 def write_outputs(res: dict, out_dir: str | Path, run_dir: Path | None = None) -> Path:
@@ -1116,6 +1167,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="also GRPO on the MoE recipe with rollout.engine=vllm and rl.routing_replay=rollout (4d)")
     ap.add_argument("--vllm-moe-timeout", type=float, default=float(os.environ.get("GPU_CHECK_VLLM_MOE_TIMEOUT", 240)),
                     help="seconds for --vllm-moe's GRPO run (env GPU_CHECK_VLLM_MOE_TIMEOUT; default 240)")
+    ap.add_argument("--vllm-separate", action="store_true",
+                    help="also PPO on the vLLM recipe with rollout.placement=separate (4e; needs 2 GPUs)")
+    ap.add_argument("--vllm-separate-timeout", type=float,
+                    default=float(os.environ.get("GPU_CHECK_VLLM_SEPARATE_TIMEOUT", 240)),
+                    help="seconds for --vllm-separate's PPO run (env GPU_CHECK_VLLM_SEPARATE_TIMEOUT; default 240)")
     ap.add_argument("--run-root", default=None, help="run root (default: a new temporary folder, removed after)")
     ap.add_argument("--keep-run", action="store_true", help="keep the temporary run root")
     ap.add_argument("--cpu", action="store_true", help="accept a torch without a GPU (tests this script on CPU)")
@@ -1197,9 +1253,13 @@ def main(argv: list[str] | None = None) -> int:
                       args.no_moe)
     vllm_run = run_vllm(py, overrides, root, out, args.vllm_timeout, args.no_vllm)
     vllm_moe = run_vllm_moe(py, given, root, out, args.vllm_moe_timeout) if args.vllm_moe and not args.no_moe else None
+    vllm_separate = (run_vllm_separate(py, overrides, root, out, args.vllm_separate_timeout)
+                     if args.vllm_separate else None)
     res = collect(run_dir)
     if vllm_moe is not None:
         res["vllm_moe"] = vllm_moe
+    if vllm_separate is not None:
+        res["vllm_separate"] = vllm_separate
     res["vllm"] = {**res["vllm"], "run": vllm_run}
     res["moe"]["run"] = moe_run
     res["ppo"]["run"] = {"recipe": RECIPE, "overrides": overrides, "overrides_not_passed": lora_only, "exit_code": rc,
@@ -1226,6 +1286,9 @@ def main(argv: list[str] | None = None) -> int:
             failed.append(f"{label} {run_state(res[name])}" + (f" (log: {out / log})" if log else ""))
     if vllm_moe is not None and vllm_moe.get("exit_code") not in (None, 0):
         failed.append(f"the vLLM routing replay run exited {vllm_moe['exit_code']} (log: {out / 'gpu_check_vllm_moe.log'})")
+    if vllm_separate is not None and vllm_separate.get("exit_code") not in (None, 0):
+        failed.append(f"the separate-placement vLLM run exited {vllm_separate['exit_code']} "
+                      f"(log: {out / 'gpu_check_vllm_separate.log'})")
     if vllm_run.get("exit_code") not in (None, 0):
         failed.append(f"the vLLM rollout path {run_state(res['vllm'])} (log: {out / 'gpu_check_vllm.log'})")
     for line in failed:

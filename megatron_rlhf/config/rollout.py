@@ -9,6 +9,8 @@ from megatron_rlhf.config.model import ModelConfig
 from megatron_rlhf.config.training import ParallelConfig
 
 ROLLOUT_ENGINES = ("megatron", "vllm")
+ROLLOUT_PLACEMENTS = ("colocated", "separate")
+REFIT_TRANSPORTS = ("auto", "shm", "broadcast")
 # Head sizes vLLM's CPU attention backend supports (its GPU backends take more).
 VLLM_CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256)
 
@@ -37,6 +39,19 @@ class RolloutConfig:
     # vllm only. A generation, refit or engine call that takes longer stops the stage with an
     # error naming the engine (a hung engine process), instead of waiting forever.
     engine_timeout_seconds: float = 1800.0
+    # vllm only (docs/rollout_placement.md). colocated: on GPU the engine shares its replica's
+    # devices and sleeps while the trainer works. separate: the engine has devices of its own
+    # (engine_devices; sleep_level must be 0: nothing else is on them), refit by broadcast. On
+    # CPU both are the engine process next to the trainer.
+    placement: str = "colocated"
+    # separate on GPU: the CUDA device ids (as this node numbers them) the engine runs on, one per
+    # rollout.tensor_parallel rank, none a trainer device. Empty: the devices after the trainer's
+    # local ones (local_world_size + replica-on-node * tensor_parallel + i).
+    engine_devices: list[int] = field(default_factory=list)
+    # How refit buckets reach the engine. shm: written to /dev/shm, loaded by the engine (through
+    # host memory). broadcast: a torch.distributed broadcast from the trainer's device to the
+    # engine's (NCCL on GPU, gloo on CPU), over a private group. auto: broadcast when separate.
+    refit_transport: str = "auto"
 
     def check(self, m: ModelConfig, p: ParallelConfig) -> None:
         r = self
@@ -53,6 +68,7 @@ class RolloutConfig:
         cpus = list(r.engine_cpus)
         if any(not isinstance(c, int) or c < 0 for c in cpus) or len(set(cpus)) != len(cpus):
             raise ConfigError(f"rollout.engine_cpus={cpus}: distinct CPU ids >= 0 (e.g. [1]), or [] for no pinning")
+        self._check_placement()
         if r.engine != "vllm":
             return
         tp = r.tensor_parallel
@@ -60,10 +76,45 @@ class RolloutConfig:
             raise ConfigError(f"rollout.tensor_parallel={r.tensor_parallel}: vLLM splits attention heads "
                               f"({m.num_attention_heads}, {m.kv_heads} key/value) over it; choose a divisor of "
                               f"model.num_attention_heads")
-        if r.tensor_parallel > p.tensor_parallel * p.pipeline_parallel:
+        if r.placement == "colocated" and r.tensor_parallel > p.tensor_parallel * p.pipeline_parallel:
             raise ConfigError(f"rollout.tensor_parallel={r.tensor_parallel}: the engine of a data-parallel replica "
                               f"uses that replica's devices (parallel.tensor_parallel x pipeline_parallel = "
-                              f"{p.tensor_parallel * p.pipeline_parallel}); choose at most that")
+                              f"{p.tensor_parallel * p.pipeline_parallel}); choose at most that, or "
+                              "rollout.placement=separate (the engine on devices of its own)")
+
+    def _check_placement(self) -> None:
+        r = self
+        if r.placement not in ROLLOUT_PLACEMENTS:
+            raise ConfigError(f"rollout.placement={r.placement!r}: choose one of {ROLLOUT_PLACEMENTS}")
+        if r.refit_transport not in REFIT_TRANSPORTS:
+            raise ConfigError(f"rollout.refit_transport={r.refit_transport!r}: choose one of {REFIT_TRANSPORTS}")
+        if r.placement == "separate" and r.engine != "vllm":
+            raise ConfigError(f"rollout.placement=separate with rollout.engine={r.engine}: only the vLLM engine runs "
+                              "apart from the trainer; set rollout.engine=vllm or rollout.placement=colocated")
+        if r.refit_transport == "broadcast" and r.engine != "vllm":
+            raise ConfigError(f"rollout.refit_transport=broadcast with rollout.engine={r.engine}: the in-place engine "
+                              "uses the actor's own weights (no refit); set rollout.engine=vllm or "
+                              "rollout.refit_transport=auto")
+        if r.refit_transport == "broadcast" and r.placement != "separate":
+            raise ConfigError("rollout.refit_transport=broadcast with rollout.placement=colocated: on GPU the engine "
+                              "and its trainer rank share a device, where NCCL refuses two ranks; set "
+                              "rollout.placement=separate or rollout.refit_transport=shm")
+        if r.placement == "separate" and r.sleep_level != 0:
+            raise ConfigError(f"rollout.placement=separate with rollout.sleep_level={r.sleep_level}: the engine's "
+                              "devices hold nothing else, so sleeping frees nothing and costs a reload per "
+                              "generation; set rollout.sleep_level=0")
+        devices = list(r.engine_devices)
+        if any(not isinstance(d, int) or isinstance(d, bool) or d < 0 for d in devices) or \
+                len(set(devices)) != len(devices):
+            raise ConfigError(f"rollout.engine_devices={devices}: distinct CUDA device ids >= 0 (e.g. [4]), or [] "
+                              "for the devices after the trainer's")
+        if devices and r.placement != "separate":
+            raise ConfigError(f"rollout.engine_devices={devices} with rollout.placement={r.placement}: a colocated "
+                              "engine uses its replica's devices; set rollout.placement=separate or "
+                              "rollout.engine_devices=[]")
+        if devices and len(devices) != r.tensor_parallel:
+            raise ConfigError(f"rollout.engine_devices={devices}: one device per engine tensor-parallel rank "
+                              f"(rollout.tensor_parallel={r.tensor_parallel}); list that many")
 
 
 def check_vllm_cpu_model(m: ModelConfig) -> None:

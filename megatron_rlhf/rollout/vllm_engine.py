@@ -64,6 +64,8 @@ from megatron_rlhf.parallel import device
 from megatron_rlhf.parallel.collectives import errors_agreed, raise_on_every_rank
 from megatron_rlhf.rollout.base import Rollout, RolloutEngine, SamplingParams
 from megatron_rlhf.rollout.refit import RefitPlan, expected_hf_shapes, stream_hf_weights
+from megatron_rlhf.rollout.placement import engine_cuda_devices, refit_transport
+from megatron_rlhf.rollout.refit_broadcast import BroadcastRefit
 from megatron_rlhf.rollout.vllm_process import (EngineError, EngineWatch, PendingGeneration, child_processes,
                                                 engine_env, inject_engine_fault, kill_processes, pin_threads,
                                                 start_reaper, timeout_call, trainer_cpus)
@@ -115,8 +117,7 @@ def start_engine(r: RolloutConfig, model: ModelConfig, model_dir: Path, seed: in
     on_gpu = torch.cuda.is_available()
     memory = ({"gpu_memory_utilization": r.gpu_memory_utilization, "enable_sleep_mode": r.sleep_level > 0}
               if on_gpu else {"kv_cache_memory_bytes": r.kv_cache_bytes})
-    local = int(os.environ.get("LOCAL_RANK", "0"))
-    cuda = ",".join(str(local + i) for i in range(r.tensor_parallel)) if on_gpu else None
+    cuda = engine_cuda_devices(r) if on_gpu else None  # rollout.placement (rollout/placement.py)
     try:
         with engine_env(cuda, routes, list(r.engine_cpus)):
             # responses must not depend on what an earlier batch cached: off, or (vLLM's routes need it)
@@ -277,6 +278,11 @@ class VLLMRolloutEngine(RolloutEngine):
         return {**self.last_refit, **self.last_sleep}
 
     def _send_bucket(self, bucket: dict[str, torch.Tensor]) -> int:
+        if refit_transport(self.rollout) == "broadcast":  # device to device (rollout/refit_broadcast.py)
+            with self.watch.watching("refit"):
+                if getattr(self, "_broadcast_refit", None) is None:
+                    self._broadcast_refit = BroadcastRefit(self.llm, self.rollout.tensor_parallel, self.timeout)
+                return self._broadcast_refit.send(bucket)
         from safetensors.torch import save_file
 
         host = {name: t.detach().to("cpu", copy=False).contiguous() for name, t in bucket.items()}

@@ -1,8 +1,9 @@
 """The refit receiver, run inside vLLM's engine process (vLLM's `worker_extension_cls`: these
 methods become methods of its worker and are called by name through `LLM.collective_rpc`).
 
-One refit is `refit_begin(expected)`, any number of `refit_bucket(path, checks)`, then
-`refit_end()`. vLLM's layer-wise reload is the only path that reloads weights after start-up
+One refit is `refit_begin(expected)`, any number of `refit_bucket(path, checks)` (the shm
+transport) or `refit_broadcast_bucket(names, shapes, dtypes)` (the broadcast transport, after one
+`refit_broadcast_join`: rollout/refit_broadcast.py), then `refit_end()`. vLLM's layer-wise reload is the only path that reloads weights after start-up
 on every backend (the CPU backend repacks weights at load time, so a plain `load_weights`
 into a running model corrupts it); it is silent about tensors that never arrive, so this side
 checks everything itself: each bucket against the expected names and shapes and against the
@@ -23,21 +24,90 @@ Uses only torch, safetensors and vLLM (the engine process imports this package's
 
 from __future__ import annotations
 
-import torch
+from datetime import timedelta
 
+import torch
+import torch.distributed as dist
 
 _WORDS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
+def checksum_tensor(tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The sum of each tensor's raw bits read as integers of its element size (int64 [n], on the
+    tensors' device, in their order): exact and the same on both ends of a bucket whatever the
+    transport, device or summation order, so any changed word (a flipped byte, a stale tensor)
+    changes it; one cheap pass over memory, no host sync."""
+    return torch.stack([t.contiguous().view(_WORDS[t.element_size()]).sum(dtype=torch.int64).to(torch.int64)
+                        for t in tensors.values()])
+
+
 def checksums(tensors: dict[str, torch.Tensor]) -> dict[str, int]:
-    """The sum of each tensor's raw bits read as integers of its element size: exact and the
-    same on both ends of a bucket whatever the transport, device or summation order, so any
-    changed word (a flipped byte, a stale tensor) changes it; one cheap pass over memory."""
+    """`checksum_tensor` by name, on the host."""
     if not tensors:
         return {}
-    sums = torch.stack([t.contiguous().view(_WORDS[t.element_size()]).sum(dtype=torch.int64).to(torch.int64)
-                        for t in tensors.values()])
-    return dict(zip(tensors, sums.tolist()))  # one host sync per bucket
+    return dict(zip(tensors, checksum_tensor(tensors).tolist()))  # one host sync per bucket
+
+
+# ------------------------------------------------------------------ broadcast transport
+# Both ends of rollout.refit_transport=broadcast (the trainer's: rollout/refit_broadcast.py): a
+# process group of its own (rank 0 the trainer's engine rank, ranks 1..tp the engine's workers),
+# built from a TCPStore the trainer hosts; neither side's default group is involved.
+
+def join_refit_group(host: str, port: int, rank: int, world_size: int, backend: str, timeout_seconds: float,
+                     device: torch.device):
+    """Member `rank` (>= 1: an engine worker) of the private refit group whose rank 0 hosts a
+    TCPStore at `host:port`; every wait on it is bounded by `timeout_seconds`."""
+    timeout = timedelta(seconds=timeout_seconds)
+    store = dist.TCPStore(host, port, None, is_master=False, timeout=timeout)
+    return refit_group(store, host, rank, world_size, backend, timeout, device)
+
+
+def refit_group(store, host: str, rank: int, world_size: int, backend: str, timeout: timedelta, device: torch.device):
+    """The private refit group over `store` (gloo or nccl), ending with a one-element broadcast, so
+    a group returned has been shown to carry data (and NCCL's communicator exists)."""
+    prefixed = dist.PrefixStore("megatron_rlhf_refit", store)
+    if backend == "gloo":
+        options = dist.ProcessGroupGloo._Options()
+        options._timeout = timeout
+        options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+        group = dist.ProcessGroupGloo(prefixed, rank, world_size, options)
+    elif backend == "nccl":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        group = dist.ProcessGroupNCCL(prefixed, rank, world_size, options)
+    else:
+        raise ValueError(f"refit group backend {backend!r}: nccl or gloo")
+    hello = torch.full((1,), 1.0 if rank == 0 else 0.0, device=device)
+    broadcast(group, hello, timeout)
+    if float(hello.sum()) != 1.0:
+        raise RuntimeError(f"the refit group's first broadcast ({backend}) delivered {hello.tolist()}, not [1.0]")
+    return group
+
+
+def broadcast(group, tensor: torch.Tensor, timeout: timedelta) -> None:
+    """Rank 0's `tensor` into every member's `tensor` (in place), waiting at most `timeout`."""
+    options = dist.BroadcastOptions()
+    options.rootRank = 0
+    group.broadcast([tensor], options).wait(timeout)
+
+
+def receive_bucket(group, names: list[str], shapes: list[list[int]], dtypes: list[str], device: torch.device,
+                   timeout: timedelta) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
+    """One bucket as rank 0 broadcasts it (refit_broadcast.wire_tensors): each tensor, then their
+    checksums. Everything announced is received before anything is checked, so a bad bucket never
+    leaves the two sides out of step."""
+    kinds = [getattr(torch, d, None) for d in dtypes]
+    bad = [d for d, k in zip(dtypes, kinds) if not isinstance(k, torch.dtype)]
+    tensors = {}
+    for name, shape, kind in zip(names, shapes, kinds):
+        tensors[name] = torch.empty(shape, dtype=kind if isinstance(kind, torch.dtype) else torch.uint8, device=device)
+        broadcast(group, tensors[name], timeout)
+    sums = torch.empty(len(names), dtype=torch.int64, device=device)
+    broadcast(group, sums, timeout)
+    if bad or not len(names) == len(shapes) == len(dtypes):
+        raise RuntimeError(f"refit bucket header does not describe tensors (dtypes {bad}, {len(names)} names, "
+                           f"{len(shapes)} shapes, {len(dtypes)} dtypes)")
+    return tensors, dict(zip(names, sums.tolist()))
 
 
 def verify_bucket(tensors: dict[str, torch.Tensor], checks: dict[str, int],
@@ -113,6 +183,27 @@ class RefitWorker:
 
         tensors = load_file(path)
         verify_bucket(tensors, checks, self._refit_expected, self._refit_seen)
+        self.model_runner.get_model().load_weights(iter(tensors.items()))
+        self._refit_seen.update(tensors)
+        return len(tensors)
+
+    def refit_broadcast_join(self, host: str, port: int, world_size: int, backend: str, timeout_seconds: float) -> int:
+        """Join the trainer's private refit group (rollout.refit_transport=broadcast) as rank
+        1 + this worker's rank. Returns that rank."""
+        rank = 1 + self.rank
+        self._refit_group_timeout = timedelta(seconds=timeout_seconds)
+        self._refit_group = join_refit_group(host, port, rank, world_size, backend, timeout_seconds, self.device)
+        return rank
+
+    def refit_broadcast_bucket(self, names: list[str], shapes: list[list[int]], dtypes: list[str]) -> int:
+        """Receive one bucket by broadcast into tensors on this worker's device, verify it against
+        the sender's checksums and the expected shapes, and load it (as refit_bucket does)."""
+        tensors, checks = receive_bucket(self._refit_group, names, shapes, dtypes, self.device,
+                                         self._refit_group_timeout)
+        try:
+            verify_bucket(tensors, checks, self._refit_expected, self._refit_seen)
+        except RuntimeError as e:
+            raise RuntimeError(f"{e} (rollout.refit_transport=broadcast)") from e
         self.model_runner.get_model().load_weights(iter(tensors.items()))
         self._refit_seen.update(tensors)
         return len(tensors)
