@@ -115,11 +115,15 @@ def _alive(pid: int) -> bool:
 # ----------------------------------------------------------------------------- the schedule
 @pytest.fixture(scope="module")
 def one_process_group():
-    if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(29_400 + os.getpid() % 1000))
-        dist.init_process_group("gloo", rank=0, world_size=1)
+    """A gloo group of this process alone (the audit and the buffer ask for ranks), on a free
+    port, destroyed after the module: a pytest worker runs other modules after this one."""
+    if dist.is_initialized():
+        yield
+        return
+    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     yield
+    dist.destroy_process_group()
 
 
 class ScriptedEngine:
