@@ -762,6 +762,12 @@ def interleaved(rows: list[str], batch_sizes: list[int], repeats: int, run) -> l
     return runs
 
 
+def gen_per_token(row: dict) -> str:
+    """The main table's generation CPU ms per token step; '-' for ours-async, whose trainer-side
+    generate span only waits and submits (the engine's processes generate: the "engine" phase)."""
+    return "-" if row["row"] in VLLM_ROWS else f"{row['generate_cpu_ms_per_token']:.2f}"
+
+
 def print_tables(rows: list[dict], ratios: dict, floors: dict, new_tokens: int, iterations: int, repeats: int) -> None:
     print(f"\nPPO, 2-layer Llama h{HIDDEN} ffn{FFN}, V={rows[-1]['vocab']}, {new_tokens} new tokens, {EPOCHS} epochs, "
           f"fp32, 1 thread; {repeats} interleaved repeats per row (one child process each), {iterations} measured "
@@ -774,7 +780,7 @@ def print_tables(rows: list[dict], ratios: dict, floors: dict, new_tokens: int, 
         c, w = r["cpu_s_per_iteration"], r["wall_s_per_iteration"]
         print(f"{r['batch']:>3} {r['label']:<44} {r['cores']:>5} {c['min']:>14.3f} {c['median']:>7.3f} {r['cpu_spread']:>6.1%} "
               f"{r['samples_per_s_cpu']:>9.2f} {w['min']:>15.3f} {w['median']:>7.3f} {r['samples_per_s_wall']:>9.2f} "
-              f"{r['generate_cpu_ms_per_token']:>10.2f} {r['peak_rss_mib']:>8.0f} {r['rss_increment_mib']:>9.0f} "
+              f"{gen_per_token(r):>10} {r['peak_rss_mib']:>8.0f} {r['rss_increment_mib']:>9.0f} "
               f"{r['fraction_of_floor']:>9.3f}")
     if ratios:
         print("\nthroughput ours / theirs = their CPU s per iteration / ours (> 1: ours faster), median (min) "
