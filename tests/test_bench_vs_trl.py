@@ -13,12 +13,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parent.parent
 
 
 def load_benchmark():
     spec = importlib.util.spec_from_file_location("vs_trl", REPO / "benchmarks/vs_trl.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 
@@ -84,3 +87,57 @@ def test_ratios_are_their_cpu_time_over_ours():
     assert math.isclose(ratios["vs_trl_best"]["min"], 0.7 / 0.9)
     gaps = bench.gaps_to_trl_best(rows)["8"]  # every phase here is a quarter of the iteration
     assert set(gaps) == set(bench.LEAVES) and math.isclose(gaps["train/optimizer"], (1.0 - 0.8) / 4)
+
+
+def test_async_row_cpu_time_adds_the_engines_processes():
+    bench = load_benchmark()
+    # engine CPU read after each iteration's wait (warm-up, 3 measured) and once after the last
+    snapshots = [5.0, 5.5, 6.25, 6.75, 7.5]
+    assert bench.per_iteration_engine_cpu(snapshots, 3) == [0.75, 0.5, 0.75]
+    with pytest.raises(ValueError, match="4 engine CPU snapshots"):
+        bench.per_iteration_engine_cpu(snapshots[:-1], 3)  # the final wait's snapshot is missing
+
+    # the engine's CPU is a phase of its own, and the trainer's refit another: not "other"
+    spans = {"generate": 0.2, "sync": 0.1, "score": 0.4, "train": 1.0, "engine": 1.2}
+    table = bench.phase_table(spans, iteration_s=3.0, iterations=1)
+    assert table["sync"] == 0.1 and table["engine"] == 1.2
+    assert math.isclose(table["other"], 3.0 - 0.2 - 0.1 - 0.4 - 1.0 - 1.2)
+    assert bench.phase_table({"generate": 1.0}, 1.0, 1)["engine"] == 0.0  # the one-core rows have none
+
+
+def test_async_row_summary_and_wall_ratio():
+    bench = load_benchmark()
+
+    def run(row, cpu, wall, **extra):
+        return {"batch": 8, "row": row, "response_tokens": 32, "vocab": 87, "threads": 1, "versions": {},
+                "timers": [], "cpu_s_per_iteration": cpu, "wall_s_per_iteration": wall,
+                "phases": {path: 0.0 for path, _ in bench.PHASES}, "peak_rss_mib": 900.0,
+                "rss_after_import_torch_mib": 600.0, "rss_increment_mib": 300.0, **extra}
+
+    overlap = lambda wait: {"trainer_wait_seconds": wait, "engine_generate_seconds": 0.3,  # noqa: E731
+                            "refit_seconds": 0.05, "trainer_idle_fraction": 0.1, "engine_busy_fraction": 0.5,
+                            "staleness": 1.0}
+    runs = [run("trl-nogc", 1.0, 1.0), run("trl-nogc", 1.2, 1.2),
+            *(run("ours-async", 1.5, 0.5, cores=2, trainer_cpu_s=[0.5, 0.7], engine_cpu_s=[e, e],
+                  overlap=overlap(w)) for e, w in ((0.8, 0.01), (1.0, 0.03), (0.9, 0.02)))]
+    rows = bench.summarise(runs)
+    trl, ours = (next(r for r in rows if r["row"] == name) for name in ("trl-nogc", "ours-async"))
+    assert trl["cores"] == 1 and "overlap" not in trl and ours["cores"] == 2
+    assert math.isclose(ours["trainer_cpu_s_per_iteration"], 0.6)
+    assert math.isclose(ours["engine_cpu_s_per_iteration"], 0.9)
+    assert math.isclose(ours["overlap"]["trainer_wait_seconds"], 0.02)
+    ratio = bench.throughput_ratios(rows)["8"]["ours-async"]["vs_trl_best"]
+    assert math.isclose(ratio["median"], 1.1 / 1.5)       # CPU: two cores' time costs more...
+    assert math.isclose(ratio["wall_median"], 1.1 / 0.5)  # ...wall time is what the overlap buys
+
+
+def test_async_row_runs_under_the_vllm_python_and_needs_two_cpus(tmp_path):
+    bench = load_benchmark()
+    assert bench.python_for("ours-async", "venv", "trl", "vllm") == "vllm"
+    assert [bench.python_for(r, "venv", "trl", "vllm") for r in ("ours", "ours-reuse", "trl", "trl-nogc")] == [
+        "venv", "venv", "trl", "trl"]
+    missing = tmp_path / "no-vllm-python"
+    assert "not found" in bench.async_row_unavailable(str(missing), {0, 1})
+    missing.touch()
+    assert "only CPUs [3]" in bench.async_row_unavailable(str(missing), {3})
+    assert bench.async_row_unavailable(str(missing), {0, 1}) is None

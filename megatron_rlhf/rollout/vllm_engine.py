@@ -342,7 +342,8 @@ class VLLMRolloutEngine(RolloutEngine):
         m = self.model
         allowed = list(range(m.token_vocab_size)) if m.token_vocab_size < m.vocab_size else None
         params = [VLLMSampling(temperature=0.0 if sampling.greedy else sampling.temperature, top_k=sampling.top_k or -1,
-                               top_p=sampling.top_p, max_tokens=sampling.max_new_tokens, stop_token_ids=[self.eos_id],
+                               top_p=sampling.top_p, max_tokens=sampling.max_new_tokens,
+                               stop_token_ids=[self.eos_id] if self.eos_id >= 0 else [],  # < 0: no EOS (vLLM refuses -1)
                                ignore_eos=True,  # stop at our EOS only (config.json names one too)
                                logprobs=0, detokenize=False, seed=(seed * 1_000_003 + row) % 2**63,
                                allowed_token_ids=allowed)
