@@ -1,7 +1,7 @@
 """Asynchronous RL on CPU (issue 36): the RL stage at rl.max_staleness N = 0, 1, 2 with the vLLM engine.
 
     .venv-vllm/bin/python benchmarks/async_rl.py [--steps 20] [--repeats 3] [--staleness 0 1 2]
-        [--eval-interval 1] [--cpus 0 1] [--root /tmp/async_rl] [--out benchmarks/results/async_rl.json]
+        [--eval-interval 5] [--seed 1234] [--cpus 0 1] [--root /tmp/async_rl] [--out benchmarks/results/async_rl.json]
     .venv-vllm/bin/python benchmarks/async_rl.py --quick   # tiny sizes, N = 0 and 1, 3 steps, 1 repeat
 
 The default recipe with the vLLM engine (pipelines/tiny_cpu_vllm.yaml). SFT and RM are trained once
@@ -209,8 +209,11 @@ def build_base(root: Path, sizes: list[str]) -> tuple[Path, Path]:
     return base / "sft", base / "rm"
 
 
-def rl_overrides(args, n: int, sft: Path, rm: Path) -> list[str]:
+def rl_overrides(args, n: int, sft: Path, rm: Path, repeat: int = 0) -> list[str]:
+    """Repeat r runs with seed --seed + r (the same seeds for every N: matched pairs; the spread of
+    gold over the repeats is the seed noise that N's effect on learning is compared with)."""
     return [*args.sizes, "pipeline.stages=[rl]", f"rl.sft_from={sft}", f"rl.rm_from={rm}", f"rl.steps={args.steps}",
+            f"seed={args.seed + repeat}",
             f"rl.max_staleness={n}", f"rollout.engine_cpus=[{args.cpus[1]}]", "rl.log_interval=1",
             f"rl.eval_interval={args.eval_interval}", "rl.save_interval=0", f"rl.tis_cap={args.tis_cap}"]
 
@@ -219,7 +222,7 @@ def run_rl(args, n: int, repeat: int, sft: Path, rm: Path) -> dict:
     """One RL run at rl.max_staleness=n (a fresh run directory: nothing resumes)."""
     from megatron_rlhf.config import load_config  # light: no torch
 
-    run, overrides = f"n{n}_r{repeat}", rl_overrides(args, n, sft, rm)
+    run, overrides = f"n{n}_r{repeat}", rl_overrides(args, n, sft, rm, repeat)
     cfg = load_config(RECIPE, overrides)
     out = stage_dir(args.root, run, cfg.rl.algorithm)
     if (args.root / run).exists():
@@ -241,7 +244,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20, help="RL steps per run")
     ap.add_argument("--repeats", type=int, default=3, help="runs per N, interleaved with the other N")
     ap.add_argument("--staleness", type=int, nargs="+", default=[0, 1, 2], help="rl.max_staleness values")
-    ap.add_argument("--eval-interval", type=int, default=1, help="RL steps between gold evaluations")
+    ap.add_argument("--eval-interval", type=int, default=5, help="RL steps between gold evaluations")
+    ap.add_argument("--seed", type=int, default=1234, help="repeat r runs with seed + r (every N the same seeds)")
     ap.add_argument("--skip-steps", type=int, default=1, help="first steps left out of the steady state")
     ap.add_argument("--tis-cap", type=float, default=2.0,
                     help="rl.tis_cap for every N (as pipelines/tiny_cpu_async.yaml): the same objective throughout")

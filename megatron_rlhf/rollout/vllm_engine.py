@@ -317,7 +317,8 @@ class VLLMRolloutEngine(RolloutEngine):
                 if self.stale:
                     raise EngineError("the engine's weights are stale (no successful refit since the last change): "
                                       "update_weights() must succeed before generate()")
-                pending = PendingGeneration(lambda: self._generate_here(prompts, sampling, seed))
+                pending = PendingGeneration(lambda: self._generate_here(prompts, sampling, seed),
+                                            cpus=list(self.rollout.engine_cpus) or None)
                 inject_engine_fault("generate", self.watch.processes)  # fire drill: dies (or hangs) mid-generation
         return Submitted(prompts, pending)
 

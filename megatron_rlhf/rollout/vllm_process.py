@@ -94,8 +94,8 @@ class PendingGeneration:
     """`fn()` running on a thread of its own (vLLM's client waiting for the engine process);
     `wait` returns its result or raises its error, or EngineError once `timeout` has passed."""
 
-    def __init__(self, fn: Callable[[], Any], what: str = "generation"):
-        self.what, self.result, self.error = what, None, None
+    def __init__(self, fn: Callable[[], Any], what: str = "generation", cpus: list[int] | None = None):
+        self.what, self.result, self.error, self.cpus = what, None, None, cpus
         self.started, self.seconds = time.perf_counter(), None
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(fn,), daemon=True, name=f"vllm-{what}")
@@ -103,6 +103,8 @@ class PendingGeneration:
 
     def _run(self, fn) -> None:
         try:
+            if self.cpus:  # vLLM's client (its output processing) runs on the engine's CPUs, not the trainer's
+                os.sched_setaffinity(0, self.cpus)
             self.result = fn()
         except BaseException as e:  # noqa: BLE001  (handed to the waiting trainer)
             self.error = e
