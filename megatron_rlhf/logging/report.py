@@ -181,7 +181,7 @@ def phase_time_figure(seconds: dict[str, dict], engine: dict[str, float] | None 
     """A stacked bar per RL stage: its seconds in each phase; beside it, hatched, the seconds an
     asynchronous stage's engine generated while the trainer ran those phases (`engine`)."""
     engine = engine or {}
-    fig = _figure(2 + 1.2 * len(seconds), 3.4)
+    fig = _figure(4.5 + 1.2 * len(seconds), 3.4)  # room for the legend beside the bars, not over them
     ax = fig.subplots()
     xs, bottom = list(range(len(seconds))), [0.0] * len(seconds)
     for phase in phases_run(seconds):
@@ -193,7 +193,7 @@ def phase_time_figure(seconds: dict[str, dict], engine: dict[str, float] | None 
                fill=False, label="vLLM engine generating (overlapped)")
     ax.set_xticks(xs, list(seconds))
     ax.set_ylabel("seconds")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     ax.set_title("time per phase")
     return fig
 
