@@ -3,6 +3,7 @@
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -17,6 +18,23 @@ TINY_MODEL = [
     "model.num_query_groups=2", "model.ffn_hidden_size=128", "model.vocab_size=100",
     "model.max_seq_length=64",
 ]
+
+
+def still_running(pids: list[int], within: float) -> list[int]:
+    """Of `pids`, those still running (not gone, not zombies) after waiting up to `within` seconds
+    for all of them to end."""
+    deadline = time.time() + within
+    while (alive := [p for p in pids if _running(p)]) and time.time() < deadline:
+        time.sleep(0.2)
+    return alive
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
 
 
 def torchrun(nproc: int, script: str, *args: str, timeout: int = 600, env: dict | None = None,

@@ -18,6 +18,7 @@ import time
 import pytest
 
 from megatron_rlhf.resilience.preemption import REQUEUE_EXIT_CODE
+from distributed import still_running
 from stages import assert_same_run, fault, latest, metrics, stage, summary
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -44,18 +45,7 @@ def interrupted(tmp_path, run, overrides, spec):
 def assert_reaped(tmp_path, run):
     """The engine's processes are gone soon after their trainer was SIGKILLed (vllm_process.start_reaper)."""
     pids = json.loads((tmp_path / run / "ppo" / "vllm_model_rank0" / "engine_pids.json").read_text())
-    deadline = time.time() + 15
-    while time.time() < deadline and any(_alive(p) for p in pids):
-        time.sleep(0.2)
-    assert not any(_alive(p) for p in pids), f"engine processes {pids} outlived their SIGKILLed trainer"
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
+    assert not still_running(pids, within=15), f"engine processes {pids} outlived their SIGKILLed trainer"
 
 
 def assert_same_as_uninterrupted(tmp_path, steps, n):

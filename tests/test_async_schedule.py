@@ -18,6 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from distributed import still_running
 from megatron_rlhf.colocation import phases_for
 from megatron_rlhf.config import ConfigError, RLConfig, load_config, validate, warnings_for
 from megatron_rlhf.rollout import Rollout, SamplingParams
@@ -98,18 +99,7 @@ def test_the_reaper_kills_the_engine_once_the_trainer_is_sigkilled(tmp_path):
     os.kill(engine_pid, 0)  # alive while its trainer is
     trainer.send_signal(signal.SIGKILL)
     trainer.wait()
-    deadline = time.time() + 10
-    while time.time() < deadline and _alive(engine_pid):
-        time.sleep(0.2)
-    assert not _alive(engine_pid), "the engine outlived its SIGKILLed trainer"
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
+    assert not still_running([engine_pid], within=10), "the engine outlived its SIGKILLed trainer"
 
 
 # ----------------------------------------------------------------------------- the schedule
@@ -206,6 +196,16 @@ def test_a_checkpointed_buffer_resumes_the_same_schedule(tmp_path, one_process_g
         schedule(tmp_path / "c", 1, 6).restore(saved)
     with pytest.raises(ConfigError, match="written with rl.max_staleness=0"):
         schedule(tmp_path / "c", 1, 6).restore({})
+
+
+def test_a_steps_rewind_snapshot_is_the_buffer_from_before_the_step(tmp_path, one_process_group):
+    ahead = schedule(tmp_path, 2, 6)
+    for step in (1, 2):
+        ahead.wait_in_flight()
+        rewind = ahead.snapshot()  # taken as the step starts; made into a state only on an error
+        ahead.advance(step, version=step - 1)
+    assert [b["index"] for b in rewind()["rollout_buffer"]["batches"]] == [2, 3]  # not [3]: step 2 took batch 2
+    assert [b.index for b in ahead.buffer] == [3]
 
 
 def test_the_audit_drops_what_a_lost_run_did_after_its_checkpoint(tmp_path, one_process_group):

@@ -217,6 +217,7 @@ class VLLMRolloutEngine(RolloutEngine):
         self.is_engine_rank = dist.get_rank() == self.plan.engine_rank
         self.llm, self.stale, self.asleep, self.last_refit, self.last_sleep = None, True, False, {}, {}
         self.reaper, self.timeout = None, rollout.engine_timeout_seconds
+        self.transport, self._broadcast_refit = refit_transport(rollout), None
         with errors_agreed(lambda: EngineError("the vLLM engine of another replica did not start (see its error)")):
             keep_cpus = trainer_cpus(list(rollout.engine_cpus)) if rollout.engine_cpus else None
             if self.is_engine_rank:
@@ -278,9 +279,9 @@ class VLLMRolloutEngine(RolloutEngine):
         return {**self.last_refit, **self.last_sleep}
 
     def _send_bucket(self, bucket: dict[str, torch.Tensor]) -> int:
-        if refit_transport(self.rollout) == "broadcast":  # device to device (rollout/refit_broadcast.py)
+        if self.transport == "broadcast":  # device to device (rollout/refit_broadcast.py)
             with self.watch.watching("refit"):
-                if getattr(self, "_broadcast_refit", None) is None:
+                if self._broadcast_refit is None:  # its group is joined at the first refit, when the engine runs
                     self._broadcast_refit = BroadcastRefit(self.llm, self.rollout.tensor_parallel, self.timeout)
                 return self._broadcast_refit.send(bucket)
         from safetensors.torch import save_file

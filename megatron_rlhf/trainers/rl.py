@@ -403,7 +403,8 @@ def run_iterations(cfg: Config, runner: StageRunner, data, roles: dict, engine, 
                 ahead.wait_in_flight()
         synced = synced or sync_weights(engine, sched)
         # a reward source that fails here (no weights changed yet) leaves the last step checkpointed
-        with runner.rewind_on((RewardSourceError,), state.samples_seen, drain, **state.saved()):
+        with runner.rewind_on((RewardSourceError,), state.samples_seen, ahead.snapshot() if ahead else None,
+                              **state.saved()):
             with sched.phase("generate") as phase:
                 if ahead:  # the buffered batch; the next one starts generating beside score and train
                     generation, batch = ahead.advance(step, version=step - 1)

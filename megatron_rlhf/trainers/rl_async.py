@@ -176,10 +176,17 @@ class AsyncRollouts:
         """The buffer for a checkpoint: the batch in flight is drained first (its generation is
         completed, so nothing is lost or regenerated differently on resume)."""
         self.wait_in_flight()
+        return self.snapshot()()
+
+    def snapshot(self) -> Callable[[], dict]:
+        """The buffer as it is now (nothing in flight), as a function that makes its checkpoint
+        state only when called: a step's rewind (StageRunner.rewind_on) needs it only on an error,
+        and making it copies every buffered rollout to the host."""
+        batches, engine_seconds = list(self.buffer), self.engine_seconds_total  # completed batches do not change
         rank, size = dist.get_rank(), dist.get_world_size()
-        return {"rollout_buffer": {"max_staleness": self.rl.max_staleness, "world_size": size, "rank": rank,
-                                   "engine_seconds_total": self.engine_seconds_total,
-                                   "batches": [b.state() for b in self.buffer]}}
+        return lambda: {"rollout_buffer": {"max_staleness": self.rl.max_staleness, "world_size": size, "rank": rank,
+                                           "engine_seconds_total": engine_seconds,
+                                           "batches": [b.state() for b in batches]}}
 
     def restore(self, state: dict) -> None:
         """From a resumed checkpoint's trainer state; refuses one written with another

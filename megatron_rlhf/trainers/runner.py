@@ -108,7 +108,7 @@ class StageRunner:
         step, sampler, trained = self.step, self.sampler, self.trained
 
         def full_state() -> dict:
-            extra = before_save() if before_save is not None else {}  # first: it may draw nothing, but drains
+            extra = before_save() if before_save is not None else {}  # first: it may drain (e.g. the engine's batch)
             return trainer_state(step, consumed_samples, sampler, trained, **state, **extra)
 
         checkpoint_if_due(self.ckpt, self.log, self.preemption, self.step, self.total, self.save_interval,
@@ -120,10 +120,10 @@ class StageRunner:
                   before_save: Callable[[], dict] | None = None, **state):
         """Wrap the part of a step that changes no weights (e.g. generate and score). If it
         raises one of `errors`, the previous step is checkpointed as it ended (the sampler's
-        position and the RNG streams from before this part, the trainer `state` given) unless it
-        already was, then the error propagates: a rerun resumes as if nothing had happened."""
+        position and the RNG streams from before this part, the trainer `state` given, and
+        `before_save()`'s, called only then: it must describe the state from before this part)
+        unless it already was, then the error propagates: a rerun resumes as if nothing had happened."""
         position, rng = self.sampler.state_dict(), rng_state()
-        state = {**state, **(before_save() if before_save is not None else {})}  # as the previous step ended
         try:
             yield
         except errors:
@@ -131,8 +131,9 @@ class StageRunner:
             if previous > 0 and not (self.ckpt.stage_dir / iter_name(previous)).is_dir():
                 self.sampler.load_state_dict(position)
                 set_rng_state(rng)
+                extra = before_save() if before_save is not None else {}
                 self.ckpt.save(previous, self.trained, trainer_state(previous, consumed_samples, self.sampler,
-                                                                     self.trained, **state))
+                                                                     self.trained, **state, **extra))
                 self.ckpt.wait()
                 self.log.info(f"checkpoint of step {previous} (the last complete one) saved before stopping")
             raise
