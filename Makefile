@@ -92,30 +92,30 @@ pipeline: setup
 	  pipeline --config $(CONFIG) $(ARGS)
 
 # SFT -> RM -> GRPO with a tiny mixture-of-experts model, expert parallel over 2 processes
-# (pipelines/tiny_cpu_moe.yaml; README "Mixture-of-experts models").
+# (pipelines/tiny_cpu_moe.yaml; docs/moe.md).
 pipeline-moe: setup
 	$(PY) -m megatron_rlhf.torchrun --nproc-per-node 2 \
 	  pipeline --config pipelines/tiny_cpu_moe.yaml $(ARGS)
 
-# The same pipeline generating with vLLM (pipelines/tiny_cpu_vllm.yaml; README "Rollout engines").
+# The same pipeline generating with vLLM (pipelines/tiny_cpu_vllm.yaml; docs/rollout_engines.md).
 VLLM_CONFIG ?= pipelines/tiny_cpu_vllm.yaml
 pipeline-vllm: $(VLLM_STAMP)
 	$(VENV_VLLM)/bin/python -m megatron_rlhf.torchrun --nproc-per-node $(PIPELINE_NPROC) \
 	  pipeline --config $(VLLM_CONFIG) $(ARGS)
 
 # Asynchronous RL: the vLLM pipeline with rl.max_staleness=1, the engine on CPU 1 and the trainer on
-# CPU 0 (pipelines/tiny_cpu_async.yaml; README "Asynchronous RL"). The benchmark of N = 0, 1, 2:
+# CPU 0 (pipelines/tiny_cpu_async.yaml; docs/rollout_engines.md). The benchmark of N = 0, 1, 2:
 # $(VENV_VLLM)/bin/python benchmarks/async_rl.py
 pipeline-async: $(VLLM_STAMP)
 	$(VENV_VLLM)/bin/python -m megatron_rlhf.torchrun --nproc-per-node $(PIPELINE_NPROC) \
 	  pipeline --config pipelines/tiny_cpu_async.yaml $(ARGS)
 
-# SFT -> PPO on the verifiable arithmetic task with a rule reward only (README "Reward sources").
+# SFT -> PPO on the verifiable arithmetic task with a rule reward only (docs/rewards.md).
 pipeline-arithmetic: setup
 	$(PY) -m megatron_rlhf.torchrun --nproc-per-node $(PIPELINE_NPROC) \
 	  pipeline --config pipelines/tiny_cpu_arithmetic.yaml $(ARGS)
 
-# SFT -> DPO on the default task (pipelines/tiny_cpu_dpo.yaml; README "DPO"). The route
+# SFT -> DPO on the default task (pipelines/tiny_cpu_dpo.yaml; docs/dpo.md). The route
 # SFT -> RM -> DPO -> PPO: make pipeline CONFIG=pipelines/tiny_cpu_dpo_ppo.yaml
 pipeline-dpo: setup
 	$(PY) -m megatron_rlhf.torchrun --nproc-per-node $(PIPELINE_NPROC) \

@@ -1111,7 +1111,7 @@ def build_wheels(dest: Path, pythons: list[str], all_deps: bool) -> None:
         src = Path(tmp) / "src"
         shutil.copytree(REPO / "megatron_rlhf", src / "megatron_rlhf",
                         ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
-        for name in ("pyproject.toml", "README.md"):
+        for name in ("pyproject.toml", "README.md", "LICENSE"):  # LICENSE: pyproject's license-files
             shutil.copy(REPO / name, src / name)
         if subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
                            "-w", str(dest.resolve()), str(src)]).returncode != 0:

@@ -87,7 +87,7 @@ def test_active_on_cpu():
 
 
 def test_smoke_command_runs_all_roles_at_tp2():
-    """The README's main command path: `python -m megatron_rlhf smoke` under torchrun."""
+    """The main command path (docs/getting_started.md): `python -m megatron_rlhf smoke` under torchrun."""
     from distributed import torchrun
 
     proc = torchrun(2, "-m", "megatron_rlhf", "smoke", "--config", "pipelines/tiny_cpu.yaml",

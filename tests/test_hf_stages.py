@@ -178,7 +178,7 @@ def test_import_and_export_commands(tmp_path):
     torchrun(2, "-m", "megatron_rlhf", "import-hf", "--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "imported"),
              "parallel.tensor_parallel=2")
     assert (tmp_path / "imported" / "latest").read_text().strip() == "iter_0000000"
-    proc = subprocess.run(  # the recipe as well (the README's example): the recorded model config wins
+    proc = subprocess.run(  # the recipe as well (docs/hf_models.md's example): the recorded model config wins
         [sys.executable, "-m", "megatron_rlhf", "export-hf", *RECIPE, "--ckpt", str(tmp_path / "imported"),
          "--role", "actor", "--out", str(tmp_path / "exported")], capture_output=True, text=True, timeout=300, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]

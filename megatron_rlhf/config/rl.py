@@ -34,7 +34,7 @@ REWARD_SOURCE_FIELDS = {"model": (), "function": ("function",),
 @dataclass(frozen=True)
 class RewardSourceConfig:
     """One term of the RL reward: weight x this source's score for each response
-    (megatron_rlhf/rewards/; README "Reward sources")."""
+    (megatron_rlhf/rewards/; docs/rewards.md)."""
 
     # model: the reward model of the RM stage (the `reward` role, rl.rm_from); function: a
     # rule function in a Python file; http: a reward service (python -m megatron_rlhf serve-reward).
@@ -43,7 +43,7 @@ class RewardSourceConfig:
     # Logged as reward_<name>; default: rm, the function's name, or http.
     name: str | None = None
     # function: "path/to/file.py:function_name" (a relative path from the working directory,
-    # else from the project root); signature in rewards/arithmetic.py and the README.
+    # else from the project root); signature in rewards/arithmetic.py and docs/rewards.md.
     function: str | None = None
     # http: the scoring endpoint, e.g. http://rm-host:8000/score (schema: docs/reward_service.md).
     url: str | None = None

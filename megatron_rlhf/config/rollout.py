@@ -21,7 +21,7 @@ class RolloutConfig:
 
     # megatron: in place, with the actor's own weights (no copy, no refit). vllm: a vLLM
     # engine per data-parallel replica, in its own process next to the trainer, refit with the
-    # actor's weights before every generation (README: "Rollout engines").
+    # actor's weights before every generation (docs/rollout_engines.md).
     engine: str = "megatron"
     # vllm only. The engine's own tensor parallelism (independent of the training layout).
     tensor_parallel: int = 1

@@ -38,7 +38,7 @@ engine returns the experts it routed each token to, through vLLM 0.32's
 Prefix caching is on only then, and resume stays as exact as without it: the cache is reset
 before every generation (and after every refit) and every request carries its own `cache_salt`
 (seed, row), so no request reads a block another request computed; each computes its whole
-prompt as with caching off. (On GPU, vLLM's generation is not bit-reproducible anyway: README.)
+prompt as with caching off. (On GPU, vLLM's generation is not bit-reproducible anyway: docs/rollout_engines.md.)
 The engine rank converts the routes of all MoE layers (`routes_from_vllm`: one copy per row, on
 the host where vLLM returns them, then one transfer), broadcasts them with the rest of the
 rollout, and each rank keeps its pipeline stage's layers (`stage_routes`).
