@@ -1,15 +1,19 @@
 """The run report (megatron_rlhf/logging/report.py) built from metrics.jsonl and summary.json
 files written into a run directory as the stages write them: per RL stage the gold-vs-proxy
 and KL-vs-reward plots, the reward-hacking alarms and final win rates; the phase-time
-comparison of the run's RL stages; partial stages (no summary, no gold) reported, not crashed on."""
+comparison of the run's RL stages; partial stages (no summary, no gold) reported, not crashed on;
+every stage directory of the run in pipeline order, sizes in KiB/MiB/GiB, no None, and figures
+whose titles and legends stay clear of the figure's edge and of the curves and bars."""
 
 import json
+import re
 
 import matplotlib.image
 import pytest
 
-from megatron_rlhf.logging.report import (ALARM, LEGACY_NAMES, alarm_spans, curves_figure, gold_vs_proxy_figure, phase_time_figure,
-                                          write_report)
+from megatron_rlhf.logging.report import (ALARM, CURVES, LEGACY_NAMES, _points, _read_metrics, alarm_spans, curves_figure,
+                                          format_value, gold_vs_proxy_figure, human_bytes, phase_time_figure,
+                                          stage_dirs, write_report)
 
 PHASE_SECONDS = {"ppo": {"generate": 120.0, "score": 30.0, "train": 45.5, "eval": 4.5},
                  "grpo": {"generate": 80.0, "score": 10.0, "train": 10.0, "eval": 0.0}}
@@ -62,9 +66,28 @@ def synthetic_run(run):
                              for k in range(1, 21)], {"stage": "sft", "steps": 20})
     write_stage(run, "rm", [{"step": k, "loss": 0.7 / k, "eval_accuracy": 0.5 + k / 40} for k in range(1, 11)],
                 {"stage": "rm", "steps": 10})
-    write_stage(run, "ppo", rl_rows(alarm=range(31, 35)), rl_summary("ppo", [ALARM_RECORD]))
+    write_stage(run, "ppo", rl_rows(alarm=range(31, 35)), rl_summary("ppo", [ALARM_RECORD]) | SIZES)
+    write_commit(run / "ppo" / "iter_0000040", {"actor/__0_0.distcp": 3 * 2**30, "trainer_state/rank_00000.pt": 2**20})
     write_stage(run, "grpo", rl_rows(), rl_summary("grpo", []))
     return run
+
+
+# What a stage's summary.json holds in bytes (memory account: logging/memory.py), and values it leaves null.
+SIZES = {"peak_memory_bytes": 996990976, "refit_bytes_per_s_final": 25981593.0, "win_rate_holdout_rm_final": None,
+         "started_from": None, "checkpoint": "checkpoints/run/ppo/iter_0000040",
+         "memory_account": {"roles": {"actor": {"weights": 1116416, "gradient_buffers": 1116672,
+                                                "optimizer_state": 2232940, "activations": 4955280,
+                                                "trainable_parameters": 279104}},
+                            "model_state_bytes": 4466028, "activation_bytes": 4955280, "checkpoint_save_bytes": 61440,
+                            "account_bytes": 9421308, "baseline_bytes": 778817536,
+                            "peak_above_baseline_bytes": 218173440, "other_bytes": 208752132,
+                            "peak_over_account": 23.16}}
+
+
+def write_commit(checkpoint, files):
+    """A complete checkpoint as CheckpointManager commits it: commit.json lists its files' sizes."""
+    checkpoint.mkdir(parents=True)
+    (checkpoint / "commit.json").write_text(json.dumps({"step": int(checkpoint.name[5:]), "files": files}))
 
 
 def sections(report: str) -> dict[str, str]:
@@ -97,10 +120,23 @@ def test_gold_vs_proxy_plot_has_every_signal_on_one_axes_and_shades_the_alarms()
 
 def test_the_win_rates_share_a_panel_of_the_curve_grid():
     fig = curves_figure(rl_rows(holdout=True), ["reward", ("eval_win_rate_reward", "eval_win_rate_gold")], "ppo")
-    win = [ax for ax in fig.axes if ax.get_title() == "eval_win_rate_reward / eval_win_rate_gold"]
+    # the title wrapped to the panel's width
+    win = [ax for ax in fig.axes if ax.get_title().replace("\n", " ") == "eval_win_rate_reward / eval_win_rate_gold"]
     assert len(win) == 1
     assert [line.get_label() for line in win[0].lines] == ["eval_win_rate_reward", "eval_win_rate_gold"]
     assert list(win[0].lines[0].get_xdata()) == list(range(5, 41, 5))
+
+
+def test_eval_curves_start_at_the_eval_before_training():
+    """An RL stage logs the eval of the starting policy as step 0 (eval keys only): the eval curves
+    start there, the training curves at step 1."""
+    rows = rl_rows()
+    assert _points(rows, "eval_reward")[0][:2] == [0, 5] and _points(rows, "eval_gold_score")[0][0] == 0
+    assert _points(rows, "reward")[0][0] == 1
+    fig = curves_figure(rows, CURVES["rl"], "ppo")
+    panels = {ax.get_title(): ax for ax in fig.axes}
+    for name in ("eval_reward", "eval_gold_score"):
+        assert panels[name].lines[0].get_xdata()[0] == 0, name
 
 
 def test_report_of_a_finished_run_plots_judges_and_times_each_rl_stage(tmp_path):
@@ -130,7 +166,7 @@ def test_an_async_stage_shows_its_wait_and_the_engine_generating_beside_the_trai
     table = sections(write_report(run).read_text())["Time per phase (seconds, share of the stage)"]
     assert "| stage | wait | sync | generate | score | train | eval | total | engine (overlapped) |" in table
     assert "| grpo | 5 (5%) | 5 (5%) | 1 (1%) | 40 (40%) | 49 (49%) | 0 (0%) | 100 | 60 |" in table
-    assert "| ppo | 0 (0%) | 0 (0%) | 120 (60%) |" in table and table.split("| ppo |")[1].split("\n")[0].endswith("| - |")
+    assert "| ppo | 0 (0%) | 0 (0%) | 120 (60%) |" in table and table.split("| ppo |")[1].split("\n")[0].endswith("| — |")
     assert_png(run / "report_phase_time.png")
     fig = phase_time_figure({"grpo": summary["phase_seconds"]}, {"grpo": 60.0})
     labels = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
@@ -155,7 +191,7 @@ def test_user_data_without_gold_plots_the_proxy_against_the_holdout_rm(tmp_path)
         assert_png(run / f"report_ppo_{name}.png")
         assert f"(report_ppo_{name}.png)" in report
     assert "- step 31: reward slope +0.0412, holdout_rm_score slope -0.0103" in report
-    assert "by the reward 62.5%, by the gold score n/a, by the holdout RM 55.0%" in report
+    assert "by the reward 62.5%, by the holdout RM 55.0%\n" in report  # no gold score: left out
     fig = gold_vs_proxy_figure(rl_rows(gold=False, holdout=True), "ppo")
     assert len(fig.axes) == 1 and [t.get_text() for t in fig.legends[0].get_texts()] == [
         "reward (proxy)", "eval_reward", "holdout_rm_score (independent)", "eval_holdout_rm_score"]
@@ -165,17 +201,27 @@ def test_unfinished_and_partial_stages_are_reported_not_crashed_on(tmp_path):
     run = tmp_path / "run"
     write_stage(run, "ppo", rl_rows(steps=8), None)  # stopped at step 8: no summary
     (run / "ppo" / "metrics.jsonl").open("a").write('{"step": 9, "rm_sc')  # a line torn by the kill
+    write_commit(run / "ppo" / "iter_0000005", {"actor/__0_0.distcp": 5 * 2**20})
+    (run / "ppo" / "iter_0000008").mkdir()  # a save the kill interrupted: no commit.json
     write_stage(run, "grpo", [{"step": 0, "eval_reward": 0.1}], rl_summary("grpo"))  # no alarm record
     (run / "rloo").mkdir()  # started, nothing written yet
     report = write_report(run, ["sft", "ppo", "grpo", "rloo"]).read_text()
     parts = sections(report)
-    for stage in ("sft", "ppo", "rloo"):
-        assert parts[stage].split("\n")[2] == "not finished", stage
+    assert parts["ppo"].split("\n")[2] == ("**Not finished:** in progress or stopped at step 8 (no summary.json yet); "
+                                           "a rerun resumes from its checkpoint at step 5 (5.0 MiB)")
+    assert parts["rloo"].split("\n")[2] == ("**Not finished:** in progress or stopped before its first logged step "
+                                            "(no summary.json yet)")
+    assert parts["sft"].split("\n")[2] == "**Not started:** no sft/ directory in the run"
+    overview = report.split("\n## ")[0]
+    for row in ("| sft | not started | — | — | — |", "| ppo | in progress or stopped at step 8 | — | — | — |",
+                "| grpo | finished | 40 | — | — |", "| rloo | started, nothing logged yet | — | — | — |"):
+        assert row in overview, row
     assert "(report_ppo_gold_vs_proxy.png)" in parts["ppo"]  # the partial curves are shown
     assert_png(run / "report_ppo_gold_vs_proxy.png")
     assert "Reward hacking" not in parts["ppo"]
     assert "**Reward hacking:** no alarm (never checked" in parts["grpo"] and "kl_vs_reward" not in parts["grpo"]
-    assert "| grpo | 80 (80%)" in report and "| ppo |" not in report and "| rloo |" not in report
+    table = parts["Time per phase (seconds, share of the stage)"]
+    assert "| grpo | 80 (80%)" in table and "| ppo |" not in table and "| rloo |" not in table
 
 
 @pytest.mark.parametrize("algorithm", ["ppo", "grpo"])
@@ -217,7 +263,5 @@ def test_a_run_of_an_earlier_version_is_read_under_the_current_reward_names(tmp_
     report = write_report(run, ["ppo"]).read_text()
     assert "by the reward 62.5%, by the gold score 70.0%" in report and "| reward_eval_before | 0.125 |" in report
     assert_png(run / "report_ppo_gold_vs_proxy.png")
-    from megatron_rlhf.logging.report import _read_metrics
-
     rows = _read_metrics(run / "ppo")
     assert rows[10]["reward"] == 0.5 and rows[10]["eval_win_rate_reward"] == 0.625 and "rm_score" not in rows[10]
