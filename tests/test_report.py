@@ -139,9 +139,15 @@ def test_eval_curves_start_at_the_eval_before_training():
         assert panels[name].lines[0].get_xdata()[0] == 0, name
 
 
-def test_report_of_a_finished_run_plots_judges_and_times_each_rl_stage(tmp_path):
-    run = synthetic_run(tmp_path / "run")
-    report = write_report(run).read_text()
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    """(run directory, report.md) of synthetic_run, written as the pipeline writes it (every stage directory)."""
+    run = synthetic_run(tmp_path_factory.mktemp("finished") / "run")
+    return run, write_report(run).read_text()
+
+
+def test_report_of_a_finished_run_plots_judges_and_times_each_rl_stage(finished_run):
+    run, report = finished_run
     for name in ("sft", "rm", "ppo", "grpo", "ppo_gold_vs_proxy", "ppo_kl_vs_reward", "grpo_gold_vs_proxy",
                  "grpo_kl_vs_reward", "phase_time"):
         assert_png(run / f"report_{name}.png")
@@ -155,6 +161,84 @@ def test_report_of_a_finished_run_plots_judges_and_times_each_rl_stage(tmp_path)
     assert "| stage | generate | score | train | eval | total |" in table
     assert "| ppo | 120 (60%) | 30 (15%) | 45.5 (23%) | 4.5 (2%) | 200 |" in table
     assert "| grpo | 80 (80%) | 10 (10%) | 10 (10%) | 0 (0%) | 100 |" in table
+
+
+def test_the_report_covers_every_stage_directory_in_pipeline_order(finished_run, tmp_path):
+    """Whichever pipeline config wrote them (here a PPO run, then a GRPO run on the same run
+    directory): sft, rm, ppo and grpo in pipeline order, each stage's LoRA variant after it; the
+    run's data/, export/, tokenizer/ and a stage moved aside (<name>.replaced-<time>) are not stages."""
+    report = finished_run[1]
+    assert list(sections(report)) == ["sft", "rm", "ppo", "grpo", "Time per phase (seconds, share of the stage)"]
+    assert [line.split(" | ")[0] for line in report.split("\n") if "| finished |" in line] == [
+        "| sft", "| rm", "| ppo", "| grpo"]
+    run = tmp_path / "run"
+    for stage in ("ppo", "grpo", "rm", "sft"):
+        write_stage(run, stage, [{"step": 1, "loss": 1.0}], {"stage": stage})
+    for other in ("data", "export", "tokenizer", "notes"):  # notes: neither summary.json nor metrics.jsonl
+        (run / other).mkdir()
+    (run / "export" / "summary.json").write_text("{}")
+    write_stage(run, "ppo.replaced-20261204-120000", rl_rows(steps=2), {"stage": "ppo"})
+    for stage in ("rloo", "dpo_lora", "sft_lora", "ppo_lora", "dpo", "rm_holdout", "my_stage"):
+        write_stage(run, stage, [{"step": 1, "loss": 1.0}])
+    assert stage_dirs(run) == ["sft", "sft_lora", "rm", "rm_holdout", "dpo", "dpo_lora", "ppo", "ppo_lora", "grpo",
+                               "rloo", "my_stage"]
+
+
+def test_sizes_are_human_readable_and_nothing_prints_none(finished_run):
+    assert [human_bytes(n) for n in (0, 1023, 1536, 996990976, 3 * 2**30)] == [
+        "0 B", "1023 B", "1.5 KiB", "950.8 MiB", "3.0 GiB"]
+    assert format_value("refit_bytes_per_s_final", 25981593.0) == "24.8 MiB/s"
+    assert format_value("checkpoint_save_bytes", 61440) == "60.0 KiB" and format_value("steps", 120) == "120"
+    assert [format_value("started_from", None), format_value("lora", {}), format_value("checkpoint_warnings", [])] == [
+        None, None, None]
+    report = finished_run[1]
+    assert "None" not in report and not re.findall(r"\b\d{7,}\b", report)  # no raw byte counts
+    ppo = sections(report)["ppo"]
+    for line in ("| peak_memory_bytes | 950.8 MiB |", "| refit_bytes_per_s_final | 24.8 MiB/s |",
+                 "| checkpoint_bytes | 3.0 GiB |",  # the final checkpoint's files, as its commit.json lists them
+                 "| actor | 1.1 MiB | 1.1 MiB | 2.1 MiB | 4.7 MiB | 279,104 |", "baseline 742.7 MiB;",
+                 "peak above baseline 208.1 MiB;", "other (not in the account) 199.1 MiB;"):
+        assert line in ppo, line
+    assert "win_rate_holdout_rm_final" not in ppo and "started_from" not in ppo and "holdout RM" not in ppo
+    assert "| ppo | finished | 40 | — | 950.8 MiB |" in report
+
+
+def assert_clear_layout(fig):
+    """After drawing: every visible text inside the figure (no clipped title or label), no two
+    axes titles overlapping, and every legend outside every axes' data area (off the curves and
+    bars) and inside the figure."""
+    from matplotlib.legend import Legend
+    from matplotlib.text import Text
+
+    fig.canvas.draw()
+    renderer, inside = fig.canvas.get_renderer(), fig.bbox.padded(1)  # 1 px: rounding
+    shown = [ax for ax in fig.axes if ax.get_visible()]
+    # titles, axis labels and the figure's own texts (suptitle); tick labels are left to the layout
+    # engine (matplotlib keeps unused ones, off-canvas, among an axis's texts)
+    texts = [t for ax in shown for t in (ax.title, ax.xaxis.label, ax.yaxis.label)]
+    texts += [t for t in fig.get_children() if isinstance(t, Text)]
+    for text in (t for t in texts if t.get_visible() and t.get_text().strip()):
+        box = text.get_window_extent(renderer)
+        assert inside.contains(box.x0, box.y0) and inside.contains(box.x1, box.y1), text.get_text()
+    titles = [ax.title.get_window_extent(renderer) for ax in shown if ax.get_title()]
+    assert not any(a.overlaps(b) for i, a in enumerate(titles) for b in titles[i + 1:]), "titles overlap"
+    legends = [lg for lg in fig.findobj(Legend) if lg.get_visible()]
+    for legend in legends:
+        box = legend.get_window_extent(renderer)
+        assert inside.contains(box.x0, box.y0) and inside.contains(box.x1, box.y1), "legend cut off"
+        assert not any(box.overlaps(ax.bbox) for ax in shown), [t.get_text() for t in legend.get_texts()]
+    return legends
+
+
+def test_titles_are_not_clipped_and_legends_do_not_cover_the_data():
+    rows = rl_rows(holdout=True, alarm=[3, 4])
+    rows[20]["eval_win_rate_holdout_rm"] = 0.5  # a long three-name panel title, first in the grid's last row
+    assert len(assert_clear_layout(curves_figure(rows, CURVES["rl"], "reinforce_pp_baseline"))) == 1
+    assert len(assert_clear_layout(gold_vs_proxy_figure(rows, "reinforce_pp_baseline"))) == 1
+    assert len(assert_clear_layout(phase_time_figure(PHASE_SECONDS, {"grpo": 60.0}))) == 1
+    from megatron_rlhf.logging.report import kl_vs_reward_figure
+
+    assert_clear_layout(kl_vs_reward_figure(rows, "reinforce_pp_baseline"))
 
 
 def test_an_async_stage_shows_its_wait_and_the_engine_generating_beside_the_trainer(tmp_path):
