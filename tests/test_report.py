@@ -12,7 +12,7 @@ import matplotlib.image
 import pytest
 
 from megatron_rlhf.logging.report import (ALARM, CURVES, LEGACY_NAMES, _points, _read_metrics, alarm_spans, curves_figure,
-                                          format_value, gold_vs_proxy_figure, human_bytes, phase_time_figure,
+                                          format_value, gold_vs_proxy_figure, human_bytes, human_seconds, phase_time_figure,
                                           stage_dirs, write_report)
 
 PHASE_SECONDS = {"ppo": {"generate": 120.0, "score": 30.0, "train": 45.5, "eval": 4.5},
@@ -187,6 +187,7 @@ def test_the_report_covers_every_stage_directory_in_pipeline_order(finished_run,
 def test_sizes_are_human_readable_and_nothing_prints_none(finished_run):
     assert [human_bytes(n) for n in (0, 1023, 1536, 996990976, 3 * 2**30)] == [
         "0 B", "1023 B", "1.5 KiB", "950.8 MiB", "3.0 GiB"]
+    assert [human_seconds(s) for s in (8.751, 125, 7300)] == ["8.8 s", "2 min 5 s", "2 h 1 min"]
     assert format_value("refit_bytes_per_s_final", 25981593.0) == "24.8 MiB/s"
     assert format_value("checkpoint_save_bytes", 61440) == "60.0 KiB" and format_value("steps", 120) == "120"
     assert [format_value("started_from", None), format_value("lora", {}), format_value("checkpoint_warnings", [])] == [

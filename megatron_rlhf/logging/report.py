@@ -1,12 +1,10 @@
 """The run report: PNG plots of each stage's main curves and a markdown summary with sample
 generations before and after RL (any algorithm). Reads only what the stages wrote (metrics.jsonl,
-summary.json, checkpoints' commit.json), so it can be rebuilt for any finished or partial run:
-
-    python -m megatron_rlhf report <run dir>
-
-It covers every stage directory in the run, in pipeline order (STAGE_ORDER), whichever pipeline
-config wrote each; a stage without summary.json is shown as stopped at its last logged step.
-Bytes are printed in KiB/MiB/GiB, and a value a stage did not record is left out, not printed as None.
+summary.json, checkpoints' commit.json), so it can be rebuilt for any finished or partial run
+(write_report(run_dir); the CLI's `report` verb). It covers every stage directory in the run, in
+pipeline order (STAGE_ORDER), whichever pipeline config wrote each; a stage without summary.json
+is shown as stopped at its last logged step. Bytes are printed in KiB/MiB/GiB, and a value a
+stage did not record is left out, not printed as None.
 
 For each RL stage it also shows what a user needs to judge the run: the proxy reward (the
 combined reward of rl.rewards being optimised) against the independent signals (gold score,
