@@ -56,7 +56,7 @@ def run(cfg: Config) -> dict:
             name = cfg.rl.algorithm if policy == "rl" else policy
             print(f"[pipeline] {name.upper()} actor exported for deployment: {export}", flush=True)
     if rank0:
-        report = write_report(run_dir(cfg), [stage_dir(cfg, s).name for s in cfg.pipeline.stages])
+        report = write_report(run_dir(cfg))  # every stage directory of the run, also those of earlier configs
         print(f"[pipeline] report: {report}", flush=True)
     return summaries
 

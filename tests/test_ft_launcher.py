@@ -85,6 +85,6 @@ def test_failed_rank_is_restarted_in_job_and_resumes_bitwise(clean, kind):
     last = f"iter_{STEPS:07d}"
     assert (root / kind / "sft" / "latest").read_text().strip() == last
     assert_same_tensors(root / "clean" / "sft" / last / "actor", root / kind / "sft" / last / "actor")
-    # every step logged once (the restart dropped what it redid), with identical values
-    assert [x["step"] for x in metrics(root, kind, "sft")] == list(range(1, STEPS + 1))
+    # every step logged once (the restart dropped what it redid), with identical values; step 0: the eval before training
+    assert [x["step"] for x in metrics(root, kind, "sft")] == list(range(0, STEPS + 1))
     assert deterministic_metrics(root, kind, "sft") == deterministic_metrics(root, "clean", "sft")

@@ -1,15 +1,19 @@
 """The run report (megatron_rlhf/logging/report.py) built from metrics.jsonl and summary.json
 files written into a run directory as the stages write them: per RL stage the gold-vs-proxy
 and KL-vs-reward plots, the reward-hacking alarms and final win rates; the phase-time
-comparison of the run's RL stages; partial stages (no summary, no gold) reported, not crashed on."""
+comparison of the run's RL stages; partial stages (no summary, no gold) reported, not crashed on;
+every stage directory of the run in pipeline order, sizes in KiB/MiB/GiB, no None, and figures
+whose titles and legends stay clear of the figure's edge and of the curves and bars."""
 
 import json
+import re
 
 import matplotlib.image
 import pytest
 
-from megatron_rlhf.logging.report import (ALARM, LEGACY_NAMES, alarm_spans, curves_figure, gold_vs_proxy_figure, phase_time_figure,
-                                          write_report)
+from megatron_rlhf.logging.report import (ALARM, CURVES, LEGACY_NAMES, _points, _read_metrics, alarm_spans, curves_figure,
+                                          format_value, gold_vs_proxy_figure, human_bytes, human_seconds, phase_time_figure,
+                                          stage_dirs, write_report)
 
 PHASE_SECONDS = {"ppo": {"generate": 120.0, "score": 30.0, "train": 45.5, "eval": 4.5},
                  "grpo": {"generate": 80.0, "score": 10.0, "train": 10.0, "eval": 0.0}}
@@ -62,9 +66,28 @@ def synthetic_run(run):
                              for k in range(1, 21)], {"stage": "sft", "steps": 20})
     write_stage(run, "rm", [{"step": k, "loss": 0.7 / k, "eval_accuracy": 0.5 + k / 40} for k in range(1, 11)],
                 {"stage": "rm", "steps": 10})
-    write_stage(run, "ppo", rl_rows(alarm=range(31, 35)), rl_summary("ppo", [ALARM_RECORD]))
+    write_stage(run, "ppo", rl_rows(alarm=range(31, 35)), rl_summary("ppo", [ALARM_RECORD]) | SIZES)
+    write_commit(run / "ppo" / "iter_0000040", {"actor/__0_0.distcp": 3 * 2**30, "trainer_state/rank_00000.pt": 2**20})
     write_stage(run, "grpo", rl_rows(), rl_summary("grpo", []))
     return run
+
+
+# What a stage's summary.json holds in bytes (memory account: logging/memory.py), and values it leaves null.
+SIZES = {"peak_memory_bytes": 996990976, "refit_bytes_per_s_final": 25981593.0, "win_rate_holdout_rm_final": None,
+         "started_from": None, "checkpoint": "checkpoints/run/ppo/iter_0000040",
+         "memory_account": {"roles": {"actor": {"weights": 1116416, "gradient_buffers": 1116672,
+                                                "optimizer_state": 2232940, "activations": 4955280,
+                                                "trainable_parameters": 279104}},
+                            "model_state_bytes": 4466028, "activation_bytes": 4955280, "checkpoint_save_bytes": 61440,
+                            "account_bytes": 9421308, "baseline_bytes": 778817536,
+                            "peak_above_baseline_bytes": 218173440, "other_bytes": 208752132,
+                            "peak_over_account": 23.16}}
+
+
+def write_commit(checkpoint, files):
+    """A complete checkpoint as CheckpointManager commits it: commit.json lists its files' sizes."""
+    checkpoint.mkdir(parents=True)
+    (checkpoint / "commit.json").write_text(json.dumps({"step": int(checkpoint.name[5:]), "files": files}))
 
 
 def sections(report: str) -> dict[str, str]:
@@ -97,15 +120,34 @@ def test_gold_vs_proxy_plot_has_every_signal_on_one_axes_and_shades_the_alarms()
 
 def test_the_win_rates_share_a_panel_of_the_curve_grid():
     fig = curves_figure(rl_rows(holdout=True), ["reward", ("eval_win_rate_reward", "eval_win_rate_gold")], "ppo")
-    win = [ax for ax in fig.axes if ax.get_title() == "eval_win_rate_reward / eval_win_rate_gold"]
+    # the title wrapped to the panel's width
+    win = [ax for ax in fig.axes if ax.get_title().replace("\n", " ") == "eval_win_rate_reward / eval_win_rate_gold"]
     assert len(win) == 1
     assert [line.get_label() for line in win[0].lines] == ["eval_win_rate_reward", "eval_win_rate_gold"]
     assert list(win[0].lines[0].get_xdata()) == list(range(5, 41, 5))
 
 
-def test_report_of_a_finished_run_plots_judges_and_times_each_rl_stage(tmp_path):
-    run = synthetic_run(tmp_path / "run")
-    report = write_report(run).read_text()
+def test_eval_curves_start_at_the_eval_before_training():
+    """An RL stage logs the eval of the starting policy as step 0 (eval keys only): the eval curves
+    start there, the training curves at step 1."""
+    rows = rl_rows()
+    assert _points(rows, "eval_reward")[0][:2] == [0, 5] and _points(rows, "eval_gold_score")[0][0] == 0
+    assert _points(rows, "reward")[0][0] == 1
+    fig = curves_figure(rows, CURVES["rl"], "ppo")
+    panels = {ax.get_title(): ax for ax in fig.axes}
+    for name in ("eval_reward", "eval_gold_score"):
+        assert panels[name].lines[0].get_xdata()[0] == 0, name
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    """(run directory, report.md) of synthetic_run, written as the pipeline writes it (every stage directory)."""
+    run = synthetic_run(tmp_path_factory.mktemp("finished") / "run")
+    return run, write_report(run).read_text()
+
+
+def test_report_of_a_finished_run_plots_judges_and_times_each_rl_stage(finished_run):
+    run, report = finished_run
     for name in ("sft", "rm", "ppo", "grpo", "ppo_gold_vs_proxy", "ppo_kl_vs_reward", "grpo_gold_vs_proxy",
                  "grpo_kl_vs_reward", "phase_time"):
         assert_png(run / f"report_{name}.png")
@@ -121,6 +163,85 @@ def test_report_of_a_finished_run_plots_judges_and_times_each_rl_stage(tmp_path)
     assert "| grpo | 80 (80%) | 10 (10%) | 10 (10%) | 0 (0%) | 100 |" in table
 
 
+def test_the_report_covers_every_stage_directory_in_pipeline_order(finished_run, tmp_path):
+    """Whichever pipeline config wrote them (here a PPO run, then a GRPO run on the same run
+    directory): sft, rm, ppo and grpo in pipeline order, each stage's LoRA variant after it; the
+    run's data/, export/, tokenizer/ and a stage moved aside (<name>.replaced-<time>) are not stages."""
+    report = finished_run[1]
+    assert list(sections(report)) == ["sft", "rm", "ppo", "grpo", "Time per phase (seconds, share of the stage)"]
+    assert [line.split(" | ")[0] for line in report.split("\n") if "| finished |" in line] == [
+        "| sft", "| rm", "| ppo", "| grpo"]
+    run = tmp_path / "run"
+    for stage in ("ppo", "grpo", "rm", "sft"):
+        write_stage(run, stage, [{"step": 1, "loss": 1.0}], {"stage": stage})
+    for other in ("data", "export", "tokenizer", "notes"):  # notes: neither summary.json nor metrics.jsonl
+        (run / other).mkdir()
+    (run / "export" / "summary.json").write_text("{}")
+    write_stage(run, "ppo.replaced-20261204-120000", rl_rows(steps=2), {"stage": "ppo"})
+    for stage in ("rloo", "dpo_lora", "sft_lora", "ppo_lora", "dpo", "rm_holdout", "my_stage"):
+        write_stage(run, stage, [{"step": 1, "loss": 1.0}])
+    assert stage_dirs(run) == ["sft", "sft_lora", "rm", "rm_holdout", "dpo", "dpo_lora", "ppo", "ppo_lora", "grpo",
+                               "rloo", "my_stage"]
+
+
+def test_sizes_are_human_readable_and_nothing_prints_none(finished_run):
+    assert [human_bytes(n) for n in (0, 1023, 1536, 996990976, 3 * 2**30)] == [
+        "0 B", "1023 B", "1.5 KiB", "950.8 MiB", "3.0 GiB"]
+    assert [human_seconds(s) for s in (8.751, 125, 7300)] == ["8.8 s", "2 min 5 s", "2 h 1 min"]
+    assert format_value("refit_bytes_per_s_final", 25981593.0) == "24.8 MiB/s"
+    assert format_value("checkpoint_save_bytes", 61440) == "60.0 KiB" and format_value("steps", 120) == "120"
+    assert [format_value("started_from", None), format_value("lora", {}), format_value("checkpoint_warnings", [])] == [
+        None, None, None]
+    report = finished_run[1]
+    assert "None" not in report and not re.findall(r"\b\d{7,}\b", report)  # no raw byte counts
+    ppo = sections(report)["ppo"]
+    for line in ("| peak_memory_bytes | 950.8 MiB |", "| refit_bytes_per_s_final | 24.8 MiB/s |",
+                 "| checkpoint_bytes | 3.0 GiB |",  # the final checkpoint's files, as its commit.json lists them
+                 "| actor | 1.1 MiB | 1.1 MiB | 2.1 MiB | 4.7 MiB | 279,104 |", "baseline 742.7 MiB;",
+                 "peak above baseline 208.1 MiB;", "other (not in the account) 199.1 MiB;"):
+        assert line in ppo, line
+    assert "win_rate_holdout_rm_final" not in ppo and "started_from" not in ppo and "holdout RM" not in ppo
+    assert "| ppo | finished | 40 | — | 950.8 MiB |" in report
+
+
+def assert_clear_layout(fig):
+    """After drawing: every visible text inside the figure (no clipped title or label), no two
+    axes titles overlapping, and every legend outside every axes' data area (off the curves and
+    bars) and inside the figure."""
+    from matplotlib.legend import Legend
+    from matplotlib.text import Text
+
+    fig.canvas.draw()
+    renderer, inside = fig.canvas.get_renderer(), fig.bbox.padded(1)  # 1 px: rounding
+    shown = [ax for ax in fig.axes if ax.get_visible()]
+    # titles, axis labels and the figure's own texts (suptitle); tick labels are left to the layout
+    # engine (matplotlib keeps unused ones, off-canvas, among an axis's texts)
+    texts = [t for ax in shown for t in (ax.title, ax.xaxis.label, ax.yaxis.label)]
+    texts += [t for t in fig.get_children() if isinstance(t, Text)]
+    for text in (t for t in texts if t.get_visible() and t.get_text().strip()):
+        box = text.get_window_extent(renderer)
+        assert inside.contains(box.x0, box.y0) and inside.contains(box.x1, box.y1), text.get_text()
+    titles = [ax.title.get_window_extent(renderer) for ax in shown if ax.get_title()]
+    assert not any(a.overlaps(b) for i, a in enumerate(titles) for b in titles[i + 1:]), "titles overlap"
+    legends = [lg for lg in fig.findobj(Legend) if lg.get_visible()]
+    for legend in legends:
+        box = legend.get_window_extent(renderer)
+        assert inside.contains(box.x0, box.y0) and inside.contains(box.x1, box.y1), "legend cut off"
+        assert not any(box.overlaps(ax.bbox) for ax in shown), [t.get_text() for t in legend.get_texts()]
+    return legends
+
+
+def test_titles_are_not_clipped_and_legends_do_not_cover_the_data():
+    rows = rl_rows(holdout=True, alarm=[3, 4])
+    rows[20]["eval_win_rate_holdout_rm"] = 0.5  # a long three-name panel title, first in the grid's last row
+    assert len(assert_clear_layout(curves_figure(rows, CURVES["rl"], "reinforce_pp_baseline"))) == 1
+    assert len(assert_clear_layout(gold_vs_proxy_figure(rows, "reinforce_pp_baseline"))) == 1
+    assert len(assert_clear_layout(phase_time_figure(PHASE_SECONDS, {"grpo": 60.0}))) == 1
+    from megatron_rlhf.logging.report import kl_vs_reward_figure
+
+    assert_clear_layout(kl_vs_reward_figure(rows, "reinforce_pp_baseline"))
+
+
 def test_an_async_stage_shows_its_wait_and_the_engine_generating_beside_the_trainer(tmp_path):
     run = synthetic_run(tmp_path / "run")
     summary = rl_summary("grpo")
@@ -130,7 +251,7 @@ def test_an_async_stage_shows_its_wait_and_the_engine_generating_beside_the_trai
     table = sections(write_report(run).read_text())["Time per phase (seconds, share of the stage)"]
     assert "| stage | wait | sync | generate | score | train | eval | total | engine (overlapped) |" in table
     assert "| grpo | 5 (5%) | 5 (5%) | 1 (1%) | 40 (40%) | 49 (49%) | 0 (0%) | 100 | 60 |" in table
-    assert "| ppo | 0 (0%) | 0 (0%) | 120 (60%) |" in table and table.split("| ppo |")[1].split("\n")[0].endswith("| - |")
+    assert "| ppo | 0 (0%) | 0 (0%) | 120 (60%) |" in table and table.split("| ppo |")[1].split("\n")[0].endswith("| — |")
     assert_png(run / "report_phase_time.png")
     fig = phase_time_figure({"grpo": summary["phase_seconds"]}, {"grpo": 60.0})
     labels = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
@@ -155,7 +276,7 @@ def test_user_data_without_gold_plots_the_proxy_against_the_holdout_rm(tmp_path)
         assert_png(run / f"report_ppo_{name}.png")
         assert f"(report_ppo_{name}.png)" in report
     assert "- step 31: reward slope +0.0412, holdout_rm_score slope -0.0103" in report
-    assert "by the reward 62.5%, by the gold score n/a, by the holdout RM 55.0%" in report
+    assert "by the reward 62.5%, by the holdout RM 55.0%\n" in report  # no gold score: left out
     fig = gold_vs_proxy_figure(rl_rows(gold=False, holdout=True), "ppo")
     assert len(fig.axes) == 1 and [t.get_text() for t in fig.legends[0].get_texts()] == [
         "reward (proxy)", "eval_reward", "holdout_rm_score (independent)", "eval_holdout_rm_score"]
@@ -165,17 +286,27 @@ def test_unfinished_and_partial_stages_are_reported_not_crashed_on(tmp_path):
     run = tmp_path / "run"
     write_stage(run, "ppo", rl_rows(steps=8), None)  # stopped at step 8: no summary
     (run / "ppo" / "metrics.jsonl").open("a").write('{"step": 9, "rm_sc')  # a line torn by the kill
+    write_commit(run / "ppo" / "iter_0000005", {"actor/__0_0.distcp": 5 * 2**20})
+    (run / "ppo" / "iter_0000008").mkdir()  # a save the kill interrupted: no commit.json
     write_stage(run, "grpo", [{"step": 0, "eval_reward": 0.1}], rl_summary("grpo"))  # no alarm record
     (run / "rloo").mkdir()  # started, nothing written yet
     report = write_report(run, ["sft", "ppo", "grpo", "rloo"]).read_text()
     parts = sections(report)
-    for stage in ("sft", "ppo", "rloo"):
-        assert parts[stage].split("\n")[2] == "not finished", stage
+    assert parts["ppo"].split("\n")[2] == ("**Not finished:** in progress or stopped at step 8 (no summary.json yet); "
+                                           "a rerun resumes from its checkpoint at step 5 (5.0 MiB)")
+    assert parts["rloo"].split("\n")[2] == ("**Not finished:** in progress or stopped before its first logged step "
+                                            "(no summary.json yet)")
+    assert parts["sft"].split("\n")[2] == "**Not started:** no sft/ directory in the run"
+    overview = report.split("\n## ")[0]
+    for row in ("| sft | not started | — | — | — |", "| ppo | in progress or stopped at step 8 | — | — | — |",
+                "| grpo | finished | 40 | — | — |", "| rloo | started, nothing logged yet | — | — | — |"):
+        assert row in overview, row
     assert "(report_ppo_gold_vs_proxy.png)" in parts["ppo"]  # the partial curves are shown
     assert_png(run / "report_ppo_gold_vs_proxy.png")
     assert "Reward hacking" not in parts["ppo"]
     assert "**Reward hacking:** no alarm (never checked" in parts["grpo"] and "kl_vs_reward" not in parts["grpo"]
-    assert "| grpo | 80 (80%)" in report and "| ppo |" not in report and "| rloo |" not in report
+    table = parts["Time per phase (seconds, share of the stage)"]
+    assert "| grpo | 80 (80%)" in table and "| ppo |" not in table and "| rloo |" not in table
 
 
 @pytest.mark.parametrize("algorithm", ["ppo", "grpo"])
@@ -217,7 +348,5 @@ def test_a_run_of_an_earlier_version_is_read_under_the_current_reward_names(tmp_
     report = write_report(run, ["ppo"]).read_text()
     assert "by the reward 62.5%, by the gold score 70.0%" in report and "| reward_eval_before | 0.125 |" in report
     assert_png(run / "report_ppo_gold_vs_proxy.png")
-    from megatron_rlhf.logging.report import _read_metrics
-
     rows = _read_metrics(run / "ppo")
     assert rows[10]["reward"] == 0.5 and rows[10]["eval_win_rate_reward"] == 0.625 and "rm_score" not in rows[10]

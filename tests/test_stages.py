@@ -11,7 +11,7 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from distributed import REPO, read_global_tensors
-from stages import RECIPE, RM_STEPS, SFT_STEPS, SIZES, stage, summary
+from stages import RECIPE, RM_STEPS, SFT_STEPS, SIZES, metrics, stage, summary
 
 pytestmark = pytest.mark.slow
 
@@ -32,6 +32,8 @@ def test_sft_lowers_eval_loss(root):
     s = summary(root, "main", "sft")
     assert s["stage"] == "sft" and s["steps"] == SFT_STEPS
     assert s["eval_loss"] < SFT_EVAL_LOSS_RATIO * s["eval_loss_start"], s
+    first = metrics(root, "main", "sft")[0]  # the eval before training, where the report's eval curve starts
+    assert first["step"] == 0 and first["eval_loss"] == pytest.approx(s["eval_loss_start"])
     for key in ("final_train_loss", "wall_seconds", "checkpoint"):
         assert s[key] is not None
 

@@ -1,6 +1,10 @@
 """The run report: PNG plots of each stage's main curves and a markdown summary with sample
 generations before and after RL (any algorithm). Reads only what the stages wrote (metrics.jsonl,
-summary.json), so it can be rebuilt for any finished or partial run.
+summary.json, checkpoints' commit.json), so it can be rebuilt for any finished or partial run
+(write_report(run_dir); the CLI's `report` verb). It covers every stage directory in the run, in
+pipeline order (STAGE_ORDER), whichever pipeline config wrote each; a stage without summary.json
+is shown as stopped at its last logged step. Bytes are printed in KiB/MiB/GiB, and a value a
+stage did not record is left out, not printed as None.
 
 For each RL stage it also shows what a user needs to judge the run: the proxy reward (the
 combined reward of rl.rewards being optimised) against the independent signals (gold score,
@@ -13,6 +17,7 @@ Figures are drawn on matplotlib's Agg canvas directly (no pyplot, no global back
 from __future__ import annotations
 
 import json
+import textwrap
 from pathlib import Path
 
 CURVES = {
@@ -23,7 +28,8 @@ CURVES = {
     # every RL algorithm (<run>/ppo, <run>/grpo, ...); a curve a run did not log is left out;
     # a tuple shares one panel
     "rl": ["reward", "gold_score", "holdout_rm_score", "kl_mean", "response_length", "entropy", "value_loss",
-           "clip_fraction", "sampling_shortfall", "sampling_rounds", "eval_gold_score", "eval_holdout_rm_score",
+           "clip_fraction", "sampling_shortfall", "sampling_rounds", "eval_reward", "eval_gold_score",
+           "eval_holdout_rm_score",
            ("eval_win_rate_reward", "eval_win_rate_gold", "eval_win_rate_holdout_rm")],
 }
 PROXY, INDEPENDENT = "reward", ("gold_score", "holdout_rm_score")
@@ -38,6 +44,13 @@ PHASES = ("wait", "sync", "generate", "score", "train", "eval")
 # the engine's own generation time with rl.max_staleness >= 1: beside the trainer's phases, not one of them
 OVERLAPPED = "engine (overlapped)"
 ALARM = "reward-hacking alarm"
+# Run-level directories that are not stages (the run's data, its HF exports, its tokenizer).
+NOT_STAGES = ("data", "export", "tokenizer")
+# Report order: the pipeline's (sft -> rm -> dpo -> rl), each LoRA variant right after its full
+# fine-tuning, the RL algorithms in config.RL_ALGORITHMS order (ppo, the default, first); then any
+# other stage directory by name.
+STAGE_ORDER = ("sft", "rm", "rm_holdout", "dpo")
+MISSING = "—"  # a table cell a stage did not record
 
 
 def _kind(stage: str) -> str:
@@ -47,6 +60,52 @@ def _kind(stage: str) -> str:
     if name in ("sft", "dpo"):
         return name
     return "rm" if name == "rm" or name.startswith("rm_") else "rl"
+
+
+def stage_order_key(stage: str) -> tuple:
+    from megatron_rlhf.config import RL_ALGORITHMS
+
+    base, order = stage.removesuffix("_lora"), (*STAGE_ORDER, *RL_ALGORITHMS)
+    return (order.index(base) if base in order else len(order), base, stage.endswith("_lora"))
+
+
+def stage_dirs(run_dir: Path) -> list[str]:
+    """The names of the run's stage directories (those holding a summary.json or a metrics.jsonl;
+    not data/, export/, nor a stage moved aside as <name>.replaced-<time>), in report order."""
+    stages = [d.name for d in run_dir.iterdir() if d.is_dir() and d.name not in NOT_STAGES and "." not in d.name
+              and ((d / "summary.json").exists() or (d / "metrics.jsonl").exists())] if run_dir.is_dir() else []
+    return sorted(stages, key=stage_order_key)
+
+
+def human_bytes(n: float) -> str:
+    """1536 -> '1.5 KiB'; 996990976 -> '950.8 MiB'."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+
+
+def human_seconds(s: float) -> str:
+    if s < 60:
+        return f"{s:.1f} s"
+    minutes, seconds = divmod(round(s), 60)
+    return f"{minutes} min {seconds} s" if minutes < 60 else f"{minutes // 60} h {minutes % 60} min"
+
+
+def format_value(key: str, value) -> str | None:
+    """A summary value as report.md prints it: bytes (a key naming bytes) in KiB/MiB/GiB, byte
+    rates per second likewise, floats to 4 significant digits, lists of scalars joined; None for
+    what has no row (null, empty, or a nested record shown by its own section)."""
+    if value is None or isinstance(value, dict) or value in ([], ""):
+        return None
+    if isinstance(value, list):
+        return ", ".join(map(str, value)) if all(isinstance(v, (str, int, float)) for v in value) else None
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if "bytes_per_s" in key:
+            return human_bytes(value) + "/s"
+        if "bytes" in key.split("_"):
+            return human_bytes(value)
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
 def _current_names(record: dict) -> dict:
@@ -101,12 +160,14 @@ def _save(fig, out: Path) -> Path | None:
 
 
 def curves_figure(rows: list[dict], names: list, title: str):
-    """One panel per curve in `names` that the rows have (None if none)."""
-    panels = [p for p in ((n,) if isinstance(n, str) else n for n in names) if any(_points(rows, n)[0] for n in p)]
+    """One panel per curve in `names` that the rows have (None if none); a panel of several
+    curves (a tuple) shows those the rows have, with its legend below the axes, off the curves.
+    Eval curves start at step 0 where the stage logged the eval before training."""
+    panels = [p for p in ([n for n in ((n,) if isinstance(n, str) else n) if _points(rows, n)[0]] for n in names) if p]
     if not panels:
         return None
     cols = min(len(panels), 4)
-    fig = _figure(3.2 * cols, 2.6 * -(-len(panels) // cols))
+    fig = _figure(3.2 * cols, 2.6 * -(-len(panels) // cols) + 0.4 * any(len(p) > 1 for p in panels))
     axes = fig.subplots(-(-len(panels) // cols), cols, squeeze=False)
     for ax in axes.flat[len(panels):]:
         ax.set_visible(False)
@@ -115,8 +176,9 @@ def curves_figure(rows: list[dict], names: list, title: str):
             steps, values = _points(rows, name)
             ax.plot(steps, values, marker="." if len(steps) < 20 else None, label=name)
         if len(panel) > 1:
-            ax.legend(fontsize=7)
-        ax.set_title(" / ".join(panel), fontsize=9)
+            ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.2), frameon=False)
+        # wrapped to the panel's width, so that a long title is not cut off or run into its neighbour's
+        ax.set_title(textwrap.fill(" / ".join(panel), 40), fontsize=9)
         ax.set_xlabel("step", fontsize=8)
         ax.tick_params(labelsize=7)
     fig.suptitle(title)
@@ -213,13 +275,13 @@ def phase_time_table(seconds: dict[str, dict], engine: dict[str, float] | None =
         values = [phases.get(p) or 0.0 for p in columns]  # a phase the stage never ran: 0
         total = sum(values)
         cells = [f"{v:.4g} ({v / max(total, 1e-9):.0%})" for v in values]
-        overlapped = [f"{engine[stage]:.4g}" if stage in engine else "-"] if engine else []
+        overlapped = [f"{engine[stage]:.4g}" if stage in engine else MISSING] if engine else []
         lines.append(f"| {stage} | " + " | ".join(cells + [f"{total:.4g}"] + overlapped) + " |")
     return lines
 
 
 def _num(value, fmt: str) -> str:
-    return "n/a" if value is None else format(value, fmt)
+    return MISSING if value is None else format(value, fmt)
 
 
 def reward_hacking_lines(summary: dict, rows: list[dict]) -> list[str]:
@@ -233,10 +295,71 @@ def reward_hacking_lines(summary: dict, rows: list[dict]) -> list[str]:
         f"{a.get('independent', 'independent')} slope {_num(a.get('independent_slope'), '+.4g')}" for a in alarms]
 
 
-def win_rate_line(summary: dict) -> str:
-    reward, gold, holdout = (_num(summary.get(f"win_rate_{s}_final"), ".1%") for s in ("reward", "gold", "holdout_rm"))
-    return (f"**Final win rate vs the SFT policy** (held-out prompts): by the reward {reward}, by the gold score {gold}"
-            + (f", by the holdout RM {holdout}" if summary.get("win_rate_holdout_rm_final") is not None else ""))
+def win_rate_line(summary: dict) -> str | None:
+    """The final win rates the stage measured (a signal the run did not have is left out)."""
+    rates = [f"by the {label} {summary[f'win_rate_{key}_final']:.1%}" for key, label in
+             (("reward", "reward"), ("gold", "gold score"), ("holdout_rm", "holdout RM"))
+             if summary.get(f"win_rate_{key}_final") is not None]
+    return f"**Final win rate vs the SFT policy** (held-out prompts): {', '.join(rates)}" if rates else None
+
+
+def checkpoint_bytes(checkpoint: Path) -> int | None:
+    """The size of a complete checkpoint as its commit.json lists its files (None: none there)."""
+    try:
+        return sum(json.loads((checkpoint / "commit.json").read_text())["files"].values())
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
+def latest_checkpoint(stage_dir: Path) -> Path | None:
+    complete = [d for d in stage_dir.glob("iter_*") if (d / "commit.json").exists()]
+    return max(complete, key=lambda d: d.name, default=None)
+
+
+def progress_line(stage_dir: Path, rows: list[dict]) -> str:
+    """What a stage without summary.json got to: its last logged step and its latest checkpoint."""
+    if not stage_dir.is_dir():
+        return f"**Not started:** no {stage_dir.name}/ directory in the run"
+    where = f"at step {rows[-1]['step']}" if rows else "before its first logged step"
+    line = f"**Not finished:** in progress or stopped {where} (no summary.json yet)"
+    checkpoint = latest_checkpoint(stage_dir)
+    if checkpoint is not None:
+        size = checkpoint_bytes(checkpoint)
+        line += (f"; a rerun resumes from its checkpoint at step {int(checkpoint.name.removeprefix('iter_'))}"
+                 + (f" ({human_bytes(size)})" if size is not None else ""))
+    return line
+
+
+def summary_table(summary: dict, stage_dir: Path) -> list[str]:
+    """| metric | value | of the summary's scalars and lists of scalars, sizes in KiB/MiB/GiB, a
+    null or empty value left out, and the final checkpoint's size."""
+    rows = [(k, format_value(k, v)) for k, v in summary.items() if k not in ("samples_before", "samples_after")]
+    if summary.get("checkpoint"):
+        rows.append(("checkpoint_bytes", (size := checkpoint_bytes(stage_dir / Path(summary["checkpoint"]).name))
+                     and human_bytes(size)))
+    return ["| metric | value |", "|---|---|", *(f"| {k} | {v} |" for k, v in rows if v is not None)]
+
+
+MEMORY_TOTALS = {"model_state_bytes": "model state", "activation_bytes": "activations",
+                 "checkpoint_save_bytes": "checkpoint save", "account_bytes": "account", "baseline_bytes": "baseline",
+                 "peak_above_baseline_bytes": "peak above baseline", "other_bytes": "other (not in the account)"}
+
+
+def memory_lines(account: dict) -> list[str]:
+    """The summary's memory_account (logging/memory.py) as a table per role and one line of totals."""
+    columns = ("weights", "gradient_buffers", "optimizer_state", "activations")
+    lines = ["**Memory account** (per role on one rank; the peak above the stage's starting memory against "
+             "what the account explains):", "", "| role | " + " | ".join(c.replace("_", " ") for c in columns)
+             + " | trainable parameters |", "|---" * (len(columns) + 2) + "|"]
+    for role, sizes in account.get("roles", {}).items():
+        cells = [human_bytes(sizes[c]) if sizes.get(c) is not None else MISSING for c in columns]
+        trainable = sizes.get("trainable_parameters")
+        lines.append(f"| {role} | " + " | ".join(cells) + f" | {MISSING if trainable is None else f'{trainable:,}'} |")
+    totals = [f"{label} {human_bytes(account[key])}" for key, label in MEMORY_TOTALS.items()
+              if account.get(key) is not None]
+    if account.get("peak_over_account") is not None:
+        totals.append(f"peak above baseline / account {account['peak_over_account']:.3g}x")
+    return lines + (["", "; ".join(totals)] if totals else [])
 
 
 def stage_section(run_dir: Path, stage: str) -> list[str]:
@@ -244,7 +367,7 @@ def stage_section(run_dir: Path, stage: str) -> list[str]:
     rows, summary_path = _read_metrics(stage_dir), stage_dir / "summary.json"
     summary = _current_names(json.loads(summary_path.read_text())) if summary_path.exists() else None
     if summary is None:
-        lines += ["not finished", ""]
+        lines += [progress_line(stage_dir, rows), ""]
     plots = [_save(curves_figure(rows, CURVES[_kind(stage)], stage), run_dir / f"report_{stage}.png")]
     if _kind(stage) == "rl":
         plots += [_save(gold_vs_proxy_figure(rows, stage), run_dir / f"report_{stage}_gold_vs_proxy.png"),
@@ -253,14 +376,33 @@ def stage_section(run_dir: Path, stage: str) -> list[str]:
     if summary is None:
         return lines
     if _kind(stage) == "rl":
-        lines += [*reward_hacking_lines(summary, rows), "", win_rate_line(summary), ""]
-    lines += ["| metric | value |", "|---|---|"]
-    lines += [f"| {k} | {v:.4g} |" if isinstance(v, float) else f"| {k} | {v} |"
-              for k, v in summary.items() if not isinstance(v, (dict, list))]
+        lines += [*reward_hacking_lines(summary, rows), ""]
+        lines += [win, ""] if (win := win_rate_line(summary)) else []
+    lines += summary_table(summary, stage_dir)
+    if isinstance(summary.get("memory_account"), dict):
+        lines += ["", *memory_lines(summary["memory_account"])]
     for key in ("samples_before", "samples_after"):
         if summary.get(key):
             lines += ["", f"**{key.replace('_', ' ')} {stage.upper()}** (prompt || response):", ""]
             lines += [f"- {s}" for s in summary[key]]
+    return lines + [""]
+
+
+def overview_lines(run_dir: Path, stages: list[str]) -> list[str]:
+    """One row per stage: finished or not, steps, wall time, peak memory."""
+    lines = ["| stage | status | steps | wall time | peak memory |", "|---|---|---|---|---|"]
+    for stage in stages:
+        path = run_dir / stage / "summary.json"
+        summary = json.loads(path.read_text()) if path.exists() else {}
+        if path.exists():
+            status = "finished"
+        elif rows := _read_metrics(run_dir / stage):
+            status = f"in progress or stopped at step {rows[-1]['step']}"
+        else:
+            status = "started, nothing logged yet" if (run_dir / stage).is_dir() else "not started"
+        cells = [summary.get("steps"), summary.get("wall_seconds"), summary.get("peak_memory_bytes")]
+        cells = [MISSING if v is None else f(v) for v, f in zip(cells, (str, human_seconds, human_bytes))]
+        lines.append(f"| {stage} | {status} | " + " | ".join(cells) + " |")
     return lines + [""]
 
 
@@ -281,17 +423,19 @@ def phase_time_section(run_dir: Path, rl_stages: list[str]) -> list[str]:
 
 
 def write_report(run_dir: str | Path, stages: list[str] | None = None) -> Path:
-    """<run>/report.md for the stage directories `stages` (default: sft, rm, rm_holdout and
-    every RL algorithm's directory that exists). The phase-time comparison covers every RL
-    algorithm's directory in the run, so algorithms run one after another can be compared."""
-    from megatron_rlhf.config import RL_ALGORITHMS
-
+    """<run>/report.md for the stage directories `stages` (default: every stage directory in the
+    run, stage_dirs). The phase-time comparison covers every RL stage directory in the run, so
+    algorithms run one after another can be compared."""
     run_dir = Path(run_dir)
-    if stages is None:
-        stages = ["sft", "rm", *(s for s in ("rm_holdout", "dpo", *RL_ALGORITHMS) if (run_dir / s).is_dir())]
+    found = stage_dirs(run_dir)
+    if stages is None and not found:
+        raise FileNotFoundError(f"{run_dir} holds no stage directories (sft/, rm/, ppo/, ... with a summary.json "
+                                "or metrics.jsonl): give a run directory, <checkpoint.root>/<run name>, "
+                                "e.g. checkpoints/tiny_cpu")
+    stages = found if stages is None else stages
     rl_stages = [s for s in stages if _kind(s) == "rl"]
-    rl_stages += [a for a in RL_ALGORITHMS if a not in rl_stages and (run_dir / a).is_dir()]
-    lines = [f"# Run report: {run_dir.name}", ""]
+    rl_stages += [s for s in found if _kind(s) == "rl" and s not in rl_stages]
+    lines = [f"# Run report: {run_dir.name}", "", *overview_lines(run_dir, stages)]
     for stage in stages:
         lines += stage_section(run_dir, stage)
     lines += phase_time_section(run_dir, rl_stages)

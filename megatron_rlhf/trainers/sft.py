@@ -87,6 +87,8 @@ def train(cfg: Config) -> dict:
               *lora_base_warnings(roles))
     eval_args = (data.tokenizer.pad_id, st.seq_length, st.micro_batch_size)
     eval_loss_start = evaluate(actor, examples.eval, *eval_args)
+    if runner.resumed is None:
+        runner.log.log(0, {"eval_loss": eval_loss_start})  # the starting policy: the eval curve starts here
 
     def collate(indices: list[int]) -> dict:
         return collate_sft([examples.train[i] for i in indices], pad, st.seq_length)
