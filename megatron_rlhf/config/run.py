@@ -167,3 +167,6 @@ class RecipeFacts:
     # the training values taken from its config.json (model.moe_aux_loss_coef) (printed by the
     # pre-flight check).
     hf_notes: tuple[str, ...] = ()
+    # Where each dotted leaf the recipe chain, the overrides or config.json set came from: "recipe",
+    # "base <file>", "override" or "config.json"; a leaf not here is its default (print-config).
+    sources: dict[str, str] = field(default_factory=dict)
