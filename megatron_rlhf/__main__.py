@@ -13,6 +13,7 @@ import dataclasses
 import json
 import os
 import shlex
+import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,7 +49,7 @@ VERBS = {
     "dpo": Verb("DPO stage from preference pairs -> <run>/dpo (with LoRA: <run>/dpo_lora)",
                 "The policy trains against a frozen reference; both start from SFT (dpo.init_from).",
                 ("--verbose",), (*STAGE_SECTIONS, "dpo", "sampling", "lora")),
-    "rl": Verb("RL stage, rl.algorithm = ppo | grpo | rloo | reinforce_pp | ... -> <run>/<algorithm>",
+    "rl": Verb("RL stage (rl.algorithm: ppo, grpo, rloo, ...) -> <run>/<algorithm>",
                "rl.algorithm = ppo (default) | grpo | rloo | reinforce_pp | reinforce_pp_baseline | batch_mean. "
                "The actor and reference start from SFT, the reward model and PPO's critic from RM.",
                ("--verbose",), (*STAGE_SECTIONS, "rl", "rm", "sampling", "rollout", "lora")),
@@ -77,7 +78,7 @@ VERBS = {
                       "merged (W + alpha/r B A on the base checkpoint it records, or --lora-base DIR).",
                       ("--ckpt", "--iter", "--role", "--out", "--tokenizer", "--lora-base", "--drop-score-bias",
                        "--verbose"), ("model", "data")),
-    "export-peft": Verb("--ckpt DIR --role actor --out DIR: a LoRA policy's adapters -> a PEFT adapter directory",
+    "export-peft": Verb("--ckpt DIR --role actor --out DIR: LoRA adapters -> a PEFT adapter directory",
                         "For the base model export-hf writes from the checkpoint they were trained on.",
                         ("--ckpt", "--iter", "--role", "--out", "--hf", "--verbose"), ("model",)),
     "serve-reward": Verb("--ckpt DIR: serve an RM checkpoint's reward model over HTTP (POST /score)",
@@ -251,9 +252,21 @@ class CommandParser(argparse.ArgumentParser):
     verbs: dict[str, argparse.ArgumentParser] = {}  # build_parser's subparsers, by verb
 
 
+class VerbListFormatter(argparse.RawDescriptionHelpFormatter):
+    """`python -m megatron_rlhf --help` lists one verb a line: the name column as wide as the
+    longest verb (argparse measures subcommands narrower than it indents them, and wraps)."""
+
+    def __init__(self, prog: str):
+        super().__init__(prog, max_help_position=24, width=max(100, shutil.get_terminal_size().columns))
+
+    def add_argument(self, action: argparse.Action) -> None:
+        super().add_argument(action)
+        self._action_max_length = max(self._action_max_length, 6 + max(map(len, VERBS)))
+
+
 def build_parser() -> CommandParser:
     parser = CommandParser(prog="python -m megatron_rlhf", description=__doc__,
-                           formatter_class=argparse.RawDescriptionHelpFormatter,
+                           formatter_class=VerbListFormatter,
                            epilog="`python -m megatron_rlhf <command> --help`: the command's options and the "
                                   "config sections it reads (docs/config_reference.md, docs/cli.md)")
     commands = parser.add_subparsers(title="commands", metavar="<command>", parser_class=argparse.ArgumentParser)
