@@ -40,24 +40,23 @@ ALL_SECTIONS = ("seed", "model", "parallel", "optimizer", "data", "sft", "rm", "
 STAGE_SECTIONS = ("seed", "model", "parallel", "data", "checkpoint", "resilience", "logging")
 VERBS = {
     "smoke": Verb("the four roles at the configured TP x PP: forward + one optimizer step each",
-                  flags=("--verbose",), sections=("seed", "model", "parallel", "optimizer", "resilience")),
+                  sections=("seed", "model", "parallel", "optimizer", "resilience")),
     "sft": Verb("supervised fine-tuning stage -> <run>/sft (with LoRA: <run>/sft_lora)",
                 "Starts from sft.init_from, model.init_from_hf, or fresh weights.",
-                ("--verbose",), (*STAGE_SECTIONS, "sft", "lora")),
-    "rm": Verb("reward-model stage (starts from the SFT checkpoint) -> <run>/rm", "",
-               ("--verbose",), (*STAGE_SECTIONS, "rm")),
+                sections=(*STAGE_SECTIONS, "sft", "lora")),
+    "rm": Verb("reward-model stage (starts from the SFT checkpoint) -> <run>/rm", sections=(*STAGE_SECTIONS, "rm")),
     "dpo": Verb("DPO stage from preference pairs -> <run>/dpo (with LoRA: <run>/dpo_lora)",
                 "The policy trains against a frozen reference; both start from SFT (dpo.init_from).",
-                ("--verbose",), (*STAGE_SECTIONS, "dpo", "sampling", "lora")),
+                sections=(*STAGE_SECTIONS, "dpo", "sampling", "lora")),
     "rl": Verb("RL stage (rl.algorithm: ppo, grpo, rloo, ...) -> <run>/<algorithm>",
                "rl.algorithm = ppo (default) | grpo | rloo | reinforce_pp | reinforce_pp_baseline | batch_mean. "
                "The actor and reference start from SFT, the reward model and PPO's critic from RM.",
-               ("--verbose",), (*STAGE_SECTIONS, "rl", "rm", "sampling", "rollout", "lora")),
-    "ppo": Verb("the rl stage (the name older scripts use)", flags=("--verbose",),
+               sections=(*STAGE_SECTIONS, "rl", "rm", "sampling", "rollout", "lora")),
+    "ppo": Verb("the rl stage (the name older scripts use)",
                 sections=(*STAGE_SECTIONS, "rl", "rm", "sampling", "rollout", "lora")),
     "pipeline": Verb("the stages of pipeline.stages (sft -> rm -> rl), then the report",
                      "Skips finished stages and resumes partial ones; a stage whose inputs changed stops the run "
-                     "unless pipeline.rerun lists it.", ("--verbose",), ALL_SECTIONS),
+                     "unless pipeline.rerun lists it.", sections=ALL_SECTIONS),
     "stages": Verb("print pipeline.stages, one per line (what slurm/submit_pipeline.sh submits)",
                    sections=("pipeline",)),
     "print-config": Verb("the resolved config as YAML, each value with where it came from",
@@ -71,28 +70,30 @@ VERBS = {
     "import-hf": Verb("--hf DIR --out DIR: a local Hugging Face checkpoint -> our checkpoint",
                       "Llama 2/3.x, Mistral, Qwen2/2.5, Qwen3; the model fields from its config.json (model.* "
                       "overrides are checked against it); launch at any TP x PP.",
-                      ("--hf", "--out", "--verbose"), ("seed", "model", "parallel")),
+                      ("--hf", "--out"), ("seed", "model", "parallel")),
     "export-hf": Verb("--ckpt DIR --role R --out DIR: our checkpoint -> a Hugging Face directory",
                       "One process. The model config, tokenizer and sampling settings are those the checkpoint's "
                       "run recorded (--tokenizer DIR only for older checkpoints); a LoRA checkpoint is exported "
                       "merged (W + alpha/r B A on the base checkpoint it records, or --lora-base DIR).",
-                      ("--ckpt", "--iter", "--role", "--out", "--tokenizer", "--lora-base", "--drop-score-bias",
-                       "--verbose"), ("model", "data")),
+                      ("--ckpt", "--iter", "--role", "--out", "--tokenizer", "--lora-base", "--drop-score-bias"),
+                      ("model", "data")),
     "export-peft": Verb("--ckpt DIR --role actor --out DIR: LoRA adapters -> a PEFT adapter directory",
                         "For the base model export-hf writes from the checkpoint they were trained on.",
-                        ("--ckpt", "--iter", "--role", "--out", "--hf", "--verbose"), ("model",)),
+                        ("--ckpt", "--iter", "--role", "--out", "--hf"), ("model",)),
     "serve-reward": Verb("--ckpt DIR: serve an RM checkpoint's reward model over HTTP (POST /score)",
                          "At TP x PP = world size, until SIGTERM/Ctrl-C (docs/reward_service.md).",
-                         ("--ckpt", "--host", "--port", "--max-batch", "--max-wait-ms", "--verbose"),
+                         ("--ckpt", "--host", "--port", "--max-batch", "--max-wait-ms"),
                          ("seed", "model", "parallel", "rl")),
 }
 COMMANDS = {name: verb.summary for name, verb in VERBS.items()}  # megatron_rlhf/torchrun.py finds the verb by these
 
-# The options of the verbs: argparse keywords, each verb's meaning in its help.
+# Every verb's options: the recipe, the overrides, and --verbose (slurm/ passes the same extra
+# arguments to `stages` as to the stages).
+VERBOSE = dict(action="store_true", help="show every third-party warning (default: the known harmless ones are "
+                                         "hidden, megatron_rlhf/logging/quiet.py) and every metric on the console; "
+                                         "= logging.verbose=true")
+# The options of some verbs (Verb.flags): argparse keywords.
 FLAGS = {
-    "--verbose": dict(action="store_true",
-                      help="show every third-party warning (default: the known harmless ones are hidden, "
-                           "megatron_rlhf/logging/quiet.py) and every metric on the console; = logging.verbose=true"),
     "--no-sources": dict(action="store_true", help="plain YAML, without the `# from:` comments"),
     "--run": dict(help="the run directory (<checkpoint.root>/<checkpoint.run_name>)"),
     "--hf": dict(help="import-hf: the local Hugging Face model directory; export-peft: the base model's export "
@@ -113,7 +114,7 @@ FLAGS = {
     "--max-wait-ms": dict(type=float, default=5.0, help="how long a request waits for others to share its forward"),
 }
 # Options that take no value (the rest do: `--out sft` names a directory, not the sft verb).
-SWITCHES = ("-h", "--help", *(name for name, kw in FLAGS.items() if kw.get("action") == "store_true"))
+SWITCHES = ("-h", "--help", "--verbose", *(name for name, kw in FLAGS.items() if kw.get("action") == "store_true"))
 
 
 # Commands that train and write checkpoints: the built-in defaults alone would silently train a
@@ -249,7 +250,7 @@ class CommandParser(argparse.ArgumentParser):
         self.error(f"no command among {args}: choose one of {', '.join(self.verbs)}")
 
     parse_args = parse_intermixed_args
-    verbs: dict[str, argparse.ArgumentParser] = {}  # build_parser's subparsers, by verb
+    verbs: dict[str, argparse.ArgumentParser]  # build_parser sets them: its subparsers, by verb
 
 
 class VerbListFormatter(argparse.RawDescriptionHelpFormatter):
@@ -278,9 +279,9 @@ def build_parser() -> CommandParser:
         needs = " (required)" if name in RECIPE_FOR else ""
         sub.add_argument("--config", help=f"YAML recipe (pipelines/*.yaml){needs}")
         sub.add_argument("overrides", nargs="*", help="dotted overrides, e.g. parallel.tensor_parallel=2")
+        sub.add_argument("--verbose", **VERBOSE)
         for flag in verb.flags:
             sub.add_argument(flag, **FLAGS[flag])
-        sub.set_defaults(verbose=False)  # read for every verb (quiet.install)
     return parser
 
 

@@ -45,6 +45,7 @@ def test_each_verb_has_its_own_help_with_its_flags_and_sections(capsys):
         helps[verb] = " ".join(text.split())  # argparse wraps at the terminal's width
         assert f"usage: python -m megatron_rlhf {verb} " in helps[verb]
         assert f"config sections read: {', '.join(spec.sections)}" in helps[verb]
+        assert "[--verbose]" in helps[verb]
         for flag in FLAGS:  # its own flags, and only those
             assert (f"[{flag}" in helps[verb]) == (flag in spec.flags), (verb, flag)
     assert len(set(helps.values())) == len(VERBS)
