@@ -206,6 +206,20 @@ REWARD_CKPT ?= checkpoints/tiny_cpu/rm
 bench-reward: setup
 	$(PY) benchmarks/reward_server.py --ckpt $(REWARD_CKPT) --config $(CONFIG)
 
+# docs/config_reference.md from the config dataclasses and their comments (after adding or
+# changing a field; tests/test_config_reference.py fails until it is regenerated).
+.PHONY: config-reference print-config report
+config-reference: setup
+	$(PY) -m megatron_rlhf.config.reference --write
+
+# The resolved config of CONFIG with ARGS, each value with where it came from.
+print-config: setup
+	$(PY) -m megatron_rlhf print-config --config $(CONFIG) $(ARGS)
+
+# <run>/report.md of CONFIG's run (checkpoint.root/checkpoint.run_name).
+report: setup
+	$(PY) -m megatron_rlhf report --config $(CONFIG) $(ARGS)
+
 clean-venv:
 	rm -rf $(VENV)
 

@@ -12,43 +12,109 @@ import argparse
 import dataclasses
 import json
 import os
+import shlex
+import shutil
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
-from megatron_rlhf.config import ConfigError, load_config, validate
+from megatron_rlhf.config import ConfigError, config_yaml, load_config, validate
 from megatron_rlhf.logging import quiet
 
 # Set by megatron_rlhf/torchrun.py: a handled error goes to <dir>/rank_<RANK>.json instead of
 # the console, and the launcher prints it once for all ranks, last.
 ERROR_DIR_ENV = "MEGATRON_RLHF_ERROR_DIR"
 
-COMMANDS = {
-    "smoke": "the four roles at the configured TP x PP: forward + one optimizer step each",
-    "sft": "supervised fine-tuning stage (from sft.init_from, model.init_from_hf or fresh) -> <run>/sft "
-           "(with LoRA: <run>/sft_lora)",
-    "rm": "reward-model stage (starts from the SFT checkpoint) -> <run>/rm",
-    "dpo": "DPO stage: the policy from preference pairs against a frozen reference (both start from SFT) "
-           "-> <run>/dpo (with LoRA: <run>/dpo_lora)",
-    "rl": "RL stage, rl.algorithm = ppo (default) | grpo | rloo | reinforce_pp | reinforce_pp_baseline | "
-          "batch_mean (actor/reference from SFT, reward model and PPO's critic from RM) -> <run>/<algorithm>",
-    "ppo": "the rl stage (the name older scripts use)",
-    "pipeline": "the stages of pipeline.stages (sft -> rm -> rl), skipping finished stages and resuming "
-                "partial ones; report",
-    "stages": "print pipeline.stages, one per line (what slurm/submit_pipeline.sh submits)",
-    "import-hf": "--hf DIR --out DIR: a local Hugging Face checkpoint (Llama 2/3.x, Mistral, Qwen2/2.5, "
-                 "Qwen3) -> our checkpoint (model fields from its config.json; launch at any TP x PP)",
-    "export-hf": "--ckpt DIR [--iter N] --role actor|reward|critic --out DIR: our checkpoint -> a Hugging Face "
-                 "directory (one process; the model config, tokenizer and sampling settings are those the "
-                 "checkpoint's run recorded: --tokenizer DIR only for older checkpoints); "
-                 "a LoRA checkpoint is exported merged (W + alpha/r B A on the base checkpoint it records, or "
-                 "--lora-base DIR)",
-    "export-peft": "--ckpt DIR --role actor --out DIR [--hf BASE_HF_DIR]: the adapters of a LoRA policy "
-                   "checkpoint -> a PEFT LoRA adapter directory, for the base model export-hf writes from the "
-                   "checkpoint they were trained on (--hf: that directory, recorded as base_model_name_or_path)",
-    "serve-reward": "--ckpt DIR [--host H] [--port P] [--max-batch N] [--max-wait-ms MS]: serve the reward model "
-                    "of an RM checkpoint over HTTP (POST /score, docs/reward_service.md) at TP x PP = world size, "
-                    "until SIGTERM/Ctrl-C",
+@dataclass(frozen=True)
+class Verb:
+    summary: str  # one line, in `python -m megatron_rlhf --help`
+    details: str = ""  # more, in the verb's own --help
+    flags: tuple[str, ...] = ()  # its options besides --config and the overrides (FLAGS)
+    sections: tuple[str, ...] = ()  # the config sections it reads (docs/config_reference.md)
+
+
+# Every section of the root Config, in its order (pipeline and print-config read them all).
+ALL_SECTIONS = ("seed", "model", "parallel", "optimizer", "data", "sft", "rm", "dpo", "rl", "sampling", "rollout",
+                "lora", "pipeline", "checkpoint", "resilience", "logging")
+# What every training stage reads besides its own section.
+STAGE_SECTIONS = ("seed", "model", "parallel", "data", "checkpoint", "resilience", "logging")
+VERBS = {
+    "smoke": Verb("the four roles at the configured TP x PP: forward + one optimizer step each",
+                  sections=("seed", "model", "parallel", "optimizer", "resilience")),
+    "sft": Verb("supervised fine-tuning stage -> <run>/sft (with LoRA: <run>/sft_lora)",
+                "Starts from sft.init_from, model.init_from_hf, or fresh weights.",
+                sections=(*STAGE_SECTIONS, "sft", "lora")),
+    "rm": Verb("reward-model stage (starts from the SFT checkpoint) -> <run>/rm", sections=(*STAGE_SECTIONS, "rm")),
+    "dpo": Verb("DPO stage from preference pairs -> <run>/dpo (with LoRA: <run>/dpo_lora)",
+                "The policy trains against a frozen reference; both start from SFT (dpo.init_from).",
+                sections=(*STAGE_SECTIONS, "dpo", "sampling", "lora")),
+    "rl": Verb("RL stage (rl.algorithm: ppo, grpo, rloo, ...) -> <run>/<algorithm>",
+               "rl.algorithm = ppo (default) | grpo | rloo | reinforce_pp | reinforce_pp_baseline | batch_mean. "
+               "The actor and reference start from SFT, the reward model and PPO's critic from RM.",
+               sections=(*STAGE_SECTIONS, "rl", "rm", "sampling", "rollout", "lora")),
+    "ppo": Verb("the rl stage (the name older scripts use)",
+                sections=(*STAGE_SECTIONS, "rl", "rm", "sampling", "rollout", "lora")),
+    "pipeline": Verb("the stages of pipeline.stages (sft -> rm -> rl), then the report",
+                     "Skips finished stages and resumes partial ones; a stage whose inputs changed stops the run "
+                     "unless pipeline.rerun lists it.", sections=ALL_SECTIONS),
+    "stages": Verb("print pipeline.stages, one per line (what slurm/submit_pipeline.sh submits)",
+                   sections=("pipeline",)),
+    "print-config": Verb("the resolved config as YAML, each value with where it came from",
+                         "After the base chain, the overrides and the HF config.json fill-in. Each value ends in "
+                         "`# from: default | recipe | base <file> | override | config.json`; --no-sources prints "
+                         "plain YAML that --config reads back (not checked: print-config shows also a config "
+                         "that a stage would refuse).", ("--no-sources",), ALL_SECTIONS),
+    "report": Verb("write <run>/report.md and its plots for a run directory; print the path",
+                   "The run: --run DIR, or --config RECIPE (and overrides): checkpoint.root/checkpoint.run_name.",
+                   ("--run",), ("checkpoint",)),
+    "import-hf": Verb("--hf DIR --out DIR: a local Hugging Face checkpoint -> our checkpoint",
+                      "Llama 2/3.x, Mistral, Qwen2/2.5, Qwen3; the model fields from its config.json (model.* "
+                      "overrides are checked against it); launch at any TP x PP.",
+                      ("--hf", "--out"), ("seed", "model", "parallel")),
+    "export-hf": Verb("--ckpt DIR --role R --out DIR: our checkpoint -> a Hugging Face directory",
+                      "One process. The model config, tokenizer and sampling settings are those the checkpoint's "
+                      "run recorded (--tokenizer DIR only for older checkpoints); a LoRA checkpoint is exported "
+                      "merged (W + alpha/r B A on the base checkpoint it records, or --lora-base DIR).",
+                      ("--ckpt", "--iter", "--role", "--out", "--tokenizer", "--lora-base", "--drop-score-bias"),
+                      ("model", "data")),
+    "export-peft": Verb("--ckpt DIR --role actor --out DIR: LoRA adapters -> a PEFT adapter directory",
+                        "For the base model export-hf writes from the checkpoint they were trained on.",
+                        ("--ckpt", "--iter", "--role", "--out", "--hf"), ("model",)),
+    "serve-reward": Verb("--ckpt DIR: serve an RM checkpoint's reward model over HTTP (POST /score)",
+                         "At TP x PP = world size, until SIGTERM/Ctrl-C (docs/reward_service.md).",
+                         ("--ckpt", "--host", "--port", "--max-batch", "--max-wait-ms"),
+                         ("seed", "model", "parallel", "rl")),
 }
+COMMANDS = {name: verb.summary for name, verb in VERBS.items()}  # megatron_rlhf/torchrun.py finds the verb by these
+
+# Every verb's options: the recipe, the overrides, and --verbose (slurm/ passes the same extra
+# arguments to `stages` as to the stages).
+VERBOSE = dict(action="store_true", help="show every third-party warning (default: the known harmless ones are "
+                                         "hidden, megatron_rlhf/logging/quiet.py) and every metric on the console; "
+                                         "= logging.verbose=true")
+# The options of some verbs (Verb.flags): argparse keywords.
+FLAGS = {
+    "--no-sources": dict(action="store_true", help="plain YAML, without the `# from:` comments"),
+    "--run": dict(help="the run directory (<checkpoint.root>/<checkpoint.run_name>)"),
+    "--hf": dict(help="import-hf: the local Hugging Face model directory; export-peft: the base model's export "
+                      "(recorded in adapter_config.json as base_model_name_or_path)"),
+    "--ckpt": dict(help="a stage or iter_* checkpoint directory"),
+    "--iter": dict(type=int, help="the checkpoint of step N of the stage directory --ckpt (default: the one its "
+                                  "`latest` names)"),
+    "--role": dict(choices=("actor", "reward", "critic", "reference"), help="the role to export"),
+    "--out": dict(help="the output directory"),
+    "--lora-base": dict(help="a LoRA checkpoint's base checkpoint, where it is now (default: the path the "
+                             "checkpoint recorded)"),
+    "--tokenizer": dict(help="tokenizer directory to copy (default: the one the checkpoint's run recorded)"),
+    "--drop-score-bias": dict(action="store_true",
+                              help="reward/critic: drop the value head's constant offset (HF's score has no bias)"),
+    "--host": dict(default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)"),
+    "--port": dict(type=int, default=8000, help="port (0: a free one, printed)"),
+    "--max-batch": dict(type=int, default=64, help="most samples per model forward"),
+    "--max-wait-ms": dict(type=float, default=5.0, help="how long a request waits for others to share its forward"),
+}
+# Options that take no value (the rest do: `--out sft` names a directory, not the sft verb).
+SWITCHES = ("-h", "--help", "--verbose", *(name for name, kw in FLAGS.items() if kw.get("action") == "store_true"))
 
 
 # Commands that train and write checkpoints: the built-in defaults alone would silently train a
@@ -132,6 +198,30 @@ def run_command(command: str, cfg) -> None:
         pipeline.run(cfg)
 
 
+def print_config(args, cfg) -> None:
+    if args.no_sources:
+        print(config_yaml(cfg), end="")
+        return
+    recipe = [] if args.config is None else ["--config", args.config]
+    header = [" ".join(["python -m megatron_rlhf print-config", *map(shlex.quote, [*recipe, *args.overrides])]),
+              *(f"note: {note}" for note in (*cfg.notes, *cfg.hf_notes)), ""]
+    print(config_yaml(cfg, cfg.recipe.sources, header), end="")
+
+
+def report_command(args, cfg) -> Path:
+    """<run>/report.md of --run, or of the recipe's run directory (stage_data.run_dir, without its torch imports)."""
+    if args.run is None and args.config is None:
+        raise ConfigError("report: name the run: --run DIR (<checkpoint.root>/<checkpoint.run_name>) or "
+                          "--config RECIPE [overrides] (its checkpoint.root/checkpoint.run_name)")
+    run = Path(args.run) if args.run is not None else Path(cfg.checkpoint.root) / cfg.checkpoint.run_name
+    if not run.is_dir():
+        raise ConfigError(f"report: {run}: no such run directory (a run's stages write to "
+                          "<checkpoint.root>/<checkpoint.run_name>/<stage>)")
+    from megatron_rlhf.logging.report import write_report
+
+    return write_report(run)
+
+
 def serve_reward_command(args, cfg) -> None:
     from megatron_rlhf.trainers.serve_reward import serve_reward
 
@@ -140,35 +230,58 @@ def serve_reward_command(args, cfg) -> None:
                  max_wait_ms=args.max_wait_ms, typed_keys=typed)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m megatron_rlhf", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("command", choices=sorted(COMMANDS), help="; ".join(f"{k}: {v}" for k, v in COMMANDS.items()))
-    parser.add_argument("--config", help="YAML recipe (pipelines/*.yaml); required by " + ", ".join(RECIPE_FOR))
-    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. parallel.tensor_parallel=2")
-    parser.add_argument("--verbose", action="store_true",
-                        help="show every third-party warning (default: the known harmless ones are hidden, "
-                             "megatron_rlhf/logging/quiet.py) and every metric on the console; = logging.verbose=true")
-    parser.add_argument("--hf", help="import-hf: local Hugging Face model directory; export-peft: the base model's "
-                                     "export (recorded in adapter_config.json)")
-    parser.add_argument("--ckpt", help="export-hf, export-peft, serve-reward: a stage or iter_* checkpoint directory")
-    parser.add_argument("--iter", type=int, help="export-hf, export-peft: the checkpoint of step N of the stage "
-                                                 "directory --ckpt (default: the one its `latest` names)")
-    parser.add_argument("--role", choices=("actor", "reward", "critic", "reference"),
-                        help="export-hf / export-peft: the role to export")
-    parser.add_argument("--out", help="import-hf / export-hf / export-peft: output directory")
-    parser.add_argument("--lora-base", help="export-hf of a LoRA checkpoint: where its base checkpoint is now "
-                                            "(default: the path the checkpoint recorded)")
-    parser.add_argument("--tokenizer", help="export-hf: tokenizer directory to copy (default: the one the "
-                                            "checkpoint's run recorded)")
-    parser.add_argument("--drop-score-bias", action="store_true",
-                        help="export-hf of reward/critic: drop the value head's constant offset (HF's score has no bias)")
-    parser.add_argument("--host", default="127.0.0.1",
-                        help="serve-reward: address to listen on (0.0.0.0: every interface)")
-    parser.add_argument("--port", type=int, default=8000, help="serve-reward: port (0: a free one, printed)")
-    parser.add_argument("--max-batch", type=int, default=64, help="serve-reward: most samples per model forward")
-    parser.add_argument("--max-wait-ms", type=float, default=5.0,
-                        help="serve-reward: how long a request waits for others to share its forward")
+class CommandParser(argparse.ArgumentParser):
+    """`python -m megatron_rlhf <verb> [options] [key=value ...]`, one subparser per verb (its own
+    --help). The verb may come after options (`--config X sft`), and options may follow the
+    overrides, as before the verbs had their own parsers: argparse's subparsers allow neither
+    (and parse_intermixed_args refuses them), so the verb is found here and the rest is parsed,
+    intermixed, by its subparser."""
+
+    def parse_intermixed_args(self, args=None, namespace=None):
+        args = sys.argv[1:] if args is None else list(args)
+        for i, word in enumerate(args):
+            before = args[i - 1] if i else ""
+            if word in self.verbs and not (before.startswith("-") and "=" not in before and before not in SWITCHES):
+                parsed = self.verbs[word].parse_intermixed_args(args[:i] + args[i + 1:], namespace)
+                parsed.command = word
+                return parsed
+        if "-h" in args or "--help" in args:
+            self.exit(message=self.format_help())
+        self.error(f"no command among {args}: choose one of {', '.join(self.verbs)}")
+
+    parse_args = parse_intermixed_args
+    verbs: dict[str, argparse.ArgumentParser]  # build_parser sets them: its subparsers, by verb
+
+
+class VerbListFormatter(argparse.RawDescriptionHelpFormatter):
+    """`python -m megatron_rlhf --help` lists one verb a line: the name column as wide as the
+    longest verb (argparse measures subcommands narrower than it indents them, and wraps)."""
+
+    def __init__(self, prog: str):
+        super().__init__(prog, max_help_position=24, width=max(100, shutil.get_terminal_size().columns))
+
+    def add_argument(self, action: argparse.Action) -> None:
+        super().add_argument(action)
+        self._action_max_length = max(self._action_max_length, 6 + max(map(len, VERBS)))
+
+
+def build_parser() -> CommandParser:
+    parser = CommandParser(prog="python -m megatron_rlhf", description=__doc__,
+                           formatter_class=VerbListFormatter,
+                           epilog="`python -m megatron_rlhf <command> --help`: the command's options and the "
+                                  "config sections it reads (docs/config_reference.md, docs/cli.md)")
+    commands = parser.add_subparsers(title="commands", metavar="<command>", parser_class=argparse.ArgumentParser)
+    parser.verbs = commands.choices
+    for name, verb in VERBS.items():
+        sub = commands.add_parser(
+            name, help=verb.summary, description=f"{verb.summary}. {verb.details}".strip(),
+            epilog=f"config sections read: {', '.join(verb.sections)} (docs/config_reference.md)")
+        needs = " (required)" if name in RECIPE_FOR else ""
+        sub.add_argument("--config", help=f"YAML recipe (pipelines/*.yaml){needs}")
+        sub.add_argument("overrides", nargs="*", help="dotted overrides, e.g. parallel.tensor_parallel=2")
+        sub.add_argument("--verbose", **VERBOSE)
+        for flag in verb.flags:
+            sub.add_argument(flag, **FLAGS[flag])
     return parser
 
 
@@ -193,6 +306,12 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.config, args.overrides)
         if args.command == "stages":  # before anything imports torch: Slurm submission scripts wait on it
             print("\n".join(validate(cfg).pipeline.stages))
+            return 0
+        if args.command == "print-config":  # no torch either
+            print_config(args, cfg)
+            return 0
+        if args.command == "report":
+            print(report_command(args, cfg))
             return 0
     except ConfigError as err:
         return report_error(f"config error: {err}", 2)

@@ -57,6 +57,10 @@ def test_pipeline_reuses_stages_on_the_inputs_their_summaries_recorded(sft_rm_ro
                                             f"sft.steps={SFT_STEPS}", f"rm.steps={RM_STEPS}", *overrides]))
 
     assert summary(sft_rm_root, "main", "rm")["inputs"]["start"].startswith(f"iter_{SFT_STEPS:07d}, commit.json")
+    # each stage wrote the config it ran (conftest.sft_rm_root's SFT command), a recipe that reads back equal
+    assert load_config(sft_rm_root / "main" / "sft" / "config.yaml") == load_config(RECIPE[1], [
+        *SIZES, f"checkpoint.root={sft_rm_root}", "checkpoint.run_name=main", f"sft.steps={SFT_STEPS}",
+        f"sft.save_interval={SFT_STEPS // 2}", f"sft.eval_interval={SFT_STEPS // 2}"])
     assert {s: p.action for s, p in pipeline_plan("pipeline.stages=[sft,rm]").items()} == {"sft": "skip", "rm": "skip"}
     assert pipeline_plan(f"rm.steps={RM_STEPS + 10}")["rm"].action == "continue"
     with pytest.raises(ConfigError, match="sft: data.sft_train: was task sentiment"):

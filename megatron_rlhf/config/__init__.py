@@ -10,7 +10,9 @@ rules sit beside its fields (a `check(...)` taking the sections and facts it nee
     rollout.py          rollout: which engine generates
     sampling.py         sampling: how the policy samples (RL rollouts, RL and DPO evaluations)
     run.py              data, pipeline, checkpoint, resilience, logging, and the root Config
-    recipe.py           load_config: YAML, `base:`, overrides, renamed keys, type checks
+    recipe.py           load_config: YAML, `base:`, overrides, renamed keys, type checks, where each value came from
+    resolved.py         the resolved config as YAML (print-config, <stage_dir>/config.yaml)
+    reference.py        docs/config_reference.md generated from these dataclasses and their comments
     rules.py            validate: every section's check, then the rules across sections
 
 `load_config(path, overrides)` returns a frozen Config (a variant is `dataclasses.replace`);
@@ -30,6 +32,7 @@ from megatron_rlhf.config.rl import (
     REWARD_SOURCE_FIELDS, REWARD_SOURCE_TYPES, RL_ALGORITHMS, RewardSourceConfig, RLConfig, engine_returns_routes,
 )
 from megatron_rlhf.config.rollout import ROLLOUT_ENGINES, VLLM_CPU_HEAD_DIMS, RolloutConfig, check_vllm_cpu_model
+from megatron_rlhf.config.resolved import config_yaml, write_resolved_config
 from megatron_rlhf.config.rules import policy_start, validate, warnings_for
 from megatron_rlhf.config.sampling import SamplingConfig
 from megatron_rlhf.config.run import (
@@ -49,6 +52,6 @@ __all__ = [
     "OVERFLOW_POLICIES", "OptimizerConfig", "ParallelConfig", "PipelineConfig", "REWARD_SOURCE_FIELDS",
     "REWARD_SOURCE_TYPES", "RLConfig", "RL_ALGORITHMS", "RMConfig", "ROLLOUT_ENGINES", "ROPE_SCALING_TYPES", "RecipeFacts", "ResilienceConfig", "RewardSourceConfig", "RolloutConfig",
     "RopeScalingConfig", "SFTConfig", "STAGES", "SamplingConfig", "STAGE_INPUTS", "StageConfig", "VLLM_CPU_HEAD_DIMS",
-    "check_vllm_cpu_model", "engine_returns_routes", "from_dict", "load_config", "parse_overrides", "policy_start", "read_recipe",
-    "rename_legacy_keys", "validate", "warnings_for", "yaml_problem",
+    "check_vllm_cpu_model", "config_yaml", "engine_returns_routes", "from_dict", "load_config", "parse_overrides", "policy_start", "read_recipe",
+    "rename_legacy_keys", "validate", "warnings_for", "write_resolved_config", "yaml_problem",
 ]

@@ -56,32 +56,32 @@ class ModelConfig:
     # (dense Qwen3; needs qk_layernorm), and with experts (num_experts): qwen3_moe (Qwen3-MoE;
     # needs qk_layernorm) and mixtral.
     family: str = "llama"
-    num_layers: int = 2
-    hidden_size: int = 64
-    num_attention_heads: int = 4
+    num_layers: int = 2              # decoder layers (HF num_hidden_layers)
+    hidden_size: int = 64            # width of the residual stream (HF hidden_size)
+    num_attention_heads: int = 4     # query heads per layer
     # Grouped-query attention: number of key/value heads. None means one per query head.
     num_query_groups: int | None = None
     # Channels per attention head. null: hidden_size / num_attention_heads (Qwen3 and
     # Mistral-Nemo-style models set it explicitly).
     head_dim: int | None = None
-    ffn_hidden_size: int = 256
+    ffn_hidden_size: int = 256       # the SwiGLU MLP's intermediate size (HF intermediate_size)
     # Embedding rows before padding. null: the tokenizer's size (set when a stage loads its
     # tokenizer). It may exceed the tokenizer's (Hugging Face models often have spare rows):
     # ids the tokenizer lacks are masked like padding rows. Padded up to a multiple of
     # make_vocab_size_divisible_by (independent of TP, so checkpoints reshard freely).
     vocab_size: int | None = None
     make_vocab_size_divisible_by: int = 128
-    max_seq_length: int = 128
+    max_seq_length: int = 128        # longest sequence in tokens (prompt + response); each stage's seq_length <= this
     # The longest context the weights are meant for (an HF model's max_position_embeddings,
     # capped by a sliding window): export-hf writes it, so a deployed model keeps its context
     # (e.g. 131072 for Llama 3.1+ trained at 4096). null: max_seq_length.
     max_position_embeddings: int | None = None
-    rotary_base: float = 10000.0
+    rotary_base: float = 10000.0     # RoPE base frequency (HF rope_theta)
     rope_scaling: RopeScalingConfig = field(default_factory=RopeScalingConfig)
-    norm_epsilon: float = 1e-5
+    norm_epsilon: float = 1e-5       # RMSNorm epsilon (HF rms_norm_eps)
     qkv_bias: bool = False       # Qwen2: biases on the q, k, v projections (none on the output projection)
     qk_layernorm: bool = False   # Qwen3: RMSNorm over each head's queries and keys, before RoPE
-    share_embeddings_and_output_weights: bool = False
+    share_embeddings_and_output_weights: bool = False  # the LM head is the input embedding (HF tie_word_embeddings)
     # Mixture of experts (qwen3_moe, mixtral). null: a dense model (every layer an MLP of
     # ffn_hidden_size). Else each layer not in moe_dense_layers routes every token to
     # moe_router_topk of num_experts SwiGLU experts.
@@ -103,9 +103,9 @@ class ModelConfig:
     # router_aux_loss_coef, which from_hf_config / init_from_hf take unless the recipe sets this)
     # and the router z-loss coefficient (HF configs have none: off).
     moe_aux_loss_coef: float = 0.0
-    moe_z_loss_coef: float = 0.0
-    init_method_std: float = 0.02
-    params_dtype: str = "float32"
+    moe_z_loss_coef: float = 0.0     # the router z-loss coefficient (0: off)
+    init_method_std: float = 0.02    # std of the normal initialisation of fresh weights
+    params_dtype: str = "float32"    # float32 | bfloat16 | float16: the dtype of the weights and of the compute
     # megatron-core activation recomputation of trained roles (memory for compute): null |
     # selective (each layer's core attention, whose [b, heads, s, s] scores dominate activations
     # without flash attention) | full (whole layers: recompute_method uniform | block, and

@@ -14,7 +14,7 @@ import yaml
 
 from megatron_rlhf.config.errors import ConfigError
 from megatron_rlhf.config.hf_architecture import ConvertError, resolve_from_hf
-from megatron_rlhf.config.model import ModelConfig
+from megatron_rlhf.config.model import ARCHITECTURE_FIELDS, ModelConfig
 from megatron_rlhf.config.run import Config, RecipeFacts
 from megatron_rlhf.config.sampling import MOVED_FROM_RL
 
@@ -181,9 +181,9 @@ def _leaf_keys(tree: dict[str, Any], prefix: str = "") -> set[str]:
     return keys
 
 
-def read_recipe(path: Path, chain: tuple[Path, ...] = ()) -> tuple[dict[str, Any], list[str], set[str]]:
-    """A YAML recipe as a dict, on top of the recipe its `base:` names (a path relative to it);
-    the notes on renamed keys; the dotted keys this file itself sets (not its base)."""
+def recipe_layers(path: Path, chain: tuple[Path, ...] = ()) -> list[tuple[Path, dict[str, Any], list[str]]]:
+    """The files of a recipe's `base:` chain, the deepest base first: (path, its own keys with
+    renamed keys read under their new names, the notes on them)."""
     if not path.is_file():
         raise ConfigError(f"{'base' if chain else '--config'}: file not found: {path}")
     if path.resolve() in chain:
@@ -201,34 +201,75 @@ def read_recipe(path: Path, chain: tuple[Path, ...] = ()) -> tuple[dict[str, Any
         raise ConfigError(f"{path}: top level must be a mapping of sections")
     data, notes = rename_legacy_keys(data, str(path))
     base = data.pop("base", None)
-    own = _leaf_keys(data)
-    if base is None:
-        return data, notes, own
-    parent, parent_notes, _ = read_recipe(path.parent / base, (*chain, path.resolve()))
-    return _merge(parent, data), parent_notes + notes, own
+    own = [(path, data, notes)]
+    return own if base is None else recipe_layers(path.parent / base, (*chain, path.resolve())) + own
+
+
+def read_recipe(path: Path, chain: tuple[Path, ...] = ()) -> tuple[dict[str, Any], list[str], set[str]]:
+    """A YAML recipe as a dict, on top of the recipe its `base:` names (a path relative to it);
+    the notes on renamed keys; the dotted keys this file itself sets (not its base)."""
+    return _combine(recipe_layers(path, chain))
+
+
+def _combine(layers: list[tuple[Path, dict[str, Any], list[str]]]) -> tuple[dict[str, Any], list[str], set[str]]:
+    data: dict[str, Any] = {}
+    for _, layer, _ in layers:
+        data = _merge(data, layer)
+    return data, [note for _, _, notes in layers for note in notes], _leaf_keys(layers[-1][1]) if layers else set()
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
     """The recipe at `path` (None: the defaults) with `overrides` (dotted key=value), type-checked,
     the architecture filled from model.from_hf_config / init_from_hf; frozen from here on."""
-    data, notes, own = ({}, [], set()) if path is None else read_recipe(Path(path))
+    layers = [] if path is None else recipe_layers(Path(path))
+    data, notes, own = _combine(layers)
     cli, cli_notes = rename_legacy_keys(parse_overrides(overrides or []), "overrides")
     cfg = from_dict(Config, _merge(data, cli))
     cli_keys = _leaf_keys(cli)
+    sources = {key: "recipe" if i == len(layers) - 1 else f"base {file}"
+               for i, (file, layer, _) in enumerate(layers) for key in _leaf_keys(layer)}
+    sources.update(dict.fromkeys(cli_keys, "override"))
     model, hf_notes = cfg.model, []
     if model.hf_source:
-        model, hf_notes = _architecture_from_hf(model, [_leaf_keys(data) - own, own, cli_keys])
+        levels = [_leaf_keys(data) - own, own, cli_keys]
+        model, hf_notes = _architecture_from_hf(model, levels)
+        sources.update(dict.fromkeys(_keys_from_hf(cfg.model, model, levels), "config.json"))
     facts = RecipeFacts(notes=tuple(notes + cli_notes), given=frozenset(own | cli_keys),
-                        override_keys=frozenset(cli_keys), hf_notes=tuple(hf_notes))
+                        override_keys=frozenset(cli_keys), hf_notes=tuple(hf_notes), sources=sources)
     return dataclasses.replace(cfg, model=model, recipe=facts)
+
+
+def _checked_level(model: ModelConfig, levels: list[set[str]]) -> int:
+    """The index of the level (base recipes, recipe, overrides) that names the HF directory."""
+    key = "model.from_hf_config" if model.from_hf_config else "model.init_from_hf"
+    return max(i for i, keys in enumerate(levels) if key in keys)
+
+
+def _keys_from_hf(before: ModelConfig, after: ModelConfig, levels: list[set[str]]) -> list[str]:
+    """The model.* leaves config.json gave (resolve_from_hf's rule, for print-config): every
+    architecture field not set where the HF directory is named or later (max_seq_length: not set
+    anywhere), and the training values it changed (moe_aux_loss_coef)."""
+    checked, given = set().union(*levels[_checked_level(before, levels):]), set().union(*levels)
+
+    def set_in(keys: set[str], key: str) -> bool:
+        return key in keys or any(k.startswith(f"{key}.") for k in keys)
+
+    keys = []
+    for name in ARCHITECTURE_FIELDS:
+        key, value = f"model.{name}", getattr(after, name)
+        if set_in(checked, key) or (name == "max_seq_length" and set_in(given, key)):
+            continue
+        keys += [f"{key}.{f.name}" for f in dataclasses.fields(value)] if dataclasses.is_dataclass(value) else [key]
+    changed = [f"model.{f.name}" for f in dataclasses.fields(after)
+               if f.name not in ARCHITECTURE_FIELDS and getattr(after, f.name) != getattr(before, f.name)]
+    return keys + changed
 
 
 def _architecture_from_hf(model: ModelConfig, levels: list[set[str]]) -> tuple[ModelConfig, list[str]]:
     """`model` with the architecture of the HF config.json it names, and notes. `levels`: the
     keys set by base recipes, the recipe, the overrides; those at or after the level that names
     the HF directory are checked against it, earlier ones replaced (see ModelConfig.from_hf_config)."""
-    key = "model.from_hf_config" if model.from_hf_config else "model.init_from_hf"
-    at = max(i for i, keys in enumerate(levels) if key in keys)
+    at = _checked_level(model, levels)
     checked = set().union(*levels[at:])
     replaceable = set().union(*levels[:at]) - checked
     try:

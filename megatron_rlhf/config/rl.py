@@ -39,7 +39,7 @@ class RewardSourceConfig:
     # model: the reward model of the RM stage (the `reward` role, rl.rm_from); function: a
     # rule function in a Python file; http: a reward service (python -m megatron_rlhf serve-reward).
     type: str = "model"
-    weight: float = 1.0
+    weight: float = 1.0              # the combined reward is the sum of weight x score over rl.rewards
     # Logged as reward_<name>; default: rm, the function's name, or http.
     name: str | None = None
     # function: "path/to/file.py:function_name" (a relative path from the working directory,
@@ -49,8 +49,8 @@ class RewardSourceConfig:
     url: str | None = None
     timeout_s: float = 30.0          # per request
     max_retries: int = 4             # after the first attempt; exponential backoff with jitter
-    backoff_s: float = 0.5
-    max_backoff_s: float = 8.0
+    backoff_s: float = 0.5           # the first retry waits about this long, doubling each retry
+    max_backoff_s: float = 8.0       # the longest wait between retries
     batch_size: int = 64             # responses per request
     max_concurrency: int = 4         # requests in flight per data-parallel replica
 
@@ -120,18 +120,19 @@ class RLConfig:
     dynamic_sampling: bool = False
     max_sampling_rounds: int = 3
     mini_batch_size: int = 16        # sequences per optimizer step, over all data-parallel ranks
-    micro_batch_size: int = 8
+    micro_batch_size: int = 8        # sequences per forward/backward on one rank (a mini-batch accumulates them)
     # > 0: score and train microbatches hold as many length-sorted sequences as fit in this many
     # token slots (rows x longest row) instead of micro_batch_size rows; >= model.max_seq_length.
     micro_batch_tokens: int = 0
     epochs: int = 2                  # passes over each rollout batch, reshuffled every epoch
     # How responses are sampled (max_new_tokens, temperature, ...): the sampling section.
+
     # Reward: r_t = -kl_coef * KL_t (kl_in_reward), the combined reward of rl.rewards added at
     # the last response token.
     kl_coef: float = 0.05
     kl_controller: str = "fixed"     # fixed | adaptive (Ziegler et al.)
-    kl_target: float = 6.0
-    kl_horizon: float = 10000.0
+    kl_target: float = 6.0           # adaptive only: the KL the controller steers kl_coef toward
+    kl_horizon: float = 10000.0      # adaptive only: how fast it steers (larger: slower)
     # k1 | k2 | k3 (algorithms/kl.py: kl_estimate). In the reward only k1 gives an unbiased
     # policy gradient (k2, k3 are biased there: a warning says so); in the loss k1 has zero
     # expected gradient and is refused, k2 is the gradient of KL(pi||ref), k3 of KL(ref||pi) (GRPO).
@@ -146,7 +147,7 @@ class RLConfig:
     loss_aggregation: str = "token_mean"
     missing_eos_penalty: float | None = None  # score given to responses without EOS
     reward_clip: float = 10.0        # clip the combined reward to [-reward_clip, reward_clip]
-    gamma: float = 1.0
+    gamma: float = 1.0               # discount of later token rewards (1: none)
     # Policy loss: ratio clipped to [1 - clip_eps, 1 + clip_eps_high] (null: clip_eps;
     # "clip-higher" sets it above clip_eps); dual_clip c > 1 bounds the loss of a negative
     # advantage at c * |A|; importance_ratio: token | sequence (GSPO, use small clip ranges).
@@ -185,15 +186,15 @@ class RLConfig:
     # YAML reads a bare off / on as false / true: they mean off / rollout.
     routing_replay: str | bool = "auto"
     group_std_normalization: bool = True  # grpo: divide by the group's std (false: Dr.GRPO)
-    entropy_coef: float = 0.0
+    entropy_coef: float = 0.0        # weight of an entropy bonus in the policy loss (0: none)
     # Critic (ppo only; setting one with a critic-free algorithm is an error).
     lam: float = 0.95
-    whiten_advantages: bool = True
-    value_clip: float = 0.2
-    vf_coef: float = 1.0
+    whiten_advantages: bool = True   # GAE's advantages normalised over the batch (mean 0, std 1)
+    value_clip: float = 0.2          # the critic's new values kept within this of the old ones in its loss
+    vf_coef: float = 1.0             # weight of the value loss
     critic_warmup_steps: int = 0     # iterations that train only the critic
-    eval_interval: int = 10
-    log_interval: int = 1
+    eval_interval: int = 10          # evaluate every this many iterations and at the last
+    log_interval: int = 1            # log the metrics every this many iterations and at the last
     save_interval: int = 0           # 0: save only at the end
     # Reward-hacking alarm: the proxy (RM) score's trend over this many iterations against an
     # independent one (gold scorer, or the holdout RM of rm.holdout_fraction); 0: off.
@@ -211,7 +212,7 @@ class RLConfig:
     # Stage (or iter_*) directories of the inputs; default <run>/sft (<run>/dpo when
     # pipeline.stages runs dpo before rl: the actor and reference start from the DPO policy) and <run>/rm.
     sft_from: str | None = None
-    rm_from: str | None = None
+    rm_from: str | None = None       # the RM stage's checkpoint: the reward model (and ppo's critic: critic_from)
 
     @property
     def has_critic(self) -> bool:

@@ -71,7 +71,7 @@ class CheckpointConfig:
     # Stages write to <root>/<run_name>/<stage>/.
     root: str = "checkpoints"
     run_name: str = "default"
-    keep_last: int = 2
+    keep_last: int = 2               # complete checkpoints kept per stage directory (older ones are deleted)
     # Resume from the stage's own latest complete checkpoint when there is one.
     resume: bool = True
     # Resume from this stage or iter_* directory instead (e.g. a copy of another run).
@@ -108,7 +108,7 @@ class LoggingConfig:
 
 @dataclass(frozen=True)
 class Config:
-    seed: int = 1234
+    seed: int = 1234                 # random seed: the built-in task's data, fresh weights, data order, sampling
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     # Used by roles built outside a stage (smoke run, tests); each stage has its own.
@@ -167,3 +167,6 @@ class RecipeFacts:
     # the training values taken from its config.json (model.moe_aux_loss_coef) (printed by the
     # pre-flight check).
     hf_notes: tuple[str, ...] = ()
+    # Where each dotted leaf the recipe chain, the overrides or config.json set came from: "recipe",
+    # "base <file>", "override" or "config.json"; a leaf not here is its default (print-config).
+    sources: dict[str, str] = field(default_factory=dict)

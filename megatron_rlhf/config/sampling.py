@@ -14,13 +14,13 @@ MOVED_FROM_RL = ("max_new_tokens", "temperature", "top_k", "top_p", "eval_sample
 
 @dataclass(frozen=True)
 class SamplingConfig:
-    max_new_tokens: int = 12
+    max_new_tokens: int = 12         # longest generated response (tokens)
     # Also the temperature of the RL stage's recomputed log-probs (actor and reference).
     temperature: float = 1.0
     # Must stay 0 / 1.0: every log-prob of the RL stage (rollout, old, new, reference) is computed
     # under the full softmax, so a filtered sampler would make the rollout off-policy.
     top_k: int = 0
-    top_p: float = 1.0
+    top_p: float = 1.0               # nucleus sampling: must stay 1.0 (see top_k)
     # Sampled responses written to the log and the summary at each evaluation.
     eval_samples_logged: int = 3
 

@@ -17,8 +17,8 @@ DPO_LOSSES = ("sigmoid", "ipo")
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    tensor_parallel: int = 1
-    pipeline_parallel: int = 1
+    tensor_parallel: int = 1         # TP: each layer's weight matrices split over this many ranks
+    pipeline_parallel: int = 1       # PP: the layers split into this many consecutive stages, one per rank
     # "auto": NCCL when CUDA is available, gloo otherwise.
     backend: str = "auto"
     # megatron's sequence parallelism: with TP > 1 the activations outside attention and the MLP
@@ -127,20 +127,20 @@ class ParallelConfig:
 
 @dataclass(frozen=True)
 class OptimizerConfig:
-    lr: float = 1e-4
-    min_lr: float = 0.0
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.95
-    adam_eps: float = 1e-8
-    clip_grad: float = 1.0
+    lr: float = 1e-4                 # peak learning rate (Adam)
+    min_lr: float = 0.0              # where lr_decay_style decays to, at the last step
+    weight_decay: float = 0.0        # decoupled weight decay (AdamW)
+    adam_beta1: float = 0.9          # Adam's first-moment decay
+    adam_beta2: float = 0.95         # Adam's second-moment decay
+    adam_eps: float = 1e-8           # Adam's epsilon
+    clip_grad: float = 1.0           # clip the global gradient norm to this
     # megatron-core's DistributedOptimizer (ZeRO-1 over data-parallel ranks), also at DP=1: it and
     # the non-distributed one (false) cannot load each other's checkpoints, so true keeps the
     # optimizer state loadable at any DP (models/optimizer.py).
     use_distributed_optimizer: bool = True
     # megatron-core's OptimizerParamScheduler: linear warmup, then decay to min_lr.
     warmup_steps: int = 0
-    lr_decay_style: str = "constant"
+    lr_decay_style: str = "constant"  # after the warmup: constant | linear | cosine, from lr to min_lr
 
     def check(self, name: str) -> None:
         if self.lr_decay_style not in LR_DECAY_STYLES:
@@ -156,7 +156,7 @@ class LoRAConfig:
     """Low-rank adapters (models/lora.py) on the trained policy and critic of the stages listed;
     their base weights stay frozen. rank 0: off (full fine-tuning)."""
 
-    rank: int = 0
+    rank: int = 0                    # the adapters' rank (0: off, full fine-tuning; typical 8-64)
     alpha: float = 16.0  # the adapter's output is scaled by alpha / rank
     dropout: float = 0.0  # on the adapter's input, in training only; sft and dpo only (rl refuses it)
     # which linear layers of every decoder layer: qkv, proj (attention output), fc1, fc2; and
@@ -196,13 +196,14 @@ class LoRAConfig:
 
 @dataclass(frozen=True)
 class StageConfig:
-    steps: int = 100
+    steps: int = 100                 # optimizer steps of the stage
     # In sequences (SFT) or preference pairs (RM), summed over data-parallel ranks.
     global_batch_size: int = 32
+    # Sequences (pairs: rm, dpo) per forward/backward on one rank; global_batch_size accumulates them.
     micro_batch_size: int = 8
-    seq_length: int = 64
-    eval_interval: int = 50
-    log_interval: int = 10
+    seq_length: int = 64             # tokens per sequence (<= model.max_seq_length; longer ones: data.overflow)
+    eval_interval: int = 50          # evaluate every this many steps and at the last step
+    log_interval: int = 10           # log the metrics every this many steps and at the last step
     # 0: save only at the end of the stage.
     save_interval: int = 0
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)

@@ -29,7 +29,7 @@ from megatron_rlhf import parallel
 from megatron_rlhf.checkpoint.manager import CheckpointManager, rng_state, set_rng_state
 from megatron_rlhf.checkpoint.validate import iter_name
 from megatron_rlhf.colocation import current_memory_bytes, peak_memory_bytes, reset_peak_memory
-from megatron_rlhf.config import Config, validate
+from megatron_rlhf.config import Config, validate, write_resolved_config
 from megatron_rlhf.logging.memory import memory_account
 from megatron_rlhf.logging.metrics import MetricsLogger, nonfinite_to_null
 from megatron_rlhf.resilience.faults import FAULTS
@@ -65,6 +65,8 @@ class StageRunner:
         self.cfg, self.stage, self.total = cfg, stage, total_steps
         self.log_interval, self.save_interval = log_interval, save_interval
         self.out = stage_dir(cfg, stage)
+        if dist.get_rank() == 0:  # what this start of the stage was asked to do (a resume rewrites it)
+            write_resolved_config(cfg, self.out)
         # At the start: what the stage trains on, for summary.json (pipeline reuses it only on the same).
         self.inputs = stage_inputs(cfg, STAGE_OF.get(stage, stage))
         self.step, self.resumed, self.trained, self.sampler = 0, None, {}, None
