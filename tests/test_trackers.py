@@ -185,3 +185,8 @@ def test_config_refuses_a_tracker_without_its_package_or_an_unknown_mode(tmp_pat
     with pytest.raises(ConfigError, match=r"logging.mlflow.enabled=true.*pip install -e '\.\[mlflow\]'"):
         validate(config(tmp_path, mlflow=MlflowConfig(enabled=True)))
     validate(config(tmp_path, mlflow=MlflowConfig(enabled=False)))
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "sqlalchemy" else real(name, *a))
+    with pytest.raises(ConfigError, match=r"logging.mlflow.enabled=true but the sqlalchemy package"):
+        validate(config(tmp_path, mlflow=MlflowConfig(enabled=True)))  # the default store: <run>/mlflow.db
+    validate(config(tmp_path, mlflow=MlflowConfig(enabled=True, tracking_uri="http://mlflow.internal:5000")))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -115,11 +116,11 @@ class WandbConfig:
     # Send every metrics.jsonl row, the resolved config and the stage summary to Weights & Biases
     # (rank 0; docs/logging.md). A resumed stage continues the same W&B run.
     enabled: bool = False
-    project: str = "megatron_rlhf"
+    project: str = "megatron_rlhf"  # the W&B project the runs go to
     entity: str | None = None  # null: the logged-in user's default entity
     # null: <checkpoint.run_name>/<stage>; the stages of one run share the W&B group checkpoint.run_name.
     run_name: str | None = None
-    tags: list[str] = field(default_factory=list)
+    tags: list[str] = field(default_factory=list)  # the W&B run's tags
     # online | offline (sync later with `wandb sync`); null: W&B's own WANDB_MODE, else online.
     mode: str | None = None
     # Where W&B keeps its local files (a wandb/ folder is made there); null: the stage directory.
@@ -140,7 +141,7 @@ class MlflowConfig:
     enabled: bool = False
     # null: MLFLOW_TRACKING_URI, else sqlite:///<checkpoint.root>/<checkpoint.run_name>/mlflow.db.
     tracking_uri: str | None = None
-    experiment: str = "megatron_rlhf"
+    experiment: str = "megatron_rlhf"  # the MLflow experiment the runs go to (made if missing)
     run_name: str | None = None  # null: <checkpoint.run_name>/<stage>
     # Run tags as "key=value" (a bare "name" is the tag name with an empty value).
     tags: list[str] = field(default_factory=list)
@@ -148,6 +149,9 @@ class MlflowConfig:
     def check(self) -> None:
         if self.enabled:
             _missing_package("mlflow", "mlflow", "mlflow")
+            uri = self.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or "sqlite:"
+            if uri.startswith("sqlite:"):  # the store is a database file, read with sqlalchemy
+                _missing_package("mlflow", "sqlalchemy", "mlflow")
 
 
 @dataclass(frozen=True)
