@@ -6,7 +6,9 @@ Rank 0 only, like metrics.jsonl. Each stage is one tracker run, named <checkpoin
 by default. Its id goes into every checkpoint's trainer state ("trackers") and into summary.json,
 so a stage resumed from its own checkpoint continues the same run; one started from another
 directory's checkpoint (checkpoint.load) starts a new run. Steps the run already has (logged
-before a crash, then recomputed after the resume, with the same values) are not sent twice.
+before a crash, then recomputed after the resume, with the same values) are not sent twice
+(MLflow: a run tag records the last step sent; W&B: the resumed run's starting_step, which an
+offline run cannot know).
 
 A tracker that fails (network, server, login) must not stop training: its error is printed once,
 that tracker is switched off for the rest of the stage, and metrics.jsonl still has every row.
@@ -22,11 +24,9 @@ import math
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
-
-from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from megatron_rlhf.config import Config
