@@ -17,7 +17,8 @@ FAULT_SFT_STEPS = 8
 FAULT_SFT = [f"sft.steps={FAULT_SFT_STEPS}", "sft.save_interval=2", "sft.eval_interval=4", "sft.log_interval=1",
              "sft.optimizer.warmup_steps=2", "data.task_sizes.sft_train=256", "data.task_sizes.sft_eval=64"]
 TIMING = ("_seconds", "tokens_per_s", "_peak_memory_bytes", "samples_per_second", "bytes_per_s",  # wall-clock metrics
-          "_busy_fraction", "_idle_fraction", "_seconds_total")
+          "_busy_fraction", "_idle_fraction", "_seconds_total",
+          "time")  # metrics.jsonl's wall-clock time of each row
 
 
 def stage(nproc, command, root, run, *overrides, recipe=None, **torchrun_kwargs):

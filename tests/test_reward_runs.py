@@ -96,7 +96,8 @@ SERVICE_STATS = ("_requests", "_retries")  # the service's own counters (timings
 
 
 def comparable(root, run) -> list[dict]:
-    wall_clock = ("_seconds", "tokens_per_s", "_peak_memory_bytes", "samples_per_second", "bytes_per_s")
+    wall_clock = ("_seconds", "tokens_per_s", "_peak_memory_bytes", "samples_per_second", "bytes_per_s",
+                  "time")  # time: metrics.jsonl's wall-clock time of the row
     return [{k: v for k, v in m.items() if not k.endswith(wall_clock + SERVICE_STATS)} for m in metrics(root, run, "ppo")]
 
 

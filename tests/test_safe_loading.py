@@ -232,6 +232,7 @@ def test_metrics_jsonl_and_summary_write_nan_and_inf_as_null(tmp_path, monkeypat
     log = MetricsLogger(tmp_path, "ppo", 2, tensorboard=False)
     log.log(1, {"loss": 0.5, "eval_gold_score": float("nan"), "kl": float("inf")})
     lines = [strict_json(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert isinstance(lines[0].pop("time"), float)  # the row's wall-clock time
     assert lines == [{"step": 1, "loss": 0.5, "eval_gold_score": None, "kl": None}]
 
     monkeypatch.setattr(torch.distributed, "get_rank", lambda: 0)  # write_summary writes on rank 0

@@ -92,7 +92,8 @@ def test_tensorboard_matches_metrics_jsonl(root, name):
     assert lines, "nothing logged"
     acc = EventAccumulator(str(root / "main" / name / "tensorboard"))
     acc.Reload()
-    keys = {k for line in lines for k in line if k != "step"}
+    assert all(isinstance(line["time"], float) for line in lines)  # each row's wall-clock time
+    keys = {k for line in lines for k in line if k not in ("step", "time")}  # time: the row's, not a metric
     assert {f"{name}/{k}" for k in keys} <= set(acc.Tags()["scalars"])
     for key in keys:
         logged = {x["step"]: x[key] for x in lines if key in x}

@@ -12,6 +12,7 @@ DEFERRED = textwrap.dedent("""
     compile_before = torch.compile
     import megatron_rlhf.trainers.rl, megatron_rlhf.trainers.sft, megatron_rlhf.trainers.rm, megatron_rlhf.trainers.dpo
     assert "torch._dynamo" not in sys.modules and "torch._inductor" not in sys.modules, "compiler imported at start-up"
+    assert "wandb" not in sys.modules and "mlflow" not in sys.modules, "a tracker client imported while not enabled"
     assert torch.compile is compile_before, "torch.compile was not restored after megatron.core imported"
 
     # megatron's jit_fuser (torch.compile) functions: a plain function and a method

@@ -54,6 +54,7 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
     check_pipeline(cfg)
     cfg.checkpoint.check()
     cfg.resilience.check()
+    cfg.logging.check()
     return cfg
 
 

@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -98,12 +100,72 @@ class ResilienceConfig:
                               "must be >= 0 (0 stops at the first non-finite step)")
 
 
+WANDB_MODES = ("online", "offline")
+
+
+def _missing_package(section: str, module: str, extra: str) -> None:
+    """A tracker enabled without its client: refused when the config is validated (a login node
+    too), not when the stage reaches its first step. find_spec looks, it does not import."""
+    if importlib.util.find_spec(module) is None:
+        raise ConfigError(f"logging.{section}.enabled=true but the {module} package is not installed: "
+                          f"pip install -e '.[{extra}]' (or set logging.{section}.enabled=false)")
+
+
+@dataclass(frozen=True)
+class WandbConfig:
+    # Send every metrics.jsonl row, the resolved config and the stage summary to Weights & Biases
+    # (rank 0; docs/logging.md). A resumed stage continues the same W&B run.
+    enabled: bool = False
+    project: str = "megatron_rlhf"  # the W&B project the runs go to
+    entity: str | None = None  # null: the logged-in user's default entity
+    # null: <checkpoint.run_name>/<stage>; the stages of one run share the W&B group checkpoint.run_name.
+    run_name: str | None = None
+    tags: list[str] = field(default_factory=list)  # the W&B run's tags
+    # online | offline (sync later with `wandb sync`); null: W&B's own WANDB_MODE, else online.
+    mode: str | None = None
+    # Where W&B keeps its local files (a wandb/ folder is made there); null: the stage directory.
+    dir: str | None = None
+
+    def check(self) -> None:
+        if self.mode is not None and self.mode not in WANDB_MODES:
+            raise ConfigError(f"logging.wandb.mode={self.mode!r}: choose one of {WANDB_MODES}, or null to "
+                              "follow WANDB_MODE")
+        if self.enabled:
+            _missing_package("wandb", "wandb", "wandb")
+
+
+@dataclass(frozen=True)
+class MlflowConfig:
+    # Send every metrics.jsonl row, the resolved config (as params) and the stage summary to
+    # MLflow (rank 0; docs/logging.md). A resumed stage continues the same MLflow run.
+    enabled: bool = False
+    # null: MLFLOW_TRACKING_URI, else sqlite:///<checkpoint.root>/<checkpoint.run_name>/mlflow.db.
+    tracking_uri: str | None = None
+    experiment: str = "megatron_rlhf"  # the MLflow experiment the runs go to (made if missing)
+    run_name: str | None = None  # null: <checkpoint.run_name>/<stage>
+    # Run tags as "key=value" (a bare "name" is the tag name with an empty value).
+    tags: list[str] = field(default_factory=list)
+
+    def check(self) -> None:
+        if self.enabled:
+            _missing_package("mlflow", "mlflow", "mlflow")
+            uri = self.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or "sqlite:"
+            if uri.startswith("sqlite:"):  # the store is a database file, read with sqlalchemy
+                _missing_package("mlflow", "sqlalchemy", "mlflow")
+
+
 @dataclass(frozen=True)
 class LoggingConfig:
     tensorboard: bool = True
     # Show every third-party warning at start-up (the CLI flag --verbose does the same);
     # false hides the known harmless ones (megatron_rlhf/logging/quiet.py lists them).
     verbose: bool = False
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    mlflow: MlflowConfig = field(default_factory=MlflowConfig)
+
+    def check(self) -> None:
+        self.wandb.check()
+        self.mlflow.check()
 
 
 @dataclass(frozen=True)

@@ -2,6 +2,10 @@
 TensorBoard scalars `<stage>/<name>`, one JSON line per logged step with every metric, and a
 compact console line with the few a user watches (CONSOLE; logging.verbose: all of them).
 
+Each metrics.jsonl row also has `time`: when it was written (Unix seconds, wall clock; the
+one field a resumed run's rows differ in besides the metrics that measure time). The W&B and
+MLflow runs of logging.wandb / logging.mlflow (trackers.py) get every row too.
+
 On resume from step k, lines and events after k are dropped first (they are about to be
 recomputed), so a resumed run's logs equal an uninterrupted run's. NaN/Inf values are written
 to metrics.jsonl as null (JSON has no NaN; jq and most parsers refuse it), to TensorBoard and
@@ -17,6 +21,8 @@ from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
+
+from megatron_rlhf.logging.trackers import Trackers
 
 
 def nonfinite_to_null(value: Any) -> Any:
@@ -53,8 +59,9 @@ def console_kind(stage: str) -> str:
 
 class MetricsLogger:
     def __init__(self, out_dir: str | Path, stage: str, total_steps: int, resume_step: int = 0,
-                 tensorboard: bool = True, verbose: bool = False):
+                 tensorboard: bool = True, verbose: bool = False, trackers: Trackers | None = None):
         self.stage, self.total_steps, self.verbose = stage, total_steps, verbose
+        self.trackers = trackers or Trackers()
         self._last = (time.perf_counter(), resume_step)  # (time, step) of the last console line
         self.active = not dist.is_initialized() or dist.get_rank() == 0
         self.jsonl = Path(out_dir) / "metrics.jsonl"
@@ -85,12 +92,14 @@ class MetricsLogger:
         if not self.active:
             return
         clean = {k: float(v) for k, v in metrics.items()}
+        row = {"step": step, "time": time.time(), **clean}
         with self.jsonl.open("a") as f:
-            f.write(json.dumps(nonfinite_to_null({"step": step, **clean}), allow_nan=False) + "\n")
+            f.write(json.dumps(nonfinite_to_null(row), allow_nan=False) + "\n")
         if self.writer is not None:
             for key, value in clean.items():
                 self.writer.add_scalar(f"{self.stage}/{key}", value, step)
             self.writer.flush()
+        self.trackers.log(step, clean)
         print(self.console_line(step, clean), flush=True)
 
     def console_line(self, step: int, metrics: dict[str, float]) -> str:
@@ -112,6 +121,8 @@ class MetricsLogger:
         if self.active:
             print(f"[{self.stage}] {message}", flush=True)
 
-    def close(self) -> None:
+    def close(self, summary: dict | None = None) -> None:
+        """`summary`: the stage's summary.json, for the trackers' run summary."""
         if self.writer is not None:
             self.writer.close()
+        self.trackers.finish(summary or {})

@@ -32,6 +32,7 @@ from megatron_rlhf.colocation import current_memory_bytes, peak_memory_bytes, re
 from megatron_rlhf.config import Config, validate, write_resolved_config
 from megatron_rlhf.logging.memory import memory_account
 from megatron_rlhf.logging.metrics import MetricsLogger, nonfinite_to_null
+from megatron_rlhf.logging.trackers import Trackers
 from megatron_rlhf.resilience.faults import FAULTS
 from megatron_rlhf.resilience.heartbeat import Heartbeat
 from megatron_rlhf.resilience.preemption import Preempted, PreemptionHandler
@@ -83,12 +84,17 @@ class StageRunner:
         self.step, self.resumed, state = resume(self.cfg, self.ckpt, trained, sampler)
         self.checkpoint_warnings = state.get("checkpoint_warnings", [])
         self.log = MetricsLogger(self.out, self.stage_name, self.total, resume_step=self.step,
-                                 tensorboard=self.cfg.logging.tensorboard, verbose=self.cfg.logging.verbose)
+                                 tensorboard=self.cfg.logging.tensorboard, verbose=self.cfg.logging.verbose,
+                                 trackers=Trackers.start(self.cfg, self.stage_name, self.out, state))
         return state
 
     @property
     def stage_name(self) -> str:
         return self.out.name
+
+    def tracker_state(self) -> dict:
+        """The W&B / MLflow run ids for the trainer state, so a resume continues those runs ({}: none)."""
+        return {"trackers": ids} if (ids := self.log.trackers.ids()) else {}
 
     # ------------------------------------------------------------------ the loop
     def steps(self) -> Iterator[int]:
@@ -111,7 +117,7 @@ class StageRunner:
 
         def full_state() -> dict:
             extra = before_save() if before_save is not None else {}  # first: it may drain (e.g. the engine's batch)
-            return trainer_state(step, consumed_samples, sampler, trained, **state, **extra)
+            return trainer_state(step, consumed_samples, sampler, trained, **state, **extra, **self.tracker_state())
 
         checkpoint_if_due(self.ckpt, self.log, self.preemption, self.step, self.total, self.save_interval,
                           self.trained, full_state)
@@ -134,8 +140,8 @@ class StageRunner:
                 self.sampler.load_state_dict(position)
                 set_rng_state(rng)
                 extra = before_save() if before_save is not None else {}
-                self.ckpt.save(previous, self.trained, trainer_state(previous, consumed_samples, self.sampler,
-                                                                     self.trained, **state, **extra))
+                self.ckpt.save(previous, self.trained, trainer_state(
+                    previous, consumed_samples, self.sampler, self.trained, **state, **extra, **self.tracker_state()))
                 self.ckpt.wait()
                 self.log.info(f"checkpoint of step {previous} (the last complete one) saved before stopping")
             raise
@@ -151,13 +157,13 @@ class StageRunner:
                    "memory_account": memory_account(roles or self.trained, peak, self.memory_at_start,
                                                     checkpoint_save_bytes=self.ckpt.last_save_bytes),
                    "checkpoint": str(self.ckpt.latest()), "checkpoint_warnings": self.checkpoint_warnings,
-                   "inputs": self.inputs}
+                   "inputs": self.inputs, **self.tracker_state()}
         if experts := expert_modules(roles or self.trained):  # MoE models only: dense summaries are unchanged
             summary["expert_modules"] = experts
         write_summary(self.out, summary)
         self.log.info(message)
         self.heartbeat.close()
-        self.log.close()
+        self.log.close(summary)
         return summary
 
 
