@@ -84,7 +84,7 @@ def normalization_samples(data) -> tuple[list, str]:
     data, else the chosen responses of the held-out preference pairs."""
     if "sft_eval" in data.splits:
         return data.splits["sft_eval"], "SFT eval responses"
-    return [SFTExample(p.prompt, p.chosen) for p in data.splits["preference_eval"]], "chosen responses of the eval pairs"
+    return [p.chosen_example() for p in data.splits["preference_eval"]], "chosen responses of the eval pairs"
 
 
 def train_metrics(result: dict) -> dict:
