@@ -206,13 +206,16 @@ def test_parquet_and_save_to_disk_directories_read_like_jsonl_with_column_mappin
 
 
 def test_conversations_without_a_template_are_refused_naming_the_file_and_fix(tmp_path):
-    from megatron_rlhf.trainers.stage_data import load_stage_data
+    from megatron_rlhf.trainers.stage_data import load_stage_data, preflight
 
     path = tmp_path / "sft.jsonl"
     path.write_text(json.dumps({"messages": CONVERSATION}) + "\n")
     cfg = load_config(None, [f"checkpoint.root={tmp_path}", f"data.sft_train={path}", f"data.sft_eval={path}"])
-    with pytest.raises(DataError, match=rf"data.sft_train={path}: holds conversations.*data.tokenizer=builtin has "
-                                        r"no chat template.*set data.chat_template=<file.jinja>"):
+    refused = (rf"data.sft_train={path}: holds conversations.*data.tokenizer=builtin has no chat template.*"
+               r"set data.chat_template=<file.jinja>")
+    with pytest.raises(DataError, match=refused):
+        preflight(cfg, "sft")  # before any worker starts
+    with pytest.raises(DataError, match=refused):
         load_stage_data(cfg, ("sft_train", "sft_eval"))
     # with a template file the builtin tokenizer renders them (words: unknown ones are <unk>)
     template = tmp_path / "chatml.jinja"

@@ -35,7 +35,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from megatron_rlhf.data.jsonl import DataError
+from megatron_rlhf.data.errors import DataError
 from megatron_rlhf.data.tokenizers import TokenizerError
 
 # data.chat_template values that are not a file.

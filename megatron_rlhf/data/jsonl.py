@@ -27,11 +27,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+from megatron_rlhf.data.errors import DataError
+
 PathLike = str | os.PathLike[str]
-
-
-class DataError(ValueError):
-    """A bad data file; the message starts with `path:line: ` when a line is to blame."""
 
 
 ROLES = ("system", "user", "assistant")
@@ -42,10 +40,15 @@ Messages = tuple[dict[str, str], ...]  # {"role": ..., "content": ...} each
 class RecordFields:
     """The column (JSONL key, parquet / Arrow column) each record field is read from."""
 
+    # The prompt: a string, or (conversations) a list of {role, content} messages.
     prompt: str = "prompt"
+    # An SFT record's answer: a string, or the assistant message(s) after a `prompt` list.
     response: str = "response"
+    # A preference record's preferred answer: a string, a message, or a list of messages.
     chosen: str = "chosen"
+    # A preference record's dispreferred answer, in the shape of `chosen`.
     rejected: str = "rejected"
+    # A conversation (SFT: ending with the assistant's answer; prompts: without it).
     messages: str = "messages"
 
 
@@ -130,6 +133,15 @@ def read_prompts(path: PathLike, fields: RecordFields = RecordFields()) -> list[
     """Read prompts (`prompt` or `messages`, plus any other fields, kept in `extra`) from a
     JSONL, parquet or Arrow dataset."""
     return _read_records(path, _prompt_record, fields)
+
+
+def read_first(path: PathLike, kind: str, fields: RecordFields = RecordFields()) -> Any:
+    """The first record of a data file of `kind` (sft, preference, prompts), or None when it has
+    none: a look at its shape (flat or conversations) without reading it all."""
+    make_record = {"sft": _sft_record, "preference": _preference_record, "prompts": _prompt_record}[kind]
+    for where, obj in _read_rows(Path(path)):
+        return make_record(obj, where, fields)
+    return None
 
 
 def write_jsonl(path: PathLike, records: Iterable[Any]) -> int:

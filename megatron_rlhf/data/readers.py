@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from megatron_rlhf.data.jsonl import DataError
+from megatron_rlhf.data.errors import DataError
 
 
 def arrow_rows(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:

@@ -363,6 +363,12 @@ def preflight(cfg: Config, command: str) -> list[str]:
         check_engine_can_run(cfg.model, cfg.logging.verbose)
     first = next((s for s in stages if s in STAGE_SPLITS), None)
     cfg, tokenizer, notes = run_tokenizer(cfg, first)
+    for name in dict.fromkeys(name for stage in stages for name in STAGE_SPLITS.get(stage, ())):
+        kind, where = split_source(cfg, name)
+        if kind != "task":  # conversations need a template: said now, not when a stage starts
+            record = jsonl.read_first(where, name.rsplit("_", 1)[0], cfg.data.fields)
+            field_name = name if kind == "file" else f"{name.rsplit('_', 1)[0]}_train"
+            _check_chat_template(cfg, tokenizer, [record] if record else [], f"data.{field_name}={where}")
     for stage in (s for s in stages if s in STAGE_SPLITS):
         cfg, more = architecture_from_start(cfg, stage)
         notes += more
