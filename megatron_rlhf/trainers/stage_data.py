@@ -185,11 +185,12 @@ def _check_chat_template(cfg: Config, tokenizer: Tokenizer, records: list, named
 
 
 def auto_tokenizer(cfg: Config, stage: str | None = None) -> tuple[str, str]:
-    """(what data.tokenizer=auto stands for, why): model.init_from_hf's directory; else the
-    tokenizer this run recorded; else the one recorded with the checkpoint `stage` starts from
-    (another run's, e.g. rl.sft_from); else builtin."""
-    if cfg.model.init_from_hf:
-        return cfg.model.init_from_hf, "model.init_from_hf"
+    """(what data.tokenizer=auto stands for, why): model.init_from_hf's directory when it holds a
+    tokenizer; else the tokenizer this run recorded; else the one recorded with the checkpoint
+    `stage` starts from (another run's, e.g. rl.sft_from); else builtin."""
+    hf = cfg.model.init_from_hf
+    if hf and (Path(hf) / "tokenizer.json").is_file():
+        return hf, "model.init_from_hf"
     places = [(run_dir(cfg) / RECORDED_TOKENIZER, "the tokenizer this run recorded")]
     if stage is not None and (where := start_checkpoint(cfg, stage)[0]) is not None:
         try:
@@ -201,6 +202,9 @@ def auto_tokenizer(cfg: Config, stage: str | None = None) -> tuple[str, str]:
     for directory, why in places:
         if (record := read_tokenizer_record(directory)) is not None:
             return ("builtin" if record["data.tokenizer"] == "builtin" else str(directory)), why
+    if hf:
+        return "builtin", (f"model.init_from_hf={hf} has no tokenizer.json and no tokenizer is recorded; set "
+                           "data.tokenizer=<its tokenizer directory> unless the built-in task's is meant")
     return "builtin", "no model.init_from_hf and no recorded tokenizer"
 
 
@@ -209,7 +213,8 @@ def _resolve_auto(cfg: Config, stage: str | None) -> tuple[Config, list[str]]:
         return cfg, []
     spec, why = auto_tokenizer(cfg, stage)
     cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, tokenizer=spec))
-    return cfg, ([] if spec == "builtin" else [f"data.tokenizer=auto: {spec} ({why})"])
+    quiet = spec == "builtin" and not cfg.model.init_from_hf  # the toy runs' default: nothing to say
+    return cfg, ([] if quiet else [f"data.tokenizer=auto: {spec} ({why})"])
 
 
 def tokenizer_for(cfg: Config) -> Tokenizer:
