@@ -244,6 +244,7 @@ def test_tokenizer_auto_is_init_from_hf_then_the_recorded_one_then_builtin(tmp_p
     assert tokenizer2.fingerprint() == tokenizer.fingerprint() and tokenizer2.chat_template.source == CHATML
     # an init_from_hf directory without a tokenizer (weights only): builtin, said in a note
     weights_only = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, init_from_hf=str(tmp_path)),
+                                       data=dataclasses.replace(cfg.data, tokenizer="auto"),
                                        checkpoint=dataclasses.replace(cfg.checkpoint, root=str(tmp_path / "w")))
     resolved, _, notes = run_tokenizer(weights_only)
     assert resolved.data.tokenizer == "builtin" and "has no tokenizer.json" in notes[0]
