@@ -200,6 +200,10 @@ def test_parquet_and_save_to_disk_directories_read_like_jsonl_with_column_mappin
     with pytest.raises(DataError, match=r"sft.parquet:row 1: field 'answer': expected a string, got null"):
         hf_dataset([rows[0], {"question": "x", "answer": None}]).to_parquet(str(tmp_path / "sft.parquet"))
         read_sft(tmp_path / "sft.parquet", fields)
+    (tmp_path / "shards").mkdir()  # a directory of parquet shards, read in name order
+    hf_dataset(rows[1:]).to_parquet(str(tmp_path / "shards" / "train-00001.parquet"))
+    hf_dataset(rows[:1]).to_parquet(str(tmp_path / "shards" / "train-00000.parquet"))
+    assert read_sft(tmp_path / "shards", fields) == want
     datasets.DatasetDict({"train": dataset}).save_to_disk(str(tmp_path / "dict_dir"))
     with pytest.raises(DataError, match=r"dict_dir: a DatasetDict with splits \['train'\]; name one split"):
         read_sft(tmp_path / "dict_dir", fields)

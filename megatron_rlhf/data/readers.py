@@ -1,4 +1,5 @@
-"""Records from columnar files: a parquet file, or a directory written by Hugging Face
+"""Records from columnar files: a parquet file, a directory of parquet shards (as a dataset
+repository's data/ holds them: read in name order), or a directory written by Hugging Face
 `datasets` (`Dataset.save_to_disk`: state.json naming its data-*.arrow files, each an Arrow IPC
 stream, next to dataset_info.json). Read with pyarrow alone (the `data` extra), so a run does
 not need `datasets` installed; rows come back as the JSON objects a JSONL line would give.
@@ -21,16 +22,12 @@ def arrow_rows(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
     if not path.exists():
         raise DataError(f"{path}: file not found")
     pyarrow = _pyarrow(path)
-    if path.is_dir():
-        files = _dataset_files(path)
-        batches = (batch for file in files for batch in _stream_batches(pyarrow, file))
+    if path.is_dir() and not (path / "state.json").is_file() and (shards := sorted(path.glob("*.parquet"))):
+        batches = (batch for file in shards for batch in _parquet_batches(pyarrow, file))
+    elif path.is_dir():
+        batches = (batch for file in _dataset_files(path) for batch in _stream_batches(pyarrow, file))
     else:
-        import pyarrow.parquet as parquet
-
-        try:
-            batches = parquet.ParquetFile(path).iter_batches()
-        except (OSError, pyarrow.ArrowException) as exc:
-            raise DataError(f"{path}: not a readable parquet file ({exc})") from None
+        batches = _parquet_batches(pyarrow, path)
     row = 0
     for batch in batches:
         for record in batch.to_pylist():
@@ -46,8 +43,8 @@ def _dataset_files(directory: Path) -> list[Path]:
                         f"e.g. {directory / (splits[0] if splits else 'train')}")
     state = directory / "state.json"
     if not state.is_file():
-        raise DataError(f"{directory}: a directory without state.json, so not one Dataset.save_to_disk wrote; "
-                        "give a .jsonl or .parquet file, or a save_to_disk directory")
+        raise DataError(f"{directory}: a directory without state.json or *.parquet files, so neither one "
+                        "Dataset.save_to_disk wrote nor parquet shards; give a .jsonl or .parquet file or such a directory")
     try:
         names = [entry["filename"] for entry in json.loads(state.read_text())["_data_files"]]
     except (json.JSONDecodeError, KeyError, TypeError) as exc:
@@ -56,6 +53,16 @@ def _dataset_files(directory: Path) -> list[Path]:
     if missing:
         raise DataError(f"{directory}: state.json names data files that are missing: {missing}")
     return [directory / name for name in names]
+
+
+def _parquet_batches(pyarrow, file: Path) -> Iterator[Any]:
+    import pyarrow.parquet as parquet
+
+    try:
+        reader = parquet.ParquetFile(file)
+    except (OSError, pyarrow.ArrowException) as exc:
+        raise DataError(f"{file}: not a readable parquet file ({exc})") from None
+    yield from reader.iter_batches()
 
 
 def _stream_batches(pyarrow, file: Path) -> Iterator[Any]:
