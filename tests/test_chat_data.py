@@ -144,11 +144,14 @@ def test_preference_and_prompt_conversations_encode_with_shared_prompt(case, tmp
              "rejected": "Nowhere."},
             # TRL's implicit prompt: full conversations sharing their first messages
             {"chosen": [*prompt, {"role": "assistant", "content": "Café de Flore."}],
+             "rejected": [*prompt, {"role": "assistant", "content": "Nowhere."}]},
+            # UltraFeedback-binarized: a text prompt beside full conversations
+            {"prompt": prompt[-1]["content"], "chosen": [*prompt, {"role": "assistant", "content": "Café de Flore."}],
              "rejected": [*prompt, {"role": "assistant", "content": "Nowhere."}]}]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     pairs = read_preferences(path)
-    assert pairs[0] == pairs[1]
-    [a, b], _ = encode_preferences(pairs, ours, 512, "truncate")
+    assert pairs[0] == pairs[1] == pairs[2]
+    [a, b, _], _ = encode_preferences(pairs, ours, 512, "truncate")
     assert a == b and a.chosen[: a.prompt_len] == a.rejected[: a.prompt_len]
     assert a.chosen[: a.prompt_len] == tokenize_chat_prompt(ours, prompt, "t")
     assert a.chosen[-1] == a.rejected[-1] == ours.eos_id

@@ -218,9 +218,10 @@ def _preference_record(obj: dict[str, Any], where: str, fields: RecordFields) ->
 
 def _chat_preference(obj: dict[str, Any], where: str, fields: RecordFields) -> PreferenceExample:
     chosen, rejected = _answer(obj, fields.chosen, where), _answer(obj, fields.rejected, where)
-    if obj.get(fields.prompt) is not None:
+    if isinstance(obj.get(fields.prompt), list):
         prompt = _messages(obj, fields.prompt, where)
-    else:  # implicit prompt: the messages both sides share
+    else:  # implicit prompt: the messages both sides share (a text prompt beside them, as
+        # UltraFeedback's, repeats their first user message: TRL reads such records this way too)
         shared = 0
         while shared < min(len(chosen), len(rejected)) - 1 and chosen[shared] == rejected[shared]:
             shared += 1
