@@ -131,8 +131,6 @@ def load_stage_data(cfg: Config, needed: tuple[str, ...], optional: tuple[str, .
     launched = dist.is_initialized()  # a stage's workers are; a unit test reading data is not
     run = resolve_run(cfg, stage, dist.get_world_size() if launched else None)
     cfg, tokenizer = run.config, run.tokenizer
-    if launched and dist.get_rank() == 0:
-        record_run(cfg, tokenizer)
     d = cfg.data
     task = get_task(d.task) if d.task else None
     wanted = [*needed, *(name for name in optional if _has_source(cfg, name))]
@@ -159,6 +157,10 @@ def load_stage_data(cfg: Config, needed: tuple[str, ...], optional: tuple[str, .
         else:
             splits[name] = getattr(generated, _TASK_SPLIT.get(name, name))
             origins[name] = f"built-in task {where} (seed {cfg.seed})"
+    if launched and dist.get_rank() == 0:
+        # Only once the data was read: a run stopped by a bad file may still change its tokenizer
+        # (e.g. to one with the chat template its conversations need).
+        record_run(cfg, tokenizer)
     return StageData(cfg, tokenizer, task, splits, origins)
 
 
