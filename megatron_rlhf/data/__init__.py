@@ -2,8 +2,12 @@
 
 Pure Python and torch (no megatron-core), so it can be used and tested without a model.
 
-- `jsonl`: read and validate SFT / preference / prompt JSONL files, write them back.
+- `jsonl`: read and validate SFT / preference / prompt records (flat or conversations), with
+  column mapping (`RecordFields`), from JSONL; write them back.
+- `readers`: the same records from parquet files and `datasets` save_to_disk directories (pyarrow).
+- `errors`: `DataError`, what every reader raises (`file:line: field ...`).
 - `tokenizers`: the `Tokenizer` contract, the builtin word-level tokenizer, local HF ones.
+- `chat`: chat templates: conversations rendered as transformers renders them, the assistant tokens trained on.
 - `encode`: examples -> token ids (with a length report) -> padded batch tensors.
 - `sampler`: a deterministic, resumable index stream over epochs.
 - `tasks`: built-in tasks (data generators with a gold scorer), e.g. `sentiment`.

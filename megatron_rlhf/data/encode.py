@@ -7,7 +7,13 @@ right-padded with PAD. The model's log-prob at position t scores token t+1, so
 lengths, never from comparing tokens with PAD, because PAD may equal EOS (see
 data/tokenizers.py). Prompt and response are encoded separately so the boundary between
 them is exact; a tokenizer that needs a leading space on the response must get it from the
-data.
+data. Flat text gets no special tokens but that EOS (no BOS: give it in the data if the model
+wants one).
+
+A conversation record (`messages`) is rendered with the tokenizer's chat template instead
+(data/chat.py: BOS and EOS as the template and tokenizer define them); an SFT conversation
+is trained on its assistant turns only (`EncodedSFT.targets`), a preference pair on everything
+after the shared prompt.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron_rlhf.data.chat import tokenize_chat, tokenize_chat_prompt
 from megatron_rlhf.data.jsonl import DataError, PreferenceExample, PromptExample, SFTExample
 from megatron_rlhf.data.tokenizers import Tokenizer
 
@@ -45,10 +52,13 @@ class LengthReport:
 
 @dataclass(frozen=True)
 class EncodedSFT:
-    """`tokens` = prompt + response + EOS (maybe truncated); the first `prompt_len` are prompt."""
+    """`tokens` = prompt + response + EOS (maybe truncated); the first `prompt_len` are prompt.
+    A conversation's `targets[i]` says whether token i is trained on (its assistant turns);
+    None: every token from prompt_len on is."""
 
     tokens: list[int]
     prompt_len: int
+    targets: tuple[bool, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -70,14 +80,18 @@ def encode_sft(
     _check_max_len(max_len)
     encoded, truncated, dropped = [], 0, 0
     for index, example in enumerate(examples):
-        prompt = _encode_prompt(tokenizer, example.prompt, index)
-        response = tokenizer.encode(example.response)
-        tokens, was_cut = _fit(prompt, response, tokenizer.eos_id, max_len, overflow)
-        if tokens is None:
+        if example.messages is not None:
+            item, was_cut = _fit_conversation(tokenizer, example, index, max_len, overflow)
+        else:
+            prompt = _encode_prompt(tokenizer, example.prompt, index)
+            response = tokenizer.encode(example.response)
+            tokens, was_cut = _fit(prompt, response, tokenizer.eos_id, max_len, overflow)
+            item = None if tokens is None else EncodedSFT(tokens, len(prompt))
+        if item is None:
             dropped += 1
             continue
         truncated += was_cut
-        encoded.append(EncodedSFT(tokens, len(prompt)))
+        encoded.append(item)
     report = LengthReport(len(examples), truncated, dropped)
     _check_not_empty(report, "SFT examples", _too_long(max_len, max_len_field, overflow))
     return encoded, report
@@ -94,11 +108,17 @@ def encode_preferences(
     encoded, truncated, dropped = [], 0, 0
     eos = tokenizer.eos_id
     for index, example in enumerate(examples):
-        prompt = _encode_prompt(tokenizer, example.prompt, index)
-        chosen, chosen_cut = _fit(prompt, tokenizer.encode(example.chosen), eos, max_len, overflow)
-        rejected, rejected_cut = _fit(
-            prompt, tokenizer.encode(example.rejected), eos, max_len, overflow
-        )
+        if example.chosen_messages is not None:
+            full_chosen, full_rejected, prompt_len = _conversation_pair(tokenizer, example, index)
+            chosen, chosen_cut = _fit_tokens(full_chosen, prompt_len, max_len, overflow)
+            rejected, rejected_cut = _fit_tokens(full_rejected, prompt_len, max_len, overflow)
+            prompt = full_chosen[:prompt_len]
+        else:
+            prompt = _encode_prompt(tokenizer, example.prompt, index)
+            chosen, chosen_cut = _fit(prompt, tokenizer.encode(example.chosen), eos, max_len, overflow)
+            rejected, rejected_cut = _fit(
+                prompt, tokenizer.encode(example.rejected), eos, max_len, overflow
+            )
         # Identical sides (the difference was past max_len, or both texts map to the same
         # ids) carry no preference signal; they are counted with the dropped ones.
         if chosen is None or rejected is None or chosen == rejected:
@@ -138,7 +158,10 @@ def encode_prompt_records(
     _check_max_len(max_len)
     encoded, dropped = [], 0
     for index, example in enumerate(examples):
-        prompt = _encode_prompt(tokenizer, example.prompt, index)
+        if example.messages is not None:
+            prompt = tokenize_chat_prompt(tokenizer, example.messages, f"example {index}")
+        else:
+            prompt = _encode_prompt(tokenizer, example.prompt, index)
         if len(prompt) > max_len - 1:
             dropped += 1
             continue
@@ -154,7 +177,7 @@ def encode_prompt_records(
 
 def collate_sft(items: Sequence[EncodedSFT], pad_id: int, seq_len: int) -> dict[str, torch.Tensor]:
     """Batch SFT sequences: `tokens` [B,S] long, `loss_mask` [B,S] float, `lengths` [B] long."""
-    return _collate_rows([(item.tokens, item.prompt_len) for item in items], pad_id, seq_len)
+    return _collate_rows([(item.tokens, item.prompt_len, item.targets) for item in items], pad_id, seq_len)
 
 
 def collate_preferences(
@@ -167,8 +190,8 @@ def collate_preferences(
     # Interleaved so that any even-sized microbatch split keeps each pair together.
     rows = []
     for item in items:
-        rows.append((item.chosen, item.prompt_len))
-        rows.append((item.rejected, item.prompt_len))
+        rows.append((item.chosen, item.prompt_len, None))
+        rows.append((item.rejected, item.prompt_len, None))
     return _collate_rows(rows, pad_id, seq_len)
 
 
@@ -217,13 +240,42 @@ def _fit(
     prompt: list[int], response: list[int], eos_id: int, max_len: int, overflow: str
 ) -> tuple[list[int] | None, bool]:
     """(`prompt + response + EOS` cut to `max_len`, was it cut); None when it must be dropped."""
-    tokens = prompt + response + [eos_id]
+    return _fit_tokens(prompt + response + [eos_id], len(prompt), max_len, overflow)
+
+
+def _fit_tokens(tokens: list[int], prompt_len: int, max_len: int, overflow: str) -> tuple[list[int] | None, bool]:
+    """(`tokens` cut to `max_len`, was it cut); None when it must be dropped."""
     if len(tokens) <= max_len:
         return tokens, False
     # With the prompt filling max_len there is no response token left to train on.
-    if overflow == "drop" or len(prompt) >= max_len:
+    if overflow == "drop" or prompt_len >= max_len:
         return None, False
     return tokens[:max_len], True
+
+
+def _fit_conversation(tokenizer: Tokenizer, example: SFTExample, index: int, max_len: int,
+                      overflow: str) -> tuple[EncodedSFT | None, bool]:
+    """(the conversation's tokens and targets cut to `max_len`, was it cut); None: dropped."""
+    last_only = getattr(tokenizer.chat_template, "last_assistant_only", False)
+    chat = tokenize_chat(tokenizer, example.messages, example.first_trained, last_only, f"example {index}")
+    first_target = chat.targets.index(True)
+    tokens, was_cut = _fit_tokens(chat.ids, first_target, max_len, overflow)
+    if tokens is None:
+        return None, False
+    return EncodedSFT(tokens, first_target, tuple(chat.targets[: len(tokens)])), was_cut
+
+
+def _conversation_pair(tokenizer: Tokenizer, example: PreferenceExample, index: int) -> tuple[list[int], list[int], int]:
+    """(chosen tokens, rejected tokens, the length of the prompt tokens they share)."""
+    prompt = example.prompt_messages or ()
+    where = f"example {index}"
+    chosen = tokenize_chat(tokenizer, prompt + example.chosen_messages, len(prompt), False, where)
+    rejected = tokenize_chat(tokenizer, prompt + example.rejected_messages, len(prompt), False, where)
+    prompt_len = chosen.targets.index(True)
+    if rejected.targets.index(True) != prompt_len or chosen.ids[:prompt_len] != rejected.ids[:prompt_len]:
+        raise DataError(f"{where}: the chat template renders the prompt differently before the chosen and the "
+                        "rejected answer; a preference pair needs one prompt")
+    return chosen.ids, rejected.ids, prompt_len
 
 
 def _too_long(max_len: int, field: str, overflow: str) -> str:
@@ -248,14 +300,14 @@ def _check_not_empty(report: LengthReport, what: str, why: str) -> None:
 
 
 def _collate_rows(
-    rows: Sequence[tuple[Sequence[int], int]], pad_id: int, seq_len: int
+    rows: Sequence[tuple[Sequence[int], int, Sequence[bool] | None]], pad_id: int, seq_len: int
 ) -> dict[str, torch.Tensor]:
     if not rows:
         raise ValueError("collate: no examples")
     tokens = torch.full((len(rows), seq_len), pad_id, dtype=torch.long)
     loss_mask = torch.zeros((len(rows), seq_len), dtype=torch.float)
     lengths = torch.zeros(len(rows), dtype=torch.long)
-    for row, (sequence, prompt_len) in enumerate(rows):
+    for row, (sequence, prompt_len, targets) in enumerate(rows):
         length = len(sequence)
         if length > seq_len:
             raise ValueError(f"collate: row {row} has {length} tokens, more than seq_len={seq_len}")
@@ -263,5 +315,8 @@ def _collate_rows(
         lengths[row] = length
         # Position t predicts token t+1: the response starts at prompt_len, so its first
         # token is predicted from position prompt_len - 1, the last from length - 2.
+        if targets is not None:  # a conversation: only its assistant tokens are predicted
+            loss_mask[row, : length - 1] = torch.tensor(list(targets[1:length]), dtype=torch.float)
+            continue
         loss_mask[row, max(prompt_len - 1, 0) : length - 1] = 1.0
     return {"tokens": tokens, "loss_mask": loss_mask, "lengths": lengths}

@@ -1,7 +1,16 @@
-"""JSONL datasets: one JSON object per line, validated while it is read.
+"""Datasets of records, validated while they are read: JSONL (one JSON object per line), and
+through data/readers.py a parquet file or a `datasets.save_to_disk` directory, chosen by path.
 
-Every error starts with `path:line: ` and names the field, so one bad record in a
-100k-line file is found at once instead of surfacing as a shape error mid-training.
+Every error starts with `path:line: ` (`path:row N: ` for parquet and Arrow) and names the
+field, so one bad record in a 100k-line file is found at once instead of surfacing as a shape
+error mid-training. `RecordFields` maps each record field to the column it is read from.
+
+Records are flat (`prompt`/`response`, `prompt`/`chosen`/`rejected`, `prompt`) or
+conversations: a `messages` list of {role: system|user|assistant, content} (SFT: the whole
+conversation; prompts: without the answer), a `prompt` list of messages with a `response`
+list (SFT) or with `chosen`/`rejected` (preferences: each a list of messages, one message,
+or a string: the assistant's answer); a preference record without `prompt` takes the
+messages its `chosen` and `rejected` lists share. data/chat.py renders conversations.
 
 A prompts record may carry fields besides `prompt` (a reference `answer`, unit tests, ...):
 they are kept in `PromptExample.extra` for rule rewards, and written back flattened. SFT and
@@ -18,28 +27,61 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+from megatron_rlhf.data.errors import DataError
+
 PathLike = str | os.PathLike[str]
 
 
-class DataError(ValueError):
-    """A bad data file; the message starts with `path:line: ` when a line is to blame."""
+ROLES = ("system", "user", "assistant")
+Messages = tuple[dict[str, str], ...]  # {"role": ..., "content": ...} each
+
+
+@dataclass(frozen=True)
+class RecordFields:
+    """The column (JSONL key, parquet / Arrow column) each record field is read from."""
+
+    # The prompt: a string, or (conversations) a list of {role, content} messages.
+    prompt: str = "prompt"
+    # An SFT record's answer: a string, or the assistant message(s) after a `prompt` list.
+    response: str = "response"
+    # A preference record's preferred answer: a string, a message, or a list of messages.
+    chosen: str = "chosen"
+    # A preference record's dispreferred answer, in the shape of `chosen`.
+    rejected: str = "rejected"
+    # A conversation (SFT: ending with the assistant's answer; prompts: without it).
+    messages: str = "messages"
 
 
 @dataclass(frozen=True)
 class SFTExample:
-    """A prompt and the response the policy should learn to give."""
+    """A prompt and the response the policy should learn to give. A conversation record has
+    `messages`, trained on its assistant messages from index `first_trained` on (prompt and
+    response then hold its last user and assistant texts, for display)."""
 
     prompt: str
     response: str
+    messages: Messages | None = field(default=None, hash=False)
+    first_trained: int = 0
 
 
 @dataclass(frozen=True)
 class PreferenceExample:
-    """A prompt with a preferred (`chosen`) and a dispreferred (`rejected`) response."""
+    """A prompt with a preferred (`chosen`) and a dispreferred (`rejected`) response. A
+    conversation record has the three as message lists too (`*_messages`)."""
 
     prompt: str
     chosen: str
     rejected: str
+    prompt_messages: Messages | None = field(default=None, hash=False)
+    chosen_messages: Messages | None = field(default=None, hash=False)
+    rejected_messages: Messages | None = field(default=None, hash=False)
+
+    def chosen_example(self) -> SFTExample:
+        """The prompt and the chosen response as an SFT example."""
+        if self.chosen_messages is None:
+            return SFTExample(self.prompt, self.chosen)
+        prompt = self.prompt_messages or ()
+        return SFTExample(self.prompt, self.chosen, prompt + self.chosen_messages, len(prompt))
 
 
 @dataclass(frozen=True)
@@ -54,6 +96,9 @@ class PromptExample:
     prompt: str
     # hash=False keeps instances hashable (a dict is not); equality still compares extras.
     extra: dict[str, Any] = field(default_factory=dict, hash=False)
+    # A conversation to answer (rendered with the chat template and its generation prompt);
+    # `prompt` is then its last user message, which reward functions receive.
+    messages: Messages | None = field(default=None, hash=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.extra, dict):
@@ -74,19 +119,29 @@ class PromptExample:
 Record = TypeVar("Record", SFTExample, PreferenceExample, PromptExample)
 
 
-def read_sft(path: PathLike) -> list[SFTExample]:
-    """Read SFT examples (`prompt`, `response`) from a JSONL file."""
-    return _read_records(path, _sft_record)
+def read_sft(path: PathLike, fields: RecordFields = RecordFields()) -> list[SFTExample]:
+    """Read SFT examples (`prompt`, `response`, or `messages`) from a JSONL, parquet or Arrow dataset."""
+    return _read_records(path, _sft_record, fields)
 
 
-def read_preferences(path: PathLike) -> list[PreferenceExample]:
-    """Read preference pairs (`prompt`, `chosen`, `rejected`) from a JSONL file."""
-    return _read_records(path, _preference_record)
+def read_preferences(path: PathLike, fields: RecordFields = RecordFields()) -> list[PreferenceExample]:
+    """Read preference pairs (`prompt`, `chosen`, `rejected`) from a JSONL, parquet or Arrow dataset."""
+    return _read_records(path, _preference_record, fields)
 
 
-def read_prompts(path: PathLike) -> list[PromptExample]:
-    """Read prompts (`prompt`, plus any other fields, kept in `extra`) from a JSONL file."""
-    return _read_records(path, _prompt_record)
+def read_prompts(path: PathLike, fields: RecordFields = RecordFields()) -> list[PromptExample]:
+    """Read prompts (`prompt` or `messages`, plus any other fields, kept in `extra`) from a
+    JSONL, parquet or Arrow dataset."""
+    return _read_records(path, _prompt_record, fields)
+
+
+def read_first(path: PathLike, kind: str, fields: RecordFields = RecordFields()) -> Any:
+    """The first record of a data file of `kind` (sft, preference, prompts), or None when it has
+    none: a look at its shape (flat or conversations) without reading it all."""
+    make_record = {"sft": _sft_record, "preference": _preference_record, "prompts": _prompt_record}[kind]
+    for where, obj in _read_rows(Path(path)):
+        return make_record(obj, where, fields)
+    return None
 
 
 def write_jsonl(path: PathLike, records: Iterable[Any]) -> int:
@@ -110,37 +165,131 @@ def _json_object(record: Any) -> dict[str, Any]:
     """The JSON object a record is written as; the inverse of its reader."""
     if isinstance(record, PromptExample):
         # Flattened, as users write prompt files: `extra` is not a field name in the file.
-        return {"prompt": record.prompt, **record.extra}
-    return dataclasses.asdict(record)
+        head = {"prompt": record.prompt} if record.messages is None else {"messages": list(record.messages)}
+        return {**head, **record.extra}
+    if isinstance(record, SFTExample) and record.messages is not None:
+        k, messages = record.first_trained, list(record.messages)
+        return {"messages": messages} if k == 0 else {"prompt": messages[:k], "response": messages[k:]}
+    if isinstance(record, PreferenceExample) and record.chosen_messages is not None:
+        return {"prompt": list(record.prompt_messages or ()), "chosen": list(record.chosen_messages),
+                "rejected": list(record.rejected_messages)}
+    return {key: value for key, value in dataclasses.asdict(record).items()
+            if key in ("prompt", "response", "chosen", "rejected")}
 
 
-def _read_records(
-    path: PathLike, make_record: Callable[[dict[str, Any], str], Record]
-) -> list[Record]:
-    records = [make_record(obj, where) for where, obj in _read_objects(Path(path))]
+def _read_records(path: PathLike, make_record: Callable[..., Record], fields: RecordFields) -> list[Record]:
+    records = [make_record(obj, where, fields) for where, obj in _read_rows(Path(path))]
     if not records:
         raise DataError(f"{path}: no records (the file is empty or has only blank lines)")
     return records
 
 
-def _sft_record(obj: dict[str, Any], where: str) -> SFTExample:
-    return SFTExample(_string_field(obj, "prompt", where), _string_field(obj, "response", where))
+def _read_rows(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
+    """(`path:line` or `path:row N`, record) of a JSONL file, a parquet file or a save_to_disk directory."""
+    if path.is_dir() or path.suffix == ".parquet":
+        from megatron_rlhf.data.readers import arrow_rows  # imports pyarrow: only when asked for
+
+        return arrow_rows(path)
+    return _read_objects(path)
 
 
-def _preference_record(obj: dict[str, Any], where: str) -> PreferenceExample:
-    prompt, chosen, rejected = (
-        _string_field(obj, name, where) for name in ("prompt", "chosen", "rejected")
-    )
+def _sft_record(obj: dict[str, Any], where: str, fields: RecordFields) -> SFTExample:
+    if obj.get(fields.messages) is not None:  # (a parquet row has every column; null: not this record's)
+        messages = _messages(obj, fields.messages, where)
+        _ends_with(messages, "assistant", fields.messages, where)
+        return SFTExample(_last(messages, "user"), messages[-1]["content"], messages, 0)
+    if isinstance(obj.get(fields.prompt), list):  # a conversation's prompt and its answer
+        prompt = _messages(obj, fields.prompt, where)
+        response = _answer(obj, fields.response, where)
+        return SFTExample(_last(prompt, "user"), response[-1]["content"], prompt + response, len(prompt))
+    return SFTExample(_string_field(obj, fields.prompt, where), _string_field(obj, fields.response, where))
+
+
+def _preference_record(obj: dict[str, Any], where: str, fields: RecordFields) -> PreferenceExample:
+    names = (fields.prompt, fields.chosen, fields.rejected)
+    if any(isinstance(obj.get(name), (list, dict)) for name in names):
+        return _chat_preference(obj, where, fields)
+    prompt, chosen, rejected = (_string_field(obj, name, where) for name in names)
     if chosen == rejected:
         # A pair with nothing to prefer would only teach the reward model noise.
-        raise DataError(f"{where}: fields 'chosen' and 'rejected': identical")
+        raise DataError(f"{where}: fields '{fields.chosen}' and '{fields.rejected}': identical")
     return PreferenceExample(prompt, chosen, rejected)
 
 
-def _prompt_record(obj: dict[str, Any], where: str) -> PromptExample:
-    prompt = _string_field(obj, "prompt", where)
-    extra = {key: value for key, value in obj.items() if key != "prompt"}
-    return PromptExample(prompt, extra)
+def _chat_preference(obj: dict[str, Any], where: str, fields: RecordFields) -> PreferenceExample:
+    chosen, rejected = _answer(obj, fields.chosen, where), _answer(obj, fields.rejected, where)
+    if isinstance(obj.get(fields.prompt), list):
+        prompt = _messages(obj, fields.prompt, where)
+    else:  # implicit prompt: the messages both sides share (a text prompt beside them, as
+        # UltraFeedback's, repeats their first user message: TRL reads such records this way too)
+        shared = 0
+        while shared < min(len(chosen), len(rejected)) - 1 and chosen[shared] == rejected[shared]:
+            shared += 1
+        prompt, chosen, rejected = chosen[:shared], chosen[shared:], rejected[shared:]
+        if not prompt:
+            raise DataError(f"{where}: field '{fields.prompt}': missing, and '{fields.chosen}' and "
+                            f"'{fields.rejected}' share no messages to take it from")
+    if chosen == rejected:
+        raise DataError(f"{where}: fields '{fields.chosen}' and '{fields.rejected}': identical")
+    for side, name in ((chosen, fields.chosen), (rejected, fields.rejected)):
+        _ends_with(side, "assistant", name, where)
+    return PreferenceExample(_last(prompt, "user"), chosen[-1]["content"], rejected[-1]["content"],
+                             prompt, chosen, rejected)
+
+
+def _prompt_record(obj: dict[str, Any], where: str, fields: RecordFields) -> PromptExample:
+    extra = {key: value for key, value in obj.items() if key not in (fields.prompt, fields.messages, "prompt")}
+    column = fields.messages if obj.get(fields.messages) is not None else fields.prompt
+    if isinstance(obj.get(column), list):
+        messages = _messages(obj, column, where)
+        if messages[-1]["role"] == "assistant":
+            raise DataError(f"{where}: field '{column}': ends with an assistant message; a prompt ends with "
+                            "the message the policy answers (leave the answer out, or put it in another field)")
+        return PromptExample(_last(messages, "user"), extra, messages)
+    return PromptExample(_string_field(obj, fields.prompt, where), extra)
+
+
+def _messages(obj: dict[str, Any], name: str, where: str) -> Messages:
+    """The list of {role, content} messages in field `name` (other keys of a message are left out)."""
+    value = obj.get(name)
+    if name not in obj:
+        raise DataError(f"{where}: field '{name}': missing")
+    if not isinstance(value, list) or not value:
+        raise DataError(f"{where}: field '{name}': expected a non-empty list of {{role, content}} messages, "
+                        f"got {_json_type(value) if value != [] else 'an empty list'}")
+    messages = []
+    for i, message in enumerate(value):
+        at = f"{where}: field '{name}'[{i}]"
+        if not isinstance(message, dict):
+            raise DataError(f"{at}: expected a {{role, content}} object, got {_json_type(message)}")
+        role, content = message.get("role"), message.get("content")
+        if role not in ROLES:
+            raise DataError(f"{at}: role {role!r}: expected one of {ROLES}")
+        if not isinstance(content, str) or (role != "system" and not content.strip()):
+            got = _json_type(content) if not isinstance(content, str) else "an empty string"
+            raise DataError(f"{at}: content: expected a non-empty string, got {got}")
+        messages.append({"role": role, "content": content})
+    return tuple(messages)
+
+
+def _answer(obj: dict[str, Any], name: str, where: str) -> Messages:
+    """A response field of a conversation: a list of messages, one message, or the assistant's text."""
+    value = obj.get(name)
+    if isinstance(value, str):
+        return ({"role": "assistant", "content": _string_field(obj, name, where)},)
+    if isinstance(value, dict):
+        return _messages({name: [value]}, name, where)
+    return _messages(obj, name, where)
+
+
+def _ends_with(messages: Messages, role: str, name: str, where: str) -> None:
+    if messages[-1]["role"] != role:
+        raise DataError(f"{where}: field '{name}': the last message is the {messages[-1]['role']}'s; "
+                        f"it must be the {role}'s (the answer trained on)")
+
+
+def _last(messages: Messages, role: str) -> str:
+    return next((m["content"] for m in reversed(messages) if m["role"] == role), "")
 
 
 def _read_objects(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:

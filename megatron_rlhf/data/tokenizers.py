@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
@@ -46,10 +47,24 @@ class Tokenizer(ABC):
     # True when the tokenizer names no pad token and pad_id was set to eos_id, so a caller
     # can tell users that padding uses EOS (harmless, see the module docstring).
     pad_defaulted: bool = False
+    # The id the tokenizer's post-processor puts first (a BOS), or None: chat rendering adds it
+    # when the template does not write it itself (data/chat.py).
+    bos_id: int | None = None
+    # The chat template `messages` records are rendered with (data/chat.py ChatTemplate), set
+    # from data.chat_template when a stage loads the tokenizer; None: no template.
+    chat_template: Any = None
 
     @abstractmethod
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`, without any special tokens."""
+
+    @abstractmethod
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """encode's ids and each token's (start, end) character offsets in `text`."""
+
+    @abstractmethod
+    def special_tokens(self) -> dict[str, str]:
+        """{"eos_token": ..., "bos_token": ..., ...}: the variables a chat template is rendered with."""
 
     @abstractmethod
     def decode(self, ids: Sequence[int]) -> str:
@@ -98,6 +113,13 @@ class WordTokenizer(Tokenizer):
     def encode(self, text: str) -> list[int]:
         """Ids of the whitespace-separated words of `text`; unknown words become `<unk>`."""
         return [self._ids.get(word, self.unk_id) for word in text.split()]
+
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        words = list(re.finditer(r"\S+", text))
+        return [self._ids.get(w.group(), self.unk_id) for w in words], [w.span() for w in words]
+
+    def special_tokens(self) -> dict[str, str]:
+        return {"eos_token": EOS, "pad_token": PAD, "unk_token": UNK}
 
     def decode(self, ids: Sequence[int]) -> str:
         """Words of `ids` joined by single spaces, skipping `<pad>` and `<eos>`."""
@@ -186,10 +208,22 @@ class HFTokenizer(Tokenizer):
         self.eos_id = self._token_id(directory, "eos_token", self.eos_token)
         self.pad_id = self._token_id(directory, "pad_token", self.pad_token)
         self._check_special_ids(str(directory))
+        # What the post-processor adds in front of a text (TemplateProcessing "<bos> $A"), if anything.
+        probe = self._tokenizer.encode("a", add_special_tokens=True)
+        self.bos_id = probe.ids[0] if probe.ids and probe.special_tokens_mask[0] else None
 
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`, without BOS/EOS or other template tokens."""
         return list(self._tokenizer.encode(text, add_special_tokens=False).ids)
+
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        encoding = self._tokenizer.encode(text, add_special_tokens=False)
+        return list(encoding.ids), [tuple(o) for o in encoding.offsets]
+
+    def special_tokens(self) -> dict[str, str]:
+        names = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
+        found = {name: self._special_token(self.directory, name) for name in names}
+        return {name: token for name, token in found.items() if token is not None}
 
     def decode(self, ids: Sequence[int]) -> str:
         """Text of `ids`, skipping PAD, EOS and other special tokens."""

@@ -18,7 +18,6 @@ from megatron_rlhf.checkpoint.dist import load_model_weights
 from megatron_rlhf.checkpoint.manager import resolve_checkpoint
 from megatron_rlhf.config import Config
 from megatron_rlhf.data.encode import collate_preferences, collate_sft, encode_preferences, encode_sft
-from megatron_rlhf.data.jsonl import SFTExample
 from megatron_rlhf.models.batching import data_parallel, padded_forward
 from megatron_rlhf.models.roles import RewardModel, summed
 from megatron_rlhf.parallel.collectives import dp_sums, masked_moments
@@ -84,7 +83,7 @@ def normalization_samples(data) -> tuple[list, str]:
     data, else the chosen responses of the held-out preference pairs."""
     if "sft_eval" in data.splits:
         return data.splits["sft_eval"], "SFT eval responses"
-    return [SFTExample(p.prompt, p.chosen) for p in data.splits["preference_eval"]], "chosen responses of the eval pairs"
+    return [p.chosen_example() for p in data.splits["preference_eval"]], "chosen responses of the eval pairs"
 
 
 def train_metrics(result: dict) -> dict:

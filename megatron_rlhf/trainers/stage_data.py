@@ -1,6 +1,7 @@
 """Where a run writes (run and stage directories) and the data a stage reads: the splits the
-config names, from JSONL files, held out of a training file, or from the built-in task; the
-tokenizer, and the model vocabulary it implies.
+config names, from data files (JSONL, parquet, save_to_disk directories: data/jsonl.py), held
+out of a training file, or from the built-in task; the tokenizer (data.tokenizer=auto: see
+`auto_tokenizer`) with its chat template, and the model vocabulary it implies.
 
 Where a split comes from (`split_source`), in order: its own file `data.<split>`; for an
 eval split, a held-out `data.eval_fraction` of the training file (`data.<x>_train`; the
@@ -22,6 +23,7 @@ import json
 import os
 import random
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import torch.distributed as dist
@@ -30,6 +32,7 @@ from megatron_rlhf.checkpoint.validate import find_checkpoint, recorded_model_co
 from megatron_rlhf.config import ARCHITECTURE_FIELDS, Config, ConfigError, policy_start, validate
 from megatron_rlhf.convert.hf_config import RECORDED_SAMPLING, RECORDED_TOKENIZER
 from megatron_rlhf.data import jsonl
+from megatron_rlhf.data.chat import load_chat_template
 from megatron_rlhf.data.tasks import get_task
 from megatron_rlhf.data.tasks.base import Task
 from megatron_rlhf.data.tokenizers import Tokenizer, load_tokenizer, read_tokenizer_record, record_tokenizer
@@ -63,7 +66,7 @@ class RunContext:
 def resolve_run(cfg: Config, stage: str | None = None, world_size: int | None = None) -> RunContext:
     """The run context of `stage` (sft, rm, dpo, rl; None: no start checkpoint), validated at
     `world_size` when the architecture changes."""
-    cfg, tokenizer, notes = run_tokenizer(cfg)
+    cfg, tokenizer, notes = run_tokenizer(cfg, stage)
     if stage is not None:
         cfg, more = architecture_from_start(cfg, stage, world_size)
         notes += more
@@ -128,8 +131,6 @@ def load_stage_data(cfg: Config, needed: tuple[str, ...], optional: tuple[str, .
     launched = dist.is_initialized()  # a stage's workers are; a unit test reading data is not
     run = resolve_run(cfg, stage, dist.get_world_size() if launched else None)
     cfg, tokenizer = run.config, run.tokenizer
-    if launched and dist.get_rank() == 0:
-        record_run(cfg, tokenizer)
     d = cfg.data
     task = get_task(d.task) if d.task else None
     wanted = [*needed, *(name for name in optional if _has_source(cfg, name))]
@@ -141,11 +142,13 @@ def load_stage_data(cfg: Config, needed: tuple[str, ...], optional: tuple[str, .
             generated.write(run_dir(cfg) / "data")
     splits, origins = {}, {}
     for name, (kind, where) in sources.items():
-        reader = _READERS[name.rsplit("_", 1)[0]]
+        reader = partial(_READERS[name.rsplit("_", 1)[0]], fields=d.fields)
         if kind == "file":
             splits[name], origins[name] = reader(where), f"data.{name}={where}"
+            _check_chat_template(cfg, tokenizer, splits[name], f"data.{name}={where}")
         elif kind == "held_out":
             records = reader(where)
+            _check_chat_template(cfg, tokenizer, records, f"data.{name.rsplit('_', 1)[0]}_train={where}")
             splits[name] = held_out(records, d.eval_fraction, cfg.seed, name.rsplit("_", 1)[1],
                                     f"data.{name.rsplit('_', 1)[0]}_train={where}")
             origins[name] = (f"{len(splits[name])} of {len(records)} records of {where} "
@@ -154,6 +157,10 @@ def load_stage_data(cfg: Config, needed: tuple[str, ...], optional: tuple[str, .
         else:
             splits[name] = getattr(generated, _TASK_SPLIT.get(name, name))
             origins[name] = f"built-in task {where} (seed {cfg.seed})"
+    if launched and dist.get_rank() == 0:
+        # Only once the data was read: a run stopped by a bad file may still change its tokenizer
+        # (e.g. to one with the chat template its conversations need).
+        record_run(cfg, tokenizer)
     return StageData(cfg, tokenizer, task, splits, origins)
 
 
@@ -165,28 +172,82 @@ def _has_source(cfg: Config, name: str) -> bool:
         return False
 
 
+def _check_chat_template(cfg: Config, tokenizer: Tokenizer, records: list, named: str) -> None:
+    """A file of conversations needs a chat template: refused before any is encoded, naming the fix."""
+    conversation = next((r for r in records if getattr(r, "messages", None) is not None
+                         or getattr(r, "chosen_messages", None) is not None), None)
+    if conversation is None or tokenizer.chat_template is not None:
+        return
+    why = ("data.chat_template=none" if cfg.data.chat_template == "none" else
+           f"data.tokenizer={cfg.data.tokenizer} has no chat template (no \"chat_template\" in its "
+           "tokenizer_config.json, no chat_template.jinja)")
+    raise jsonl.DataError(f"{named}: holds conversations ('messages' lists), but {why}; set data.chat_template="
+                          "<file.jinja> (or data.chat_template=auto with a tokenizer directory that has one), or "
+                          "give flat prompt/response records")
+
+
+def auto_tokenizer(cfg: Config, stage: str | None = None) -> tuple[str, str]:
+    """(what data.tokenizer=auto stands for, why): model.init_from_hf's directory when it holds a
+    tokenizer; else the tokenizer this run recorded; else the one recorded with the checkpoint
+    `stage` starts from (another run's, e.g. rl.sft_from); else builtin."""
+    hf = cfg.model.init_from_hf
+    if hf and (Path(hf) / "tokenizer.json").is_file():
+        return hf, "model.init_from_hf"
+    places = [(run_dir(cfg) / RECORDED_TOKENIZER, "the tokenizer this run recorded")]
+    if stage is not None and (where := start_checkpoint(cfg, stage)[0]) is not None:
+        try:
+            iter_dir, _ = find_checkpoint(where)
+            places += [(d / RECORDED_TOKENIZER, f"the tokenizer recorded with {iter_dir}")
+                       for d in (iter_dir.parent, iter_dir.parent.parent)]
+        except FileNotFoundError:  # the stage says what is missing when it loads
+            pass
+    for directory, why in places:
+        if (record := read_tokenizer_record(directory)) is not None:
+            return ("builtin" if record["data.tokenizer"] == "builtin" else str(directory)), why
+    if hf:
+        return "builtin", (f"model.init_from_hf={hf} has no tokenizer.json and no tokenizer is recorded; set "
+                           "data.tokenizer=<its tokenizer directory> unless the built-in task's is meant")
+    return "builtin", "no model.init_from_hf and no recorded tokenizer"
+
+
+def _resolve_auto(cfg: Config, stage: str | None) -> tuple[Config, list[str]]:
+    if cfg.data.tokenizer != "auto":
+        return cfg, []
+    spec, why = auto_tokenizer(cfg, stage)
+    cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, tokenizer=spec))
+    quiet = spec == "builtin" and not cfg.model.init_from_hf  # the toy runs' default: nothing to say
+    return cfg, ([] if quiet else [f"data.tokenizer=auto: {spec} ({why})"])
+
+
 def tokenizer_for(cfg: Config) -> Tokenizer:
-    """The tokenizer data.tokenizer names (a stage uses run_tokenizer, which checks it against the run's)."""
-    return load_tokenizer(cfg.data.tokenizer, get_task(cfg.data.task).words() if cfg.data.task else None)
+    """The tokenizer data.tokenizer names (auto: see auto_tokenizer), with data.chat_template's
+    template (a stage uses run_tokenizer, which checks it against the run's)."""
+    cfg, _ = _resolve_auto(cfg, None)
+    d = cfg.data
+    tokenizer = load_tokenizer(d.tokenizer, get_task(d.task).words() if d.task else None)
+    tokenizer.chat_template = load_chat_template(d.chat_template, tokenizer, d.chat_loss)
+    return tokenizer
 
 
 def _overridden(cfg: Config, key: str) -> bool:
     return key in cfg.override_keys or any(k.startswith(f"{key}.") for k in cfg.override_keys)
 
 
-def run_tokenizer(cfg: Config) -> tuple[Config, Tokenizer, list[str]]:
+def run_tokenizer(cfg: Config, stage: str | None = None) -> tuple[Config, Tokenizer, list[str]]:
     """(the config with the run's data.tokenizer, the tokenizer a stage of this run uses, notes).
-    Before the run has recorded one: data.tokenizer's. After: the recorded one; a recipe's
-    data.tokenizer naming another is replaced (by the recorded copy, with a note), a command-line
-    one is refused, and so is a tokenizer whose files changed since the run recorded them."""
+    data.tokenizer=auto is resolved first (auto_tokenizer; `stage`: the stage whose start
+    checkpoint may have recorded one). Before the run has recorded one: data.tokenizer's. After:
+    the recorded one; a recipe's data.tokenizer naming another is replaced (by the recorded copy,
+    with a note), a command-line one is refused, and so is a tokenizer whose files changed since
+    the run recorded them."""
+    cfg, notes = _resolve_auto(cfg, stage)
     recorded_dir = run_dir(cfg) / RECORDED_TOKENIZER
     record = read_tokenizer_record(recorded_dir)
     if record is None:
-        return cfg, tokenizer_for(cfg), []
+        return cfg, tokenizer_for(cfg), notes
     d, source = cfg.data, record["data.tokenizer"]
     named = f"data.tokenizer={source}" + (f" with data.task={record['data.task']}" if source == "builtin" else "")
     recorded = "builtin" if source == "builtin" else str(recorded_dir)  # the copy: its source may move
-    notes = []
     if d.tokenizer not in (source, recorded) and not _overridden(cfg, "data.tokenizer"):
         notes.append(f"data.tokenizer={d.tokenizer} (recipe) replaced by the tokenizer this run recorded "
                      f"({named}, {recorded_dir})")
@@ -292,7 +353,7 @@ def preflight(cfg: Config, command: str) -> list[str]:
     for stage in (s for s in stages if s in STAGE_SPLITS):
         for name in STAGE_SPLITS[stage]:
             kind, where = split_source(cfg, name)
-            if kind != "task" and not Path(where).is_file():
+            if kind != "task" and not Path(where).exists():  # a file, or a save_to_disk directory
                 field_name = name if kind == "file" else f"{name.rsplit('_', 1)[0]}_train"
                 raise jsonl.DataError(f"data.{field_name}={where}: file not found")
     if command in ("import-hf", "export-hf", "stages"):
@@ -307,7 +368,14 @@ def preflight(cfg: Config, command: str) -> list[str]:
         from megatron_rlhf.rollout.vllm_engine import check_engine_can_run  # imports vLLM: only when asked for
 
         check_engine_can_run(cfg.model, cfg.logging.verbose)
-    cfg, tokenizer, notes = run_tokenizer(cfg)
+    first = next((s for s in stages if s in STAGE_SPLITS), None)
+    cfg, tokenizer, notes = run_tokenizer(cfg, first)
+    for name in dict.fromkeys(name for stage in stages for name in STAGE_SPLITS.get(stage, ())):
+        kind, where = split_source(cfg, name)
+        if kind != "task":  # conversations need a template: said now, not when a stage starts
+            record = jsonl.read_first(where, name.rsplit("_", 1)[0], cfg.data.fields)
+            field_name = name if kind == "file" else f"{name.rsplit('_', 1)[0]}_train"
+            _check_chat_template(cfg, tokenizer, [record] if record else [], f"data.{field_name}={where}")
     for stage in (s for s in stages if s in STAGE_SPLITS):
         cfg, more = architecture_from_start(cfg, stage)
         notes += more

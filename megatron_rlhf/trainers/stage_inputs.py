@@ -69,6 +69,15 @@ def stage_inputs(cfg: Config, stage: str) -> dict[str, Any]:
     left_out = MODEL_NOT_INPUTS + (DENSE_NOT_INPUTS if cfg.model.num_experts is None else ())
     inputs.update(_flat({k: v for k, v in model.items() if k not in left_out}, "model."))
     inputs["data.overflow"] = cfg.data.overflow
+    # How records are read and templated; only when not the defaults, so runs from before these
+    # settings existed are still reused (an auto template is part of the tokenizer's files).
+    d, defaults = cfg.data, type(cfg.data)()
+    if d.fields != defaults.fields:
+        inputs.update(_flat(dataclasses.asdict(d.fields), "data.fields."))
+    if d.chat_loss != defaults.chat_loss:
+        inputs["data.chat_loss"] = d.chat_loss
+    if d.chat_template not in ("auto", "none"):
+        inputs["data.chat_template file"] = _file_hash(d.chat_template)
     for split in (*STAGE_SPLITS[stage], *OPTIONAL_SPLITS.get(stage, ())):
         if (source := _split_fingerprint(cfg, split, optional=split not in STAGE_SPLITS[stage])) is not None:
             inputs[f"data.{split}"] = source
@@ -301,6 +310,10 @@ def _flat(tree: dict, prefix: str) -> dict[str, Any]:
 
 
 def _file_hash(path: str | Path) -> str:
+    if Path(path).is_dir():  # a save_to_disk directory: its files, each by name and content
+        files = sorted(f for f in Path(path).rglob("*") if f.is_file())
+        joined = "".join(f"{f.relative_to(path)} {_file_hash(f)}\n" for f in files)
+        return "sha256:" + hashlib.sha256(joined.encode()).hexdigest()
     try:
         with open(path, "rb") as f:
             return "sha256:" + hashlib.file_digest(f, "sha256").hexdigest()

@@ -1,0 +1,204 @@
+"""Chat templates: `messages` records rendered the way the model's tokenizer renders them, and
+the tokens the loss trains on.
+
+A template is a Jinja string (the one in a tokenizer directory's tokenizer_config.json or
+chat_template.jinja, or a file named by data.chat_template), rendered as Hugging Face
+transformers renders it: a sandboxed environment, trim_blocks/lstrip_blocks, the loop controls,
+`raise_exception`, a `tojson` that keeps non-ASCII text, `strftime_now`, and the tokenizer's
+special tokens (bos_token, eos_token, ...) as variables. `{% generation %}` blocks are accepted
+(their text is rendered as is); the trained tokens come from prefixes instead (below).
+
+Which tokens are trained: for every trained assistant message i, the text between
+render(messages[:i], add_generation_prompt=True) and render(messages[:i + 1]) - the assistant
+content and the end-of-turn the template writes after it - must be a span of
+render(messages); the tokens overlapping such a span are targets. A template that renders
+earlier turns differently once later turns follow (some drop the reasoning of past turns) is
+refused with the fix (train on the last assistant turn only).
+
+BOS: the rendered text is tokenized without special tokens (as transformers'
+apply_chat_template(tokenize=True) does), so a template that writes the BOS token has it once;
+a template that does not, on a tokenizer whose post-processor adds a BOS, gets that BOS
+prepended. Never twice.
+
+EOS: every trained sequence ends with the tokenizer's EOS, as generation does (it stops there).
+When the last turn, as the template writes it, holds the EOS token (Llama 3's <|eot_id|>, Qwen's
+<|im_end|>), the sequence ends right after it (a newline the template writes after it is left
+out); otherwise the EOS is appended and trained on.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from megatron_rlhf.data.errors import DataError
+from megatron_rlhf.data.tokenizers import TokenizerError
+
+# data.chat_template values that are not a file.
+AUTO, NONE = "auto", "none"
+# data.chat_loss: which assistant turns of a `messages` SFT record the loss trains on.
+CHAT_LOSS_TURNS = ("all_assistant", "last_assistant")
+
+
+class ChatTemplateError(TokenizerError):
+    """A template that cannot be read or compiled; the message names where it came from."""
+
+
+def load_chat_template(setting: str, tokenizer, chat_loss: str = CHAT_LOSS_TURNS[0]) -> ChatTemplate | None:
+    """The template data.chat_template=`setting` names for `tokenizer`: none; auto (the
+    tokenizer directory's, or none when it has none); or a Jinja file. `chat_loss`
+    (data.chat_loss): the assistant turns of an SFT conversation the loss trains on."""
+    if setting == NONE:
+        return None
+    if setting == AUTO:
+        directory = getattr(tokenizer, "directory", None)
+        found = tokenizer_directory_template(Path(directory)) if directory is not None else None
+        if found is None:
+            return None
+        source, origin = found
+    else:
+        path = Path(setting)
+        if not path.is_file():
+            raise ChatTemplateError(f"data.chat_template={setting}: file not found; use auto (the tokenizer "
+                                    "directory's template), none, or the path of a Jinja template file")
+        source, origin = path.read_text(encoding="utf-8"), f"data.chat_template={setting}"
+    return ChatTemplate(source, origin, tokenizer.special_tokens(), chat_loss == "last_assistant")
+
+
+class ChatTemplate:
+    """A compiled chat template and the special-token variables it is rendered with."""
+
+    def __init__(self, source: str, origin: str, special_tokens: Mapping[str, str],
+                 last_assistant_only: bool = False) -> None:
+        self.source = source
+        self.origin = origin  # where it came from, for errors and notes
+        self.special_tokens = dict(special_tokens)
+        # data.chat_loss=last_assistant: an SFT conversation trains on its last assistant turn only.
+        self.last_assistant_only = last_assistant_only
+        try:
+            self._template = _environment().from_string(source)
+        except Exception as exc:  # jinja2.TemplateSyntaxError and friends
+            raise ChatTemplateError(f"{origin}: the chat template does not compile ({exc})") from None
+
+    def render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool, where: str = "") -> str:
+        """The template's text for `messages`; a DataError at `where` when the template refuses them."""
+        try:
+            return self._template.render(messages=list(messages), add_generation_prompt=add_generation_prompt,
+                                         tools=None, documents=None, **self.special_tokens)
+        except Exception as exc:  # raise_exception in the template, or an undefined value it needs
+            raise DataError(f"{where}: the chat template ({self.origin}) refuses this record: {exc}") from None
+
+
+def _environment():
+    import jinja2
+    from jinja2 import nodes
+    from jinja2.ext import Extension, loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class GenerationBlock(Extension):
+        """`{% generation %}...{% endgeneration %}` (transformers' assistant-mask markers): the body as is."""
+
+        tags = {"generation"}
+
+        def parse(self, parser):
+            next(parser.stream)
+            return nodes.Scope(parser.parse_statements(("name:endgeneration",), drop_needle=True))
+
+    def raise_exception(message: str):
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        # Jinja's own tojson escapes HTML characters, which would change the rendered text.
+        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[GenerationBlock, loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env
+
+
+def tokenizer_directory_template(directory: Path) -> tuple[str, str] | None:
+    """(template, origin) a Hugging Face tokenizer directory carries, or None."""
+    config_file = directory / "tokenizer_config.json"
+    if config_file.is_file():
+        template = json.loads(config_file.read_text(encoding="utf-8")).get("chat_template")
+        if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}, ...]
+            template = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}.get("default")
+        if isinstance(template, str) and template:
+            return template, f"{config_file} \"chat_template\""
+    jinja_file = directory / "chat_template.jinja"
+    if jinja_file.is_file():
+        return jinja_file.read_text(encoding="utf-8"), str(jinja_file)
+    return None
+
+
+@dataclass(frozen=True)
+class ChatTokens:
+    """A rendered conversation's token ids; `targets[i]`: token i is one the loss trains on."""
+
+    ids: list[int]
+    targets: list[bool]
+
+
+def tokenize_chat(tokenizer, messages: Sequence[Mapping[str, Any]], first_trained: int, last_only: bool,
+                  where: str) -> ChatTokens:
+    """`messages` (ending with an assistant message) rendered with tokenizer.chat_template and
+    tokenized; targets: the assistant messages from index `first_trained` on (the last only with
+    `last_only`), each with its end-of-turn, and the final EOS (see the module docstring)."""
+    template = _template_of(tokenizer, where)
+    text = template.render(messages, add_generation_prompt=False, where=where)
+    trained = [i for i, m in enumerate(messages) if m["role"] == "assistant" and i >= first_trained]
+    if not trained:
+        raise DataError(f"{where}: no assistant message to train on")
+    if last_only:
+        trained = trained[-1:]
+    spans = []
+    for i in trained:
+        start = template.render(messages[:i], add_generation_prompt=True, where=where)
+        end = template.render(messages[: i + 1], add_generation_prompt=False, where=where)
+        if not (text.startswith(start) and text.startswith(end) and len(start) <= len(end)):
+            raise DataError(f"{where}: the chat template ({template.origin}) renders message {i} differently once "
+                            "later messages follow, so its tokens cannot be told apart; train on the last "
+                            "assistant turn only (data.chat_loss=last_assistant) or give the conversation as "
+                            "separate records")
+        spans.append((len(start), len(end)))
+    ids, offsets = _encode(tokenizer, text)
+    targets = [end > start and any(start < s_end and end > s_start for s_start, s_end in spans)
+               for start, end in offsets]
+    last_start, last_end = spans[-1]
+    in_last_turn = [t for t, (start, end) in enumerate(offsets) if start < last_end and end > last_start]
+    eos_in_turn = [t for t in in_last_turn if ids[t] == tokenizer.eos_id]
+    if eos_in_turn:  # the template closes the turn with the EOS: the sequence ends there
+        cut = eos_in_turn[-1] + 1
+        return ChatTokens(ids[:cut], targets[:cut])
+    cut = in_last_turn[-1] + 1 if in_last_turn else len(ids)
+    return ChatTokens(ids[:cut] + [tokenizer.eos_id], targets[:cut] + [True])
+
+
+def tokenize_chat_prompt(tokenizer, messages: Sequence[Mapping[str, Any]], where: str) -> list[int]:
+    """`messages` (without the answer) rendered with the generation prompt: what the policy continues."""
+    template = _template_of(tokenizer, where)
+    ids, _ = _encode(tokenizer, template.render(messages, add_generation_prompt=True, where=where))
+    return ids
+
+
+def _template_of(tokenizer, where: str) -> ChatTemplate:
+    template = getattr(tokenizer, "chat_template", None)
+    if template is None:
+        raise DataError(f"{where}: a 'messages' record needs a chat template; set data.chat_template=auto with a "
+                        "tokenizer directory that has one, or data.chat_template=<file.jinja>")
+    return template
+
+
+def _encode(tokenizer, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+    ids, offsets = tokenizer.encode_with_offsets(text)
+    bos = tokenizer.bos_id
+    if bos is not None and (not ids or ids[0] != bos):
+        ids, offsets = [bos, *ids], [(0, 0), *offsets]
+    return ids, offsets
