@@ -12,7 +12,7 @@
 # the large shared filesystem on the sites that define it (NERSC, TACC, CSCS, ...); $HOME is
 # shared by all nodes everywhere else (a node-local /tmp would split one run across nodes).
 run_root_from_args=
-read -ra _extra_words <<< "${EXTRA_ARGS:-}"
+read -ra _extra_words -d "" <<< "${EXTRA_ARGS:-}" || true
 for _word in ${_extra_words[@]+"${_extra_words[@]}"}; do
   case $_word in checkpoint.root=*) run_root_from_args=${_word#checkpoint.root=} ;; esac
 done

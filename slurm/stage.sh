@@ -53,8 +53,8 @@ else
   require_pyxis "[slurm] job $SLURM_JOB_ID"
   mkdir -p "$RUN_ROOT"  # a container mount needs its source
 fi
-read -ra srun_extra <<< "${SRUN_ARGS:-}"
-read -ra extra_args <<< "$EXTRA_ARGS"
+read -ra srun_extra -d "" <<< "${SRUN_ARGS:-}" || true
+read -ra extra_args -d "" <<< "$EXTRA_ARGS" || true
 # srun finds the command on this (host) side before pyxis enters the image, so a command that
 # exists only in the image fails ("Can not execute"): start it through /usr/bin/env, in both.
 in_task=()
@@ -66,7 +66,7 @@ if [ "$LAUNCHER" = ft_launcher ]; then
   NPROC_PER_NODE=${NPROC_PER_NODE:-${SLURM_NTASKS_PER_NODE:-${SLURM_GPUS_ON_NODE:?set NPROC_PER_NODE}}}
   if [[ $PYTHON == */* ]]; then FT_LAUNCHER=${FT_LAUNCHER:-$(dirname "$PYTHON")/ft_launcher}; fi
   FT_LAUNCHER=${FT_LAUNCHER:-ft_launcher}  # PYTHON found on PATH: so is ft_launcher
-  read -ra ft_extra <<< "${FT_ARGS:-}"
+  read -ra ft_extra -d "" <<< "${FT_ARGS:-}" || true
   echo "[slurm] ft_launcher: $NPROC_PER_NODE ranks per node, up to ${FT_MAX_RESTARTS:-3} in-job restarts"
   # Each node's task is this shell around ft_launcher. ft_launcher passes SIGTERM on to its
   # ranks (and waits --term-timeout for them) but has no handler for USR1, whose default

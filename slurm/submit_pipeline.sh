@@ -31,7 +31,7 @@ PREFLIGHT_PYTHON=${PREFLIGHT_PYTHON:-${PYTHON:-$REPO/.venv/bin/python}}
 declare -A script=([sft]=sft_70b.sh [rm]=rm_70b.sh [dpo]=dpo_70b.sh [rl]=rl_70b.sh)
 
 require_pyxis submit_pipeline.sh || exit 2
-read -ra extra <<< "${EXTRA_ARGS:-}"  # words, not globs: pipeline.stages=[sft,rm] stays as given
+read -ra extra -d "" <<< "${EXTRA_ARGS:-}" || true  # words, not globs: pipeline.stages=[sft,rm] stays as given
 checks=(--container-mounts="$container_mounts")
 [ "${PREFLIGHT_FILES:-1}" = 1 ] || checks+=(--no-exists-check)
 stages=$(cd "$REPO" && "$PREFLIGHT_PYTHON" -m megatron_rlhf.preflight \

@@ -91,17 +91,15 @@ def test_slurm_dryrun_submits_the_recipes_stages_in_order(nemo_run, tmp_path, mo
     jobs, sbatch = dryrun("pipeline.stages=[sft,rm]")
     assert [job.id for job in jobs] == ["sft", "rm"] and sorted(sbatch) == ["rm", "sft"]
     assert [job.dependencies for job in jobs] == [[], ["sft"]]
-    jobs, _ = dryrun("--stages", "rm", "rl")
-    assert [job.id for job in jobs] == ["rm", "rl"] and jobs[1].dependencies == ["rm"]
-
-    # in a container: pyxis flags on the srun line, the image's python, the run root mounted
-    jobs, sbatch = dryrun("--stages", "sft", "--container-image", "nvcr.io#nvidia/pytorch:25.04-py3",
+    # other stages, in a container: pyxis flags on the srun line, the image's python, the run root mounted
+    jobs, sbatch = dryrun("--stages", "rm", "rl", "--container-image", "nvcr.io#nvidia/pytorch:25.04-py3",
                           "--container-mounts", "/lustre/data:/data:ro", "--srun-args=--cpu-bind=none")
-    (srun,) = [line for line in sbatch["sft"].splitlines() if line.startswith("srun ")]
+    assert [job.id for job in jobs] == ["rm", "rl"] and jobs[1].dependencies == ["rm"]
+    (srun,) = [line for line in sbatch["rm"].splitlines() if line.startswith("srun ")]
     assert "--container-image nvcr.io#nvidia/pytorch:25.04-py3" in srun
     assert "/lustre/runs:/lustre/runs,/lustre/data:/data:ro," in srun  # then nemo-run's own code mount
     assert " --label --cpu-bind=none " in srun
-    assert srun.endswith(" python -m megatron_rlhf sft --config pipelines/llama3_70b.yaml checkpoint.root=/lustre/runs")
+    assert srun.endswith(" python -m megatron_rlhf rm --config pipelines/llama3_70b.yaml checkpoint.root=/lustre/runs")
 
 
 def test_local_experiment_runs_the_stages_under_torchrun(nemo_run, monkeypatch):
