@@ -11,7 +11,8 @@
 #   sbatch --nodes=1 --ntasks-per-node=1 --gpus-per-node=0 \
 #     --export=ALL,RECIPE=pipelines/tiny_cpu_async.yaml,PYTHON=.venv-vllm/bin/python,RUN_ROOT=/tmp/runs \
 #     slurm/grpo_70b_async.sh
-# Environment knobs (RECIPE, RUN_ROOT, RUN_NAME, EXTRA_ARGS, REPO, PYTHON): see slurm/stage.sh.
+# Environment knobs (RECIPE, RUN_ROOT, RUN_NAME, EXTRA_ARGS, REPO, PYTHON, CONTAINER_IMAGE, CONTAINER_MOUNTS,
+# SRUN_ARGS, DRY_RUN, LAUNCHER): see slurm/stage.sh and docs/clusters.md.
 #SBATCH --job-name=rlhf-grpo-70b-async
 #SBATCH --nodes=8
 #SBATCH --ntasks-per-node=8

@@ -3,7 +3,8 @@
 # Any size is overridable from the command line, e.g. the tiny CPU recipe on 2 nodes:
 #   sbatch --nodes=2 --ntasks-per-node=1 --gpus-per-node=0 \
 #     --export=ALL,RECIPE=pipelines/tiny_cpu.yaml,RUN_ROOT=/tmp/runs slurm/sft_70b.sh
-# Environment knobs (RECIPE, RUN_ROOT, RUN_NAME, EXTRA_ARGS, REPO, PYTHON): see slurm/stage.sh.
+# Environment knobs (RECIPE, RUN_ROOT, RUN_NAME, EXTRA_ARGS, REPO, PYTHON, CONTAINER_IMAGE, CONTAINER_MOUNTS,
+# SRUN_ARGS, DRY_RUN, LAUNCHER): see slurm/stage.sh and docs/clusters.md.
 #SBATCH --job-name=rlhf-sft-70b
 #SBATCH --nodes=8
 #SBATCH --ntasks-per-node=8

@@ -1,10 +1,12 @@
 """The real sbatch scripts on a real (local, 2 emulated nodes) Slurm cluster: a stage across
 2 nodes x 1 task, the dependent SFT -> RM -> RL (PPO) chain of pipeline.stages (and the scripts
 other stage lists submit, the DPO route's included), and preemption: USR1 to the batch shell mid-PPO -> checkpoint -> requeue ->
-resume -> finish. The cluster comes from
+resume -> finish; the srun line a job would run in a container (DRY_RUN), the refusal of a
+container where srun has no pyxis (this cluster has none), and the submit-time pre-flight. The cluster comes from
 slurm/local_cluster.sh, which installs Debian's Slurm when it is missing (needs root)."""
 
 import os
+import re
 import shutil
 import subprocess
 import time
@@ -67,6 +69,9 @@ def test_ppo_script_runs_on_two_nodes(cluster, sft_rm_root):
     log = (state / f"slurm-{job_id}.out").read_text()
     assert info["JobState"] == "COMPLETED", log[-3000:]
     assert "on 2 nodes x 1 tasks" in log
+    assert f"run root: {sft_rm_root} (checkpoint.root)" in log
+    assert re.search(r"^0: \[ppo\] 3/3 ", log, re.M), log[-3000:]  # srun --label: the task number on each line
+    assert not re.search(r"^\[ppo\]", log, re.M)
     s = summary(sft_rm_root, "slurm_ppo", "ppo")
     assert s["steps"] == 3
     lines = metrics(sft_rm_root, "slurm_ppo", "ppo")
@@ -149,3 +154,70 @@ def test_ft_launcher_mode_restarts_a_killed_rank_inside_the_job(cluster, tmp_pat
     assert "at step 4" in log  # the restarted ranks resumed from the last checkpoint
     assert summary(tmp_path, "ft", "sft")["steps"] == 8
     assert [x["step"] for x in metrics(tmp_path, "ft", "sft")][-1] == 8
+
+
+def has_pyxis():
+    return "--container-image" in subprocess.run(["srun", "--help"], capture_output=True, text=True).stdout
+
+
+def test_container_srun_line_and_pyxis_missing(cluster, tmp_path):
+    """DRY_RUN=1 prints the srun command line a job would run (pyxis flags, SRUN_ARGS, --label, the
+    image's python, RUN_ROOT's default outside the checkout), for srun and ft_launcher; without
+    DRY_RUN the job stops before srun with the pyxis error (this cluster's srun has no pyxis)."""
+    state, env = cluster
+    env = {**env, "CONTAINER_IMAGE": "nvcr.io#nvidia/pytorch:25.04-py3", "CONTAINER_MOUNTS": "/lustre/data:/data:ro",
+           "SRUN_ARGS": "--cpu-bind=none --mpi=none", "SCRATCH": str(tmp_path / "scratch")}
+    env.pop("PYTHON")  # in the container: the image's python
+    env.pop("RUN_ROOT", None)
+    dry = {**env, "DRY_RUN": "1"}
+    (srun_job,) = submit(dry, "sft_70b.sh", state, ["sft.steps=2"])
+    (ft_job,) = submit({**dry, "LAUNCHER": "ft_launcher"}, "rm_70b.sh", state, [])
+    (real_job,) = submit(env, "rl_70b.sh", state, [])
+    logs = {}
+    for job_id in (srun_job, ft_job, real_job):
+        info = wait_for(env, job_id)
+        logs[job_id] = (state / f"slurm-{job_id}.out").read_text()
+        assert info["JobState"] == ("FAILED" if job_id == real_job else "COMPLETED"), logs[job_id]
+    root = tmp_path / "scratch" / "megatron_rlhf_runs"
+    mounts = f"{REPO}:{REPO},{root}:{root},/lustre/data:/data:ro".replace(",", "\\,")  # as printf %q quotes it
+    pyxis = (f"--container-image=nvcr.io#nvidia/pytorch:25.04-py3 --container-mounts={mounts} "
+             f"--container-workdir={REPO}")
+    (line,) = [x for x in logs[srun_job].splitlines() if x.startswith("srun ")]
+    assert line.split(" /usr/bin/env ")[0] == f"srun --kill-on-bad-exit=1 --label {pyxis} --cpu-bind=none --mpi=none"
+    assert line.split(" /usr/bin/env ")[1].strip() == (
+        f"python -m megatron_rlhf sft --config pipelines/tiny_cpu.yaml sft.steps=2 checkpoint.root={root}")
+    (line,) = [x for x in logs[ft_job].splitlines() if x.startswith("srun ")]
+    assert line.startswith(f"srun --kill-on-bad-exit=1 --label {pyxis} --nodes=2 --ntasks=2 --ntasks-per-node=1 ")
+    assert " /usr/bin/env bash -c " in line and " ft-node ft_launcher --nnodes=2 " in line
+    assert line.rstrip().endswith(f"-m megatron_rlhf rm --config pipelines/tiny_cpu.yaml checkpoint.root={root}")
+    assert not root.exists()  # a dry run creates nothing
+    if not has_pyxis():
+        message = "CONTAINER_IMAGE needs the pyxis Slurm plugin (srun --container-image); this cluster's srun has none"
+        assert message in logs[srun_job]  # the dry run warns
+        assert f"[slurm] job {real_job}: {message}" in logs[real_job]
+        assert "srun: " not in logs[real_job] and not root.exists()  # stopped before srun
+
+
+def test_pipeline_preflight_refuses_before_anything_is_queued(cluster, tmp_path):
+    """The 70B recipe as shipped (placeholders) and a missing data file: exit 2, each field named,
+    no job submitted."""
+    state, env = cluster
+
+    def jobs():
+        out = subprocess.run(["squeue", "-h", "--states=all", "-o", "%i"], env=env, capture_output=True, text=True)
+        return set(out.stdout.split())
+
+    before = jobs()
+    cmd = [str(REPO / "slurm" / "submit_pipeline.sh"), *NODES]
+    recipe = {**env, "RECIPE": "pipelines/llama3_70b.yaml", "RUN_ROOT": str(tmp_path)}
+    proc = subprocess.run(cmd, env=recipe, cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode == 2 and proc.stdout == "", proc.stderr
+    assert "nothing was submitted" in proc.stderr
+    for field in ("tokenizer", "sft_train", "preference_eval", "prompts_train"):
+        assert f"data.{field}=/path/to/" in proc.stderr
+    proc = subprocess.run(cmd, env={**recipe, "EXTRA_ARGS": f"pipeline.stages=[sft] data.tokenizer={REPO} "
+                                    f"data.sft_train={tmp_path}/sft.jsonl data.sft_eval=null"},
+                          cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode == 2 and f"data.sft_train={tmp_path}/sft.jsonl: no such file or directory" in proc.stderr
+    assert "data.prompts_train" not in proc.stderr  # a stage not submitted needs no data
+    assert jobs() == before

@@ -84,6 +84,17 @@ def first_slurm_host(nodelist: str) -> str:
     return group
 
 
+def device_index(local_rank: int, visible_devices: int) -> int:
+    """The CUDA device of the rank with this node-local index, among the `visible_devices` this
+    process sees. Where every task sees the node's GPUs that is local_rank; a site that binds one
+    GPU per task (srun --gpus-per-task=1, or a gres/cgroup setup exposing one device) shows each
+    task only device 0, so local_rank itself would not exist past rank 0."""
+    if visible_devices < 1:
+        raise ConfigError("parallel.backend=nccl: this process sees no GPU (CUDA_VISIBLE_DEVICES="
+                          f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); run on GPU nodes or set parallel.backend=gloo")
+    return local_rank % visible_devices
+
+
 def choose_backend(requested: str) -> str:
     if requested != "auto":
         return requested
@@ -111,7 +122,7 @@ def initialize(p: ParallelConfig, seed: int) -> DistEnv:
     env = read_dist_env()
     backend = choose_backend(p.backend)
     if backend == "nccl":
-        torch.cuda.set_device(env.local_rank)
+        torch.cuda.set_device(device_index(env.local_rank, torch.cuda.device_count()))
     else:
         cpu.apply()
     if not dist.is_initialized():
