@@ -32,9 +32,10 @@ STAGE_DATA = {
     "rl": ("data.prompts_train", "data.prompts_eval"),
 }
 # Local files or directories every stage reads when they are set.
-SHARED_INPUTS = ("data.tokenizer", "model.init_from_hf", "model.from_hf_config")
+SHARED_INPUTS = ("data.tokenizer", "data.chat_template", "model.init_from_hf", "model.from_hf_config")
 # data.tokenizer's value for the built-in tasks' tokenizer (not a path).
-BUILTIN_TOKENIZER = "builtin"
+# Values of data.tokenizer / data.chat_template that name no file.
+NOT_PATHS = {"data.tokenizer": ("builtin", "auto"), "data.chat_template": ("auto", "none")}
 
 
 def flat_settings(tree: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
@@ -93,7 +94,7 @@ def preflight_paths(cfg, stages: list[str] | None = None, mounts: str = "", chec
     pairs = parse_mounts(mounts)
     for key in (*SHARED_INPUTS, *sorted(needed)):
         value = settings[key]
-        if value is None or PLACEHOLDER in value or (key == "data.tokenizer" and value == BUILTIN_TOKENIZER):
+        if value is None or PLACEHOLDER in value or value in NOT_PATHS.get(key, ()):
             continue
         where = host_path(value, pairs)
         if not where.exists():
