@@ -49,12 +49,12 @@ class DataConfig:
     chat_loss: str = "all_assistant"
     # The column each record field is read from, e.g. fields.prompt=question fields.response=answer.
     fields: RecordFields = field(default_factory=RecordFields)
-    sft_train: str | None = None
-    sft_eval: str | None = None
-    preference_train: str | None = None
-    preference_eval: str | None = None
-    prompts_train: str | None = None
-    prompts_eval: str | None = None
+    sft_train: str | None = None  # SFT records: prompt + response, or a conversation (messages)
+    sft_eval: str | None = None  # held-out SFT records (none: data.eval_fraction of sft_train)
+    preference_train: str | None = None  # RM and DPO pairs: prompt, chosen, rejected
+    preference_eval: str | None = None  # held-out pairs (none: data.eval_fraction of preference_train)
+    prompts_train: str | None = None  # RL prompts (extra fields are passed to rule rewards)
+    prompts_eval: str | None = None  # held-out RL and DPO evaluation prompts (none: data.eval_fraction)
     # Sequences longer than the stage's seq_length: "truncate" or "drop" (always counted).
     overflow: str = "truncate"
     # A *_train file without its *_eval file: this fraction of its records (chosen from
@@ -178,7 +178,7 @@ class MlflowConfig:
 
 @dataclass(frozen=True)
 class LoggingConfig:
-    tensorboard: bool = True
+    tensorboard: bool = True  # write <stage dir>/tensorboard/ event files (rank 0)
     # Show every third-party warning at start-up (the CLI flag --verbose does the same);
     # false hides the known harmless ones (megatron_rlhf/logging/quiet.py lists them).
     verbose: bool = False

@@ -20,12 +20,12 @@ from megatron_rlhf.data.jsonl import PreferenceExample, PromptExample, SFTExampl
 class TaskSizes:
     """How many examples each split gets."""
 
-    sft_train: int = 2000
-    sft_eval: int = 200
-    preference_train: int = 2000
-    preference_eval: int = 200
-    ppo_prompts: int = 1000
-    eval_prompts: int = 100
+    sft_train: int = 2000  # SFT examples the task generates
+    sft_eval: int = 200  # held-out SFT examples
+    preference_train: int = 2000  # preference pairs (RM, DPO)
+    preference_eval: int = 200  # held-out preference pairs
+    ppo_prompts: int = 1000  # RL training prompts
+    eval_prompts: int = 100  # held-out prompts for RL and DPO evaluations
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
