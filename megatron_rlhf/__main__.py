@@ -219,7 +219,10 @@ def report_command(args, cfg) -> Path:
                           "<checkpoint.root>/<checkpoint.run_name>/<stage>)")
     from megatron_rlhf.logging.report import write_report
 
-    return write_report(run)
+    try:
+        return write_report(run)
+    except FileNotFoundError as err:  # a directory with no stage in it: not a run directory
+        raise ConfigError(f"report: {err}") from None
 
 
 def serve_reward_command(args, cfg) -> None:

@@ -154,10 +154,13 @@ def test_report_verb_writes_the_report_of_a_run(tmp_path, capsys):
     assert code == 2 and "no such run directory" in text
     code, text = run_main(capsys, "report")
     assert code == 2 and "--run DIR" in text
+    code, text = run_main(capsys, "report", "--run", str(tmp_path))  # a directory, but no stage in it
+    assert code == 2 and "holds no stage directories" in text
 
 
 def test_print_config_and_report_import_no_torch(tmp_path):
     (tmp_path / "sft").mkdir()
+    (tmp_path / "sft" / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n')
     code = ("import sys\nfrom megatron_rlhf.__main__ import main\n"
             f"assert main(['print-config', '--config', {RECIPE!r}]) == 0\n"
             f"assert main(['report', '--run', {str(tmp_path)!r}]) == 0\n"
