@@ -77,6 +77,31 @@ def _with_deferred_compile(exec_module, module) -> None:
         torch.compile = compile_now
 
 
+
+class _MegatronWithoutWandb:
+    """Import hook: megatron-core's modules see W&B as not installed.
+
+    megatron-core's own optional W&B writers (core/timers.py; the dynamic inference engine)
+    `import wandb` when their module imports, if it is installed: ~0.7 s of CPU in every process
+    that imports megatron.core (every rank, every test worker). We never log through them: our
+    tracker (megatron_rlhf/logging/trackers.py) imports wandb itself, only when logging.wandb is
+    enabled, and gets the real module. Only an import of `wandb` made from a megatron.core module
+    is refused (as ImportError, which those modules catch)."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name != "wandb":
+            return None
+        import sys
+
+        frame = sys._getframe(1)
+        while frame is not None and frame.f_globals.get("__name__", "").startswith(("importlib", "_frozen_importlib")):
+            frame = frame.f_back
+        if frame is not None and frame.f_globals.get("__name__", "").startswith("megatron.core"):
+            raise ImportError("wandb is not offered to megatron-core's own writers (megatron_rlhf/__init__.py)")
+        return None
+
+
 _hide_old_nvrx_async_checkpointing()
-if not any(isinstance(f, _DeferTorchCompileInMegatron) for f in __import__("sys").meta_path):
-    __import__("sys").meta_path.insert(0, _DeferTorchCompileInMegatron())
+for _hook in (_DeferTorchCompileInMegatron, _MegatronWithoutWandb):
+    if not any(isinstance(f, _hook) for f in __import__("sys").meta_path):
+        __import__("sys").meta_path.insert(0, _hook())
