@@ -124,6 +124,10 @@ class RLConfig:
     # > 0: score and train microbatches hold as many length-sorted sequences as fit in this many
     # token slots (rows x longest row) instead of micro_batch_size rows; >= model.max_seq_length.
     micro_batch_tokens: int = 0
+    # Score and train with each microbatch's sequences packed back to back into one row
+    # (megatron's THD PackedSeqParams, positions restarting per sequence): no padding is
+    # computed; with rl.micro_batch_tokens the budget counts real tokens. Dense models only.
+    packing: bool = False
     epochs: int = 2                  # passes over each rollout batch, reshuffled every epoch
     # How responses are sampled (max_new_tokens, temperature, ...): the sampling section.
 
@@ -278,6 +282,9 @@ class RLConfig:
             raise ConfigError(f"rl.micro_batch_tokens={p.micro_batch_tokens}: a sequence of up to model.max_seq_length="
                               f"{m.max_seq_length} tokens must fit; set it >= {m.max_seq_length}, or 0 for "
                               "rl.micro_batch_size rows per microbatch")
+        if p.packing and m.num_experts is not None:
+            raise ConfigError("rl.packing=true with an MoE model (model.num_experts): routing replay and the routers' "
+                              "padding mask are not packed yet; set rl.packing=false")
         choices = {"kl_estimator": KL_ESTIMATORS, "kl_controller": KL_CONTROLLERS, "loss_aggregation": LOSS_AGGREGATIONS}
         for key, allowed in choices.items():
             if getattr(p, key) not in allowed:

@@ -30,9 +30,18 @@ Where it deliberately differs from megatron's local softmax, in rows nobody read
 - a negative window side is unbounded, as TransformerConfig.window_size documents (-1 =
   infinite); megatron's local mask builder turns -1 into a mask that hides the diagonal.
 
-Refused with NotImplementedError, never approximated: packed sequences (THD,
-packed_seq_params), attention_bias, softmax_type other than 'vanilla', and the padding_causal
-mask type. (Context parallelism is refused by megatron's constructor already.)
+Packed sequences (THD, `packed_seq_params.qkv_format == "thd"`: several sequences in one
+row, models/microbatches.py: pack_rows): megatron hands core attention [t, heads, dim] and
+reshapes what comes back to [t, 1, hidden]; a query sees the keys of its own sequence
+(cu_seqlens_q == cu_seqlens_kv, both required) at or before it: a block-diagonal causal mask
+(`packed_visible_keys`), so one SDPA call runs every sequence of the row. megatron's local
+DotProductAttention asserts packed_seq_params is None; on the GPU, TE's attention takes the
+same PackedSeqParams natively.
+
+Refused with NotImplementedError, never approximated: attention_bias, softmax_type other than
+'vanilla', the padding_causal mask type, and packed sequences with an explicit mask or with
+different query and key boundaries. (Context parallelism is refused by megatron's constructor
+already.)
 """
 
 from __future__ import annotations
@@ -85,16 +94,42 @@ class SDPADotProductAttention(DotProductAttention):
         # it: static inference passes no_mask for every step after the prompt, which is right
         # only for one-token steps; the module's own (causal) type, bottom-right aligned, is
         # right for any chunk after cached keys.
-        if packed_seq_params is not None:
-            raise NotImplementedError("SDPADotProductAttention: packed sequences (packed_seq_params, THD) "
-                                      "are not supported yet")
         if attention_bias is not None:
             raise NotImplementedError("SDPADotProductAttention: attention_bias is not supported")
+        if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
+            return self._packed(query, key, value, attention_mask, packed_seq_params)
+        if packed_seq_params is not None:
+            raise NotImplementedError(f"SDPADotProductAttention: packed_seq_params with qkv_format="
+                                      f"{packed_seq_params.qkv_format!r}: only 'thd' is supported")
         sq, batch, skv = query.size(0), query.size(1), key.size(0)
         visible, is_causal = self._visible(attention_mask, sq, skv, query.device)
-        dropout = self.attention_dropout.p if self.training else 0.0
         # [s, b, n, d] -> [b, n, s, d]: SDPA's layout, as strided views (no copies).
-        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        context = self._attend(*(t.permute(1, 2, 0, 3) for t in (query, key, value)), visible, is_causal)
+        # [b, n, sq, d] -> [sq, b, n * d]
+        return context.permute(2, 0, 1, 3).reshape(sq, batch, self.hidden_size_per_partition)
+
+    def _packed(self, query, key, value, attention_mask, params) -> torch.Tensor:
+        """THD: query [t, heads/TP, d], key/value [t, groups/TP, d] of sequences packed back to
+        back (params.cu_seqlens_q) -> [t, 1, heads/TP * d]."""
+        if attention_mask is not None:
+            raise NotImplementedError("SDPADotProductAttention: packed sequences take their mask from cu_seqlens; "
+                                      "an explicit attention_mask is not supported with them")
+        cu_seqlens = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
+        cu_kv = params.cu_seqlens_kv_padded if params.cu_seqlens_kv_padded is not None else params.cu_seqlens_kv
+        if cu_kv is not None and cu_kv is not cu_seqlens and not torch.equal(cu_kv, cu_seqlens):
+            raise NotImplementedError("SDPADotProductAttention: packed self-attention needs cu_seqlens_kv == "
+                                      "cu_seqlens_q")
+        tokens = query.size(0)
+        visible = packed_visible_keys(cu_seqlens, tokens)
+        if self.window_size is not None:  # within a sequence, index distance is position distance
+            visible = visible & visible_keys(tokens, tokens, self.window_size, query.device)
+        # [t, n, d] -> [1, n, t, d]
+        context = self._attend(*(t.transpose(0, 1).unsqueeze(0) for t in (query, key, value)), visible, False)
+        return context.squeeze(0).transpose(0, 1).reshape(tokens, 1, self.hidden_size_per_partition)
+
+    def _attend(self, q, k, v, visible, is_causal) -> torch.Tensor:
+        """SDPA on [b, n, s, d] views, with megatron's dropout stream when training."""
+        dropout = self.attention_dropout.p if self.training else 0.0
 
         def attend():
             return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, dropout_p=dropout, is_causal=is_causal,
@@ -104,11 +139,8 @@ class SDPADotProductAttention(DotProductAttention):
             # megatron draws attention dropout from the model-parallel RNG stream (heads differ
             # per TP rank); with sequence parallelism, from the default one.
             with tensor_parallel.get_cuda_rng_tracker().fork():
-                context = attend()
-        else:
-            context = attend()
-        # [b, n, sq, d] -> [sq, b, n * d]
-        return context.permute(2, 0, 1, 3).reshape(sq, batch, self.hidden_size_per_partition)
+                return attend()
+        return attend()
 
     def _visible(self, attention_mask, sq: int, skv: int, device) -> tuple[torch.Tensor | None, bool]:
         """(SDPA attn_mask: True = attend, or None; is_causal) for this call."""
@@ -128,3 +160,12 @@ class SDPADotProductAttention(DotProductAttention):
         if sq == skv:
             return None, True  # SDPA's is_causal is top-left aligned: right only when sq == skv
         return visible_keys(sq, skv, device=device), False
+
+
+def packed_visible_keys(cu_seqlens: torch.Tensor, tokens: int) -> torch.Tensor:
+    """[tokens, tokens] bool, True where query i may see key j: the same packed sequence
+    (boundaries `cu_seqlens` [n + 1], starting at 0) and j <= i. Tokens past cu_seqlens[-1]
+    form one more sequence of their own (padding nobody reads)."""
+    index = torch.arange(tokens, device=cu_seqlens.device)
+    sequence = torch.searchsorted(cu_seqlens[1:].to(index.dtype), index, right=True)  # which sequence each token is in
+    return (sequence[:, None] == sequence[None, :]) & (index[None, :] <= index[:, None])

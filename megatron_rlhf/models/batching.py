@@ -47,12 +47,17 @@ def padded_forward(role, batch: dict[str, torch.Tensor], micro_batch_size: int,
     return out
 
 
-def padding_sums(lengths: torch.Tensor, width: int, micro_batch_size: int, token_budget: int = 0) -> dict[str, torch.Tensor]:
+def padding_sums(lengths: torch.Tensor, width: int, micro_batch_size: int, token_budget: int = 0,
+                 packed: bool = False) -> dict[str, torch.Tensor]:
     """Token slots of a batch of `lengths` [B] (device): its real tokens, the slots at the
     batch's width, and the slots its microbatches compute (Role._run): sorted by length, split
-    by `micro_batch_size` rows or `token_budget` tokens, each cut to its longest row."""
+    by `micro_batch_size` rows or `token_budget` tokens, each cut to its longest row; `packed`
+    (rl.packing): rows back to back, so their real tokens alone (plus at most TP - 1 slots per
+    microbatch under sequence parallelism, not counted here)."""
     ordered = lengths[by_length(lengths)]
-    if token_budget:  # the split itself reads the lengths on the host too (split_microbatches)
+    if packed:
+        slots = lengths.sum()
+    elif token_budget:  # the split itself reads the lengths on the host too (split_microbatches)
         host, slots, start = ordered.tolist(), 0, 0
         for rows in microbatch_rows(host, micro_batch_size, token_budget):
             slots, start = slots + rows * host[start], start + rows  # longest first: its first row

@@ -13,18 +13,20 @@ import torch
 Batch = dict[str, torch.Tensor]
 
 
-def microbatch_rows(lengths: list[int], micro_batch_size: int, token_budget: int = 0) -> list[int]:
+def microbatch_rows(lengths: list[int], micro_batch_size: int, token_budget: int = 0, packed: bool = False) -> list[int]:
     """Rows per microbatch, in order: `micro_batch_size` each, or with a `token_budget` as many
-    consecutive rows as fit in it (rows x their longest length, at least one row). Rows sorted
-    longest first (models.batching.by_length) waste the least."""
+    consecutive rows as fit in it (rows x their longest length; `packed`: the sum of their
+    lengths, rows back to back in one; at least one row). Rows sorted longest first
+    (models.batching.by_length) waste the least."""
     if not token_budget:
         return [micro_batch_size] * (len(lengths) // micro_batch_size)
-    rows, count, longest = [], 0, 0
+    rows, count, longest, total = [], 0, 0, 0
     for n in lengths:
-        if count and (count + 1) * max(longest, n) > token_budget:
+        cost = total + n if packed else (count + 1) * max(longest, n)
+        if count and cost > token_budget:
             rows.append(count)
-            count, longest = 0, 0
-        count, longest = count + 1, max(longest, n)
+            count, longest, total = 0, 0, 0
+        count, longest, total = count + 1, max(longest, n), total + n
     return rows + [count] if count else rows
 
 
@@ -41,12 +43,13 @@ def split_rows(rows: list[int], count: int) -> list[int]:
     return rows
 
 
-def split_microbatches(batch: Batch, micro_batch_size: int, token_budget: int = 0, count: int = 0) -> list[Batch]:
-    """Consecutive microbatches; by `token_budget` when given and the batch has `lengths`;
-    at least `count` of them (the largest halved)."""
+def split_microbatches(batch: Batch, micro_batch_size: int, token_budget: int = 0, count: int = 0,
+                       packed: bool = False) -> list[Batch]:
+    """Consecutive microbatches; by `token_budget` when given and the batch has `lengths`
+    (`packed`: their rows will run packed, microbatch_rows); at least `count` of them (the largest halved)."""
     size = batch["tokens"].size(0)
     if token_budget and "lengths" in batch:
-        rows = microbatch_rows(batch["lengths"].tolist(), micro_batch_size, token_budget)
+        rows = microbatch_rows(batch["lengths"].tolist(), micro_batch_size, token_budget, packed)
     elif size % micro_batch_size:
         raise ValueError(f"batch of {size} is not a multiple of micro_batch_size={micro_batch_size}")
     else:
@@ -123,3 +126,80 @@ def loss_units(loss_fn: Callable, batch: Batch, output_shapes: dict[str, torch.S
     with torch.no_grad():
         zeros = {k: torch.zeros(shape, device=batch["tokens"].device) for k, shape in output_shapes.items()}
         return loss_fn(zeros, batch)[1]
+
+
+# --- packed sequences (THD): a microbatch's rows back to back in one row (rl.packing)
+PACKED_KEYS = ("packed_tokens", "packed_positions", "packed_has_next", "cu_seqlens")
+
+
+def pack_rows(mb: Batch, multiple: int = 1) -> Batch:
+    """The microbatch `mb` (rows with `lengths`, already cut to its longest row) plus its rows
+    packed into one: `packed_tokens` [1, T] (each row's real tokens back to back, zeros after
+    them to a multiple of `multiple`: the TP size under sequence parallelism), `packed_positions`
+    [1, T] (restarting at 0 per row), `packed_has_next` [1, T] bool (the token has a next token
+    of its own row: a next-token target never crosses into the next row) and `cu_seqlens` [n + 2]
+    int32 (row boundaries, then the padding as a sequence of its own, possibly empty, so that
+    cu_seqlens[-1] == T as THD RoPE and attention expect). The row tensors stay: the outputs are
+    unpacked to them (unpack_rows), so loss functions see the same microbatch as without packing."""
+    tokens, lengths = mb["tokens"], mb["lengths"]
+    real = real_positions(lengths, tokens.size(1)).bool()
+    packed = tokens[real]  # row-major: row 0's tokens, then row 1's, ...
+    total = packed.numel() + (-packed.numel() % multiple)
+    extra = total - packed.numel()
+    positions = torch.arange(tokens.size(1), device=tokens.device).expand_as(tokens)
+    has_next = real_positions(lengths, tokens.size(1), offset=1).bool()
+    pad = tokens.new_zeros(extra)
+    cu_seqlens = torch.cat([lengths.new_zeros(1), lengths.cumsum(0), lengths.new_full((1,), total)]).to(torch.int32)
+    return {**mb, "packed_tokens": torch.cat([packed, pad])[None],
+            "packed_positions": torch.cat([positions[real], torch.arange(extra, device=tokens.device)])[None],
+            "packed_has_next": torch.cat([has_next[real], pad.bool()])[None],
+            "cu_seqlens": cu_seqlens}
+
+
+def pack_microbatches(microbatches: list[Batch], multiple: int = 1) -> list[Batch]:
+    """pack_rows on each microbatch."""
+    return [pack_rows(mb, multiple) for mb in microbatches]
+
+
+def max_sequence_length(mb: Batch) -> int:
+    """The longest sequence of a packed microbatch, its padding included (one host read):
+    megatron sizes the RoPE table by it and TE's kernels take it."""
+    return int((mb["cu_seqlens"][1:] - mb["cu_seqlens"][:-1]).max())
+
+
+def unpack_rows(packed: torch.Tensor, mb: Batch) -> torch.Tensor:
+    """Per-token `packed` [T] or [1, T] of a packed microbatch -> [rows, width] in its rows'
+    places (width: the microbatch's), 0 past each row's length."""
+    lengths, width = mb["lengths"], mb["tokens"].size(1)
+    flat = packed.reshape(-1)
+    index = (mb["cu_seqlens"][:-2, None].long() + torch.arange(width, device=flat.device)).clamp(max=flat.numel() - 1)
+    real = real_positions(lengths, width).bool()
+    return torch.where(real, flat[index], flat.new_zeros(()))
+
+
+def last_tokens(packed: torch.Tensor, mb: Batch) -> torch.Tensor:
+    """Per-token `packed` [T] or [1, T] -> [rows]: each row's value at its last token."""
+    return packed.reshape(-1)[(mb["cu_seqlens"][1:-1].long() - 1).clamp(min=0)]
+
+
+def next_token_targets(context: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """(targets, valid) [s, b] for the model's input rows (the packed row when packed): each
+    token's next token, and 1.0 where it has one (0 at the last column, from `lengths - 1` on,
+    and at each packed row's last token, so a target never crosses into the next sequence)."""
+    if "packed_tokens" in context:
+        tokens, valid = context["packed_tokens"].t(), context["packed_has_next"].t().float()
+    else:
+        tokens = context["tokens"].t()
+        valid = torch.ones(tokens.shape, device=tokens.device)
+        valid[-1] = 0
+        if "lengths" in context:  # no next token from the last real one on: 0 there too, so a trimmed batch agrees
+            valid = valid * real_positions(context["lengths"], tokens.size(0), offset=1).t()
+    return torch.cat([tokens[1:], torch.zeros_like(tokens[:1])]), valid
+
+
+def per_row(context: Batch, outputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Per-token outputs [s, b] of the model's input rows -> [b, s] of the microbatch's rows
+    (unpacked when the microbatch was packed)."""
+    if "packed_tokens" in context:
+        return {k: unpack_rows(v, context) for k, v in outputs.items()}
+    return {k: v.t() for k, v in outputs.items()}

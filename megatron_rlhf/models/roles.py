@@ -25,6 +25,7 @@ from typing import Callable
 import torch
 from megatron.core import parallel_state
 from megatron.core.distributed import finalize_model_grads
+from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megatron_rlhf.config import LoRAConfig, ModelConfig, OptimizerConfig
@@ -32,8 +33,8 @@ from megatron_rlhf.logging.memory import SavedActivations
 from megatron_rlhf.models.gpt import build_model
 from megatron_rlhf.models.lora import adapters_disabled, apply_lora
 from megatron_rlhf.models.microbatches import (
-    Batch, pad_for_sequence_parallel, real_positions, split_microbatches,
-    to_width, trim_padding,
+    Batch, last_tokens, max_sequence_length, next_token_targets, pack_microbatches, pad_for_sequence_parallel,
+    per_row, real_positions, split_microbatches, to_width, trim_padding, unpack_rows,
 )
 from megatron_rlhf.models.optimizer import build_optimizer, build_scheduler, wrap_ddp
 from megatron_rlhf.models.role_experts import ExpertRouting
@@ -68,6 +69,15 @@ def broadcast_from_last_stage(tensors: dict[str, torch.Tensor], like: dict[str, 
         )
         out[key] = t
     return out
+
+
+def packed_options(mb: Batch) -> dict:
+    """The model's keyword arguments for a packed microbatch (pack_rows): megatron's THD
+    PackedSeqParams; the SDPA core attention (CPU) and TE's attention (GPU) read the same."""
+    longest = max_sequence_length(mb)
+    return {"packed_seq_params": PackedSeqParams(qkv_format="thd", cu_seqlens_q=mb["cu_seqlens"],
+                                                 cu_seqlens_kv=mb["cu_seqlens"], max_seqlen_q=longest,
+                                                 max_seqlen_kv=longest)}
 
 
 def summed(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -127,6 +137,10 @@ class Role(ExpertRouting):
     # The role whose module this one runs (a LoRA reference: the actor without adapters); its
     # weights are that role's, placed and counted with it.
     shares_weights_of: str | None = None
+    # Packed sequences (rl.packing; set by the trainer that builds the role): each microbatch's
+    # rows (by `lengths`) run back to back as one THD row (megatron's PackedSeqParams), no padding
+    # between them; outputs come back per row as without packing (models/microbatches.py: pack_rows).
+    packing = False
 
     def __init__(self, model_config: ModelConfig, trainable: bool, *, optimizer: OptimizerConfig | None = None,
                  total_steps: int = 1, lora: LoRAConfig | None = None, seed: int | None = None,
@@ -221,13 +235,14 @@ class Role(ExpertRouting):
         tokens = mb["tokens"]
         position_ids = torch.arange(tokens.size(1), device=tokens.device).expand_as(tokens)
         padding = self._padding_mask(mb, tokens.size(1))
+        options = {"padding_mask": padding} if padding is not None else {}
+        if "packed_tokens" in mb:  # the rows as one THD row: positions restart per row
+            tokens, position_ids, options = mb["packed_tokens"], mb["packed_positions"], packed_options(mb)
         routed = self._route(mb)
         meter = SavedActivations(self.module.parameters()) if self._meter is not None else nullcontext()
         with meter:
-            out = model(
-                tokens, position_ids, mb.get("attention_mask"), **({"padding_mask": padding} if padding is not None else {}),
-                output_processor=self.outputs, output_processor_context=mb,
-            )
+            out = model(tokens, position_ids, mb.get("attention_mask"), **options,
+                        output_processor=self.outputs, output_processor_context=mb)
         if routed and self._compare_routes:
             self.routes.compare(mb["routes"], self._lengths(mb), self._sequence_shard())
         if self._meter is not None:
@@ -249,17 +264,24 @@ class Role(ExpertRouting):
     def _run(self, batch: Batch, micro_batch_size: int, loss_fn: LossFn | None,
              force_all_reduce: bool = False, token_budget: int = 0) -> list[dict]:
         batch = {k: v.to(device()) for k, v in batch.items()}
-        microbatches = split_microbatches(batch, micro_batch_size, token_budget)
+        microbatches = split_microbatches(batch, micro_batch_size, token_budget, packed=self.packing)
         if self._has_experts and parallel_state.get_expert_model_parallel_world_size() > 1:
             # megatron's expert all-to-all pairs the microbatches of the ranks of an expert group,
             # which hold different data: all run as many as the rank that needs the most
             count = dp_max(torch.tensor([len(microbatches)], device=device()))
             if int(count) > len(microbatches):
-                microbatches = split_microbatches(batch, micro_batch_size, token_budget, count=int(count))
+                microbatches = split_microbatches(batch, micro_batch_size, token_budget, int(count), self.packing)
         if "lengths" in batch and "attention_mask" not in batch:
             microbatches = trim_padding(microbatches)  # no compute on the padding past each one's longest row
-        if self.module.config.sequence_parallel:
-            microbatches = pad_for_sequence_parallel(microbatches, parallel_state.get_tensor_model_parallel_world_size())
+        tp = parallel_state.get_tensor_model_parallel_world_size()
+        if self.packing:
+            if "lengths" not in batch or "attention_mask" in batch or self._has_experts:
+                raise ValueError(f"{type(self).__name__}: packed sequences need a batch with `lengths`, no explicit "
+                                 "attention_mask, and a dense model (MoE routing is not packed yet)")
+            # sequence parallelism splits the packed row evenly over the TP ranks
+            microbatches = pack_microbatches(microbatches, tp if self.module.config.sequence_parallel else 1)
+        elif self.module.config.sequence_parallel:
+            microbatches = pad_for_sequence_parallel(microbatches, tp)
         self._microbatches = len(microbatches)
         try:
             return get_forward_backward_func()(
@@ -371,15 +393,10 @@ class Actor(Role):
     def outputs(self, *, hidden_states, output_layer, output_weight, context, **_):
         logits, _ = output_layer(hidden_states, weight=output_weight)  # [s, b, V/TP]
         logits = mask_padded_vocab(logits.float() / self.temperature, self.model_config.token_vocab_size)
-        tokens = context["tokens"].t()  # [s, b]
-        targets = torch.cat([tokens[1:], torch.zeros_like(tokens[:1])])
-        valid = torch.ones_like(targets, dtype=logits.dtype)
-        valid[-1] = 0
-        if "lengths" in context:  # no next token from the last real one on: 0 there too, so a
-            valid = valid * real_positions(context["lengths"], tokens.size(0), offset=1).t()  # trimmed batch agrees
+        targets, valid = next_token_targets(context)  # [s, b]; a packed row's targets stay in their sequence
         logprobs, entropy = vocab_parallel_logprobs_and_entropy(logits, targets)
         logprobs, entropy = logprobs * valid, entropy * valid
-        return {"logprobs": logprobs.t(), "entropy": entropy.t()}
+        return per_row(context, {"logprobs": logprobs, "entropy": entropy})
 
     def output_shapes(self, batch_size, seq_len):
         return {"logprobs": torch.Size([batch_size, seq_len]), "entropy": torch.Size([batch_size, seq_len])}
@@ -423,6 +440,8 @@ class Critic(Role):
 
     def outputs(self, *, hidden_states, output_layer, context, **_):
         values = output_layer(hidden_states)  # [b, s]
+        if "packed_tokens" in context:  # one packed row: back to the rows, 0 past each
+            return {"values": unpack_rows(values, context)}
         if "lengths" in context:  # 0 past the sequence, whatever the batch's width
             values = values * real_positions(context["lengths"], values.size(1))
         return {"values": values}
@@ -449,8 +468,11 @@ class RewardModel(Role):
 
     def outputs(self, *, hidden_states, output_layer, context, **_):
         values = output_layer(hidden_states)  # [b, s]
-        last = (context["lengths"] - 1).clamp(min=0).unsqueeze(1)
-        raw = values.gather(1, last).squeeze(1)
+        if "packed_tokens" in context:
+            raw = last_tokens(values, context)
+        else:
+            last = (context["lengths"] - 1).clamp(min=0).unsqueeze(1)
+            raw = values.gather(1, last).squeeze(1)
         return {"rewards": (raw - self.reward_mean) / self.reward_std}
 
     def output_shapes(self, batch_size, seq_len):

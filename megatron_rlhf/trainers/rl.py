@@ -319,6 +319,8 @@ def build_roles(cfg: Config) -> dict:
                                  lora=lora if lora and lora.critic else None, seed=cfg.seed, max_consecutive_nonfinite=cfg.resilience.max_consecutive_nonfinite)
     if cfg.rm.holdout_fraction > 0:  # the reward-hacking alarm's independent judge
         roles["holdout_reward"] = RewardModel(cfg.model)
+    for role in roles.values():
+        role.packing = rl.packing
     return roles
 
 

@@ -18,16 +18,16 @@ from megatron_rlhf.trainers.rl_records import Iteration, RLTrainerState
 
 # ----------------------------------------------------------------------------- per iteration
 def iteration_sums(it: Iteration, gold: float, repetition: float, micro_batch_size: int = 1,
-                   token_budget: int = 0) -> dict:
+                   token_budget: int = 0, packed: bool = False) -> dict:
     """This rank's sums of the per-iteration metrics (device tensors, host numbers for the
     text-based ones: the gold scores and repetition rates of its responses); `dp_sums` adds
     them over data-parallel ranks. micro_batch_size, token_budget: the score phase's
-    microbatches, whose padding is measured."""
+    microbatches (packed: rl.packing), whose padding is measured."""
     rollout, batch, n = it.rollout, it.batch, len(it.rollout)
     return {
         "responses": n, "reward": batch.scores.sum(), "gold_score": gold,
         "response_length": rollout.response_lengths().sum(), "kl": it.kl_stats["kl"], "kl_tokens": it.kl_stats["kl_tokens"],
-        **padding_sums(rollout.lengths, rollout.tokens.size(1), micro_batch_size, token_budget),
+        **padding_sums(rollout.lengths, rollout.tokens.size(1), micro_batch_size, token_budget, packed),
         **({"logprob_mismatch": ((rollout.logprobs - batch.old_logprobs).abs() * batch.mask).sum()}
            if it.old_logprobs_recomputed else {}),
         **({"logprob_mismatch_without_replay": ((rollout.logprobs - it.routing["free_logprobs"]).abs() * batch.mask).sum()}
@@ -46,7 +46,7 @@ def iteration_metrics(it: Iteration, tokenizer, task, rl: RLConfig) -> dict[str,
     rollout, batch = it.rollout, it.batch
     gold = sum(task.gold_score(p, r) for p, r in decode_responses(rollout, tokenizer)) if task else 0.0
     repetition = response_repetition_rate(rollout.response_ids())
-    sums = dp_sums(iteration_sums(it, gold, repetition, rl.micro_batch_size, rl.micro_batch_tokens), parallel.device())
+    sums = dp_sums(iteration_sums(it, gold, repetition, rl.micro_batch_size, rl.micro_batch_tokens, rl.packing), parallel.device())
     n = sums["responses"]
     return {
         "responses": n, "reward": sums["reward"] / n, **({"gold_score": sums["gold_score"] / n} if task else {}),

@@ -199,8 +199,9 @@ def refusals(base) -> dict:
         return None
 
     return {
+        # THD runs (models/attention.py: _packed; tests/test_role_layouts.py); other packed formats do not
         "packed_seq_params": attempt(lambda: module(q, k, v, None,
-                                                    packed_seq_params=PackedSeqParams(qkv_format="thd"))),
+                                                    packed_seq_params=PackedSeqParams(qkv_format="bshd"))),
         "attention_bias": attempt(lambda: module(q, k, v, None, attention_bias=torch.zeros(1, HEADS, 3, 3))),
         "softmax_type": attempt(lambda: SDPADotProductAttention(dataclasses.replace(config, softmax_type="off-by-one"),
                                                                 1, AttnMaskType.causal, "self")),
