@@ -125,6 +125,16 @@ def test_dpo_precomputed_reference_equals_the_reference_forward(runs, layout):
     torch.testing.assert_close(results[layout]["dpo_reference"], sums.view(-1, 2), atol=0, rtol=1e-6)
 
 
+@pytest.mark.parametrize("layout", [BASE, *LAYOUTS])
+def test_packed_outputs_match_unpacked(runs, layout):
+    """rl.packing: each microbatch's rows (unequal lengths) packed into one THD row through the
+    SDPA core attention's block-diagonal causal mask, positions restarting per row (padded to a
+    multiple of TP under sequence parallelism), give every role's outputs of the rows run apart."""
+    results = runs[1][layout]
+    for role, outputs in results["outputs"].items():
+        assert_same_tensors(results["packed_outputs"][role], outputs, ATOL)
+
+
 def test_roles_are_initialised_differently(runs):
     """Guards the comparisons above against trivially equal outputs."""
     _, results = runs

@@ -5,10 +5,11 @@ Layouts are given as `--layout NAME=TPxPP[:key=value...]` (several per launch: w
 inputs (old and reference log-probs, old values) computed from them; the other layouts load
 both, so every layout starts from identical weights and identical loss inputs.
 Every other layout:
-  1. forward outputs of actor, reference, critic and reward model on a fixed batch;
+  1. forward outputs of actor, reference, critic and reward model on a fixed batch, and with
+     each microbatch's rows packed into one THD row (rl.packing);
   2. gradients of the trainers' own losses (SFT, PPO actor in two aggregation modes, PPO
      critic, Bradley-Terry, DPO sigmoid and IPO) on a batch of very unequal sequence lengths, for several micro
-     batch sizes: compared in-process (same layout), and saved for the rank's whole share
+     batch sizes (one split packed): compared in-process (same layout), and saved for the rank's whole share
      (one microbatch) for the test to compare across layouts; data-parallel whitening and moments vs one process;
   3. one optimizer step of each trainable role (its batch split across DP ranks); the
      updated weights are saved for the test to compare across layouts;
@@ -135,11 +136,17 @@ def gradient_checks(args, layout: str, roles, batch) -> dict:
         role = roles[role_name]
         # Pairs stay whole at fixed sizes; the others also split by a token budget: microbatches
         # of 1 and 4 rows and of different widths (PP: megatron's variable_seq_lengths).
-        splits = [(2, 0), (rows, 0)] if name in PAIR_LOSSES else [(1, 0), (2, 0), (1, TOKEN_BUDGET), (rows, 0)]
+        # Packed (rl.packing): each microbatch's rows as one THD row, by the same token budget
+        # (real tokens) or, for pairs, two rows per microbatch.
+        splits = ([(2, 0, False), (2, 0, True), (rows, 0, False)] if name in PAIR_LOSSES else
+                  [(1, 0, False), (2, 0, False), (1, TOKEN_BUDGET, False), (1, TOKEN_BUDGET, True), (rows, 0, False)])
         reported, grads = {}, {}
-        for mbs, budget in splits:
+        for mbs, budget, packed in splits:
             key = f"{budget} tokens" if budget else mbs
+            key = f"packed {key}" if packed else key
+            role.packing = packed
             reported[key] = role.gradients(shard, mbs, loss_fn, token_budget=budget)
+            role.packing = False
             grads[key] = flat_gradient(role)
         # Last computed: the whole share. At DP2 the two ranks' shares hold very different token
         # counts, which a mean of per-rank means would weigh equally.
@@ -179,6 +186,16 @@ def precomputed_reference(reference, batch) -> torch.Tensor:
     return precompute(reference, pairs, pad_id=1, seq_len=SEQ, micro_pairs=1)
 
 
+def packed_outputs(roles, batch) -> dict:
+    """Each role's outputs with its microbatches' rows packed into one THD row (rl.packing)."""
+    out = {}
+    for name, role in roles.items():
+        role.packing = True
+        out[name] = role.forward(batch, MBS)
+        role.packing = False
+    return out
+
+
 def check_layout(args, cfg, layout: str) -> None:
     rank = torch.distributed.get_rank()
     if layout == "init":
@@ -198,6 +215,7 @@ def check_layout(args, cfg, layout: str) -> None:
     results = {"outputs": {}, "losses": {}, "sequence_parallel": {n: r.module.config.sequence_parallel for n, r in roles.items()}}
     for name, role in roles.items():
         results["outputs"][name] = role.forward(batch, MBS)
+    results["packed_outputs"] = packed_outputs(roles, batch)
     results["dpo_reference"] = precomputed_reference(roles["reference"], batch)
     results["gradients"] = gradient_checks(args, layout, roles, batch)
     results["whitening"] = whitening_checks(batch)
