@@ -34,7 +34,7 @@ def test_rows_pack_back_to_back_with_positions_restarting_and_the_padding_as_a_s
     assert packed["cu_seqlens"].tolist() == [0, 5, 7, 11, 12] and packed["cu_seqlens"].dtype == torch.int32
     assert max_sequence_length(packed) == 5
     assert torch.equal(packed["tokens"], microbatch()["tokens"])  # the rows stay for the loss functions
-    assert pack_rows(microbatch())["cu_seqlens"].tolist() == [0, 5, 7, 11, 11]  # no padding: an empty last sequence
+    assert pack_rows(microbatch())["cu_seqlens"].tolist() == [0, 5, 7, 11]  # no padding: no empty sequence after it
 
 
 def test_unpacking_puts_each_token_back_in_its_row_and_zeros_past_its_length():
@@ -45,6 +45,9 @@ def test_unpacking_puts_each_token_back_in_its_row_and_zeros_past_its_length():
     assert torch.equal(unpack_rows(values, packed), want)
     assert torch.equal(unpack_rows(values[0], packed), want)
     assert last_tokens(values, packed).tolist() == [29.0, 43.0, 67.0]  # 2 * (14, 21, 33) + 1
+    unpadded = pack_rows(mb)
+    assert torch.equal(unpack_rows(unpadded["packed_tokens"].float() * 2 + 1, unpadded), want)
+    assert last_tokens(unpadded["packed_tokens"], unpadded).tolist() == [14, 21, 33]
 
 
 def test_next_token_targets_never_cross_into_the_next_row():

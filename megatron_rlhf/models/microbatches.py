@@ -137,9 +137,10 @@ def pack_rows(mb: Batch, multiple: int = 1) -> Batch:
     packed into one: `packed_tokens` [1, T] (each row's real tokens back to back, zeros after
     them to a multiple of `multiple`: the TP size under sequence parallelism), `packed_positions`
     [1, T] (restarting at 0 per row), `packed_has_next` [1, T] bool (the token has a next token
-    of its own row: a next-token target never crosses into the next row) and `cu_seqlens` [n + 2]
-    int32 (row boundaries, then the padding as a sequence of its own, possibly empty, so that
-    cu_seqlens[-1] == T as THD RoPE and attention expect). The row tensors stay: the outputs are
+    of its own row: a next-token target never crosses into the next row) and `cu_seqlens` int32
+    (the n rows' boundaries [n + 1], then the padding, if any, as a sequence of its own, so that
+    cu_seqlens[-1] == T as THD RoPE and attention expect; never an empty sequence, which TE's
+    kernels need not accept). The row tensors stay: the outputs are
     unpacked to them (unpack_rows), so loss functions see the same microbatch as without packing."""
     tokens, lengths = mb["tokens"], mb["lengths"]
     real = real_positions(lengths, tokens.size(1)).bool()
@@ -149,7 +150,8 @@ def pack_rows(mb: Batch, multiple: int = 1) -> Batch:
     positions = torch.arange(tokens.size(1), device=tokens.device).expand_as(tokens)
     has_next = real_positions(lengths, tokens.size(1), offset=1).bool()
     pad = tokens.new_zeros(extra)
-    cu_seqlens = torch.cat([lengths.new_zeros(1), lengths.cumsum(0), lengths.new_full((1,), total)]).to(torch.int32)
+    ends = [lengths.new_zeros(1), lengths.cumsum(0)] + ([lengths.new_full((1,), total)] if extra else [])
+    cu_seqlens = torch.cat(ends).to(torch.int32)
     return {**mb, "packed_tokens": torch.cat([packed, pad])[None],
             "packed_positions": torch.cat([positions[real], torch.arange(extra, device=tokens.device)])[None],
             "packed_has_next": torch.cat([has_next[real], pad.bool()])[None],
@@ -172,14 +174,14 @@ def unpack_rows(packed: torch.Tensor, mb: Batch) -> torch.Tensor:
     places (width: the microbatch's), 0 past each row's length."""
     lengths, width = mb["lengths"], mb["tokens"].size(1)
     flat = packed.reshape(-1)
-    index = (mb["cu_seqlens"][:-2, None].long() + torch.arange(width, device=flat.device)).clamp(max=flat.numel() - 1)
+    index = (mb["cu_seqlens"][:lengths.numel(), None].long() + torch.arange(width, device=flat.device)).clamp(max=flat.numel() - 1)
     real = real_positions(lengths, width).bool()
     return torch.where(real, flat[index], flat.new_zeros(()))
 
 
 def last_tokens(packed: torch.Tensor, mb: Batch) -> torch.Tensor:
     """Per-token `packed` [T] or [1, T] -> [rows]: each row's value at its last token."""
-    return packed.reshape(-1)[(mb["cu_seqlens"][1:-1].long() - 1).clamp(min=0)]
+    return packed.reshape(-1)[(mb["cu_seqlens"][1:mb["lengths"].numel() + 1].long() - 1).clamp(min=0)]
 
 
 def next_token_targets(context: Batch) -> tuple[torch.Tensor, torch.Tensor]:
