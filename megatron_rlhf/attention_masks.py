@@ -17,8 +17,9 @@ def visible_keys(sq: int, skv: int, window: tuple[int, int] | None = None,
     unbounded. (left, 0) is causal sliding-window attention.
 
     The one place masks are built (the SDPA core attention, models/attention.py, and the CPU
-    adaptations' stand-ins for megatron's mask builders, parallel/cpu.py, both call it). Packed sequences (THD) will add a
-    same-document condition here, from per-token document ids and positions."""
+    adaptations' stand-ins for megatron's mask builders, parallel/cpu.py, both call it). Packed
+    sequences (THD) add their same-sequence condition on top, from cu_seqlens
+    (models/attention.py: packed_visible_keys)."""
     query_positions = torch.arange(skv - sq, skv, device=device).unsqueeze(1)
     key_positions = torch.arange(skv, device=device).unsqueeze(0)
     offset = key_positions - query_positions  # < 0: a key in the query's past
