@@ -39,7 +39,7 @@ from megatron_rlhf.models.optimizer import build_optimizer, build_scheduler, wra
 from megatron_rlhf.models.role_experts import ExpertRouting
 from megatron_rlhf.models.routing import RoutingReplay
 from megatron_rlhf.models.vocab_parallel import (
-    mask_padded_vocab, vocab_parallel_logprobs_and_entropy,
+    chunked_logprobs_and_entropy, mask_padded_vocab, vocab_parallel_logprobs_and_entropy,
 )
 from megatron_rlhf.parallel import device
 from megatron_rlhf.parallel.collectives import dp_max, dp_sum
@@ -369,15 +369,20 @@ class Actor(Role):
         self.temperature = temperature
 
     def outputs(self, *, hidden_states, output_layer, output_weight, context, **_):
-        logits, _ = output_layer(hidden_states, weight=output_weight)  # [s, b, V/TP]
-        logits = mask_padded_vocab(logits.float() / self.temperature, self.model_config.token_vocab_size)
         tokens = context["tokens"].t()  # [s, b]
         targets = torch.cat([tokens[1:], torch.zeros_like(tokens[:1])])
-        valid = torch.ones_like(targets, dtype=logits.dtype)
+        valid = torch.ones_like(targets, dtype=torch.float32)
         valid[-1] = 0
         if "lengths" in context:  # no next token from the last real one on: 0 there too, so a
             valid = valid * real_positions(context["lengths"], tokens.size(0), offset=1).t()  # trimmed batch agrees
-        logprobs, entropy = vocab_parallel_logprobs_and_entropy(logits, targets)
+        if self.model_config.logits_chunk_tokens:  # a chunk's logits at a time (models/vocab_parallel.py)
+            logprobs, entropy = chunked_logprobs_and_entropy(
+                hidden_states, targets, output_layer, output_weight, temperature=self.temperature,
+                vocab_size=self.model_config.token_vocab_size, chunk_tokens=self.model_config.logits_chunk_tokens)
+        else:
+            logits, _ = output_layer(hidden_states, weight=output_weight)  # [s, b, V/TP]
+            logits = mask_padded_vocab(logits.float() / self.temperature, self.model_config.token_vocab_size)
+            logprobs, entropy = vocab_parallel_logprobs_and_entropy(logits, targets)
         logprobs, entropy = logprobs * valid, entropy * valid
         return {"logprobs": logprobs.t(), "entropy": entropy.t()}
 
