@@ -59,7 +59,8 @@ def run_function_checks(module, sequence_parallel: bool) -> dict:
 
 
 def run_actor_check(cfg, chunk_tokens: int) -> float:
-    """Max |main_grad chunked - unchunked| relative to the largest, one forward-backward of an Actor."""
+    """Max |main_grad chunked - unchunked| relative to the largest, one forward-backward of an
+    Actor (cfg.model's; tied embeddings: the output weight megatron passes is the embedding's)."""
     from megatron_rlhf.models.roles import Actor, summed
     from workers import training_of
 
@@ -98,6 +99,8 @@ def worker(out: Path) -> None:
         apply_lora(lora_model, 4, 8.0, 0.0, ["output"], seed=3)
         res[f"tp{tp}_lora"] = run_function_checks(lora_model, sp)
         res[f"tp{tp}_actor"] = run_actor_check(cfg, 7)
+        tied = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, share_embeddings_and_output_weights=True))
+        res[f"tp{tp}_actor_tied"] = run_actor_check(tied, 7)
         res[f"tp{tp}_sp"] = sp
     if torch.distributed.get_rank() == 0:
         torch.save(res, out)
@@ -112,8 +115,17 @@ def test_chunked_logprobs_equal_the_unchunked_ones_at_tp1_and_tp2(tmp_path):
     for case in ("tp1", "tp1_lora", "tp2", "tp2_lora"):
         for chunk, diff in res[case].items():
             assert diff < 1e-10, (case, chunk, diff)
-    for case in ("tp1_actor", "tp2_actor"):  # fp32 model: summation order differs per chunk
+    for case in ("tp1_actor", "tp2_actor", "tp1_actor_tied", "tp2_actor_tied"):  # fp32 model: summation order differs per chunk
         assert res[case] < 1e-5, (case, res[case])
+
+
+def test_a_negative_chunk_size_is_a_config_error():
+    import pytest
+
+    from megatron_rlhf.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="model.logits_chunk_tokens=-1"):
+        load_config(None, ["model.logits_chunk_tokens=-1"]).model.check()
 
 
 if __name__ == "__main__":
