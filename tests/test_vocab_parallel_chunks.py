@@ -58,6 +58,38 @@ def run_function_checks(module, sequence_parallel: bool) -> dict:
     return {c: max((g_ - w).abs().max().item() for g_, w in zip(run(c), want)) for c in CHUNKS}
 
 
+def run_dropout_check(layer, tp: int) -> float:
+    """With dropout in the output layer (a LoRA adapter's), backward must see the forward's masks:
+    max |chunked - the same chunks through plain autograd| from the same seed, float64. Not
+    sequence parallel (the adapter's input dropout then forks megatron's TP generator)."""
+    from megatron_rlhf.models.vocab_parallel import (
+        chunked_logprobs_and_entropy, mask_padded_vocab, vocab_parallel_logprobs_and_entropy,
+    )
+
+    layer.sequence_parallel = False
+    g = torch.Generator().manual_seed(4)
+    hidden = torch.randn(9, 2, layer.weight.size(1), dtype=torch.float64, generator=g)
+    targets = torch.randint(0, 100, (9, 2), generator=g)
+    params = [p for p in layer.parameters() if p.requires_grad]
+
+    def grads(chunked: bool):
+        h = hidden.clone().requires_grad_()
+        for p in params:
+            p.grad = None
+        torch.manual_seed(5)
+        if chunked:
+            lp, ent = chunked_logprobs_and_entropy(h, targets, layer, None, temperature=1.0, vocab_size=100, chunk_tokens=6)
+        else:  # 6 tokens = 3 rows of 2 per chunk, as the chunked path splits them
+            pieces = [vocab_parallel_logprobs_and_entropy(mask_padded_vocab(layer(h[a:a + 3])[0].float(), 100),
+                                                          targets[a:a + 3]) for a in range(0, 9, 3)]
+            lp, ent = torch.cat([p[0] for p in pieces]), torch.cat([p[1] for p in pieces])
+        torch.manual_seed(6)  # backward draws nothing: a different generator state must not matter
+        (lp.sum() + ent.sum()).backward()
+        return [lp, h.grad, *[p.grad.clone() for p in params]]
+
+    return max((a - b).abs().max().item() for a, b in zip(grads(True), grads(False)))
+
+
 def run_actor_check(cfg, chunk_tokens: int) -> float:
     """Max |main_grad chunked - unchunked| relative to the largest, one forward-backward of an
     Actor (cfg.model's; tied embeddings: the output weight megatron passes is the embedding's)."""
@@ -98,6 +130,9 @@ def worker(out: Path) -> None:
         lora_model = build_model(cfg.model)
         apply_lora(lora_model, 4, 8.0, 0.0, ["output"], seed=3)
         res[f"tp{tp}_lora"] = run_function_checks(lora_model, sp)
+        dropout_model = build_model(cfg.model)
+        apply_lora(dropout_model, 4, 8.0, 0.5, ["output"], seed=3)
+        res[f"tp{tp}_lora_dropout"] = run_dropout_check(dropout_model.output_layer.double(), tp)
         res[f"tp{tp}_actor"] = run_actor_check(cfg, 7)
         tied = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, share_embeddings_and_output_weights=True))
         res[f"tp{tp}_actor_tied"] = run_actor_check(tied, 7)
@@ -115,6 +150,8 @@ def test_chunked_logprobs_equal_the_unchunked_ones_at_tp1_and_tp2(tmp_path):
     for case in ("tp1", "tp1_lora", "tp2", "tp2_lora"):
         for chunk, diff in res[case].items():
             assert diff < 1e-10, (case, chunk, diff)
+    for case in ("tp1_lora_dropout", "tp2_lora_dropout"):
+        assert res[case] < 1e-10, (case, res[case])
     for case in ("tp1_actor", "tp2_actor", "tp1_actor_tied", "tp2_actor_tied"):  # fp32 model: summation order differs per chunk
         assert res[case] < 1e-5, (case, res[case])
 

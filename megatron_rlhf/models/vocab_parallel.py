@@ -107,6 +107,10 @@ class _OutputChunks:
         step = max(1, chunk_tokens // (batch * self.parts))  # local sequence rows per chunk
         self.bounds = [(a, min(a + step, local_length)) for a in range(0, local_length, step)]
 
+    def draws_random(self) -> bool:
+        """Whether the output layer's forward draws random numbers (a LoRA adapter's dropout in training)."""
+        return bool(self.output_layer.training and getattr(self.output_layer, "lora_dropout_p", 0))
+
     def logits(self, hidden_chunk: torch.Tensor) -> torch.Tensor:
         """[chunk tokens, b, V/TP] float, temperature-scaled, padded ids masked: what Actor scores."""
         logits, _ = self.output_layer(hidden_chunk, weight=self.output_weight)
@@ -150,7 +154,7 @@ class _ChunkedLogprobsAndEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, targets, chunks: _OutputChunks, *params):
-        ctx.chunks, ctx.rng = chunks, _rng_states() if chunks.output_layer.training else None
+        ctx.chunks, ctx.rng = chunks, _rng_states() if chunks.draws_random() else None
         stats = [_softmax_stats(chunks.logits(hidden[a:b]), chunks.rows(targets, a, b)) for a, b in chunks.bounds]
         top, log_z, logprobs, entropy = (torch.cat([s[i].flatten() for s in stats]) for i in range(4))
         ctx.save_for_backward(hidden, targets, top, log_z, entropy)
