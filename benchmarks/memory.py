@@ -87,9 +87,10 @@ def worker(size: str, recompute: str, steps: int, out: Path) -> None:
     parallel.destroy()
 
 
-def chunk_worker(size: str, length: int, chunk: int, steps: int, out: Path) -> None:
+def chunk_worker(size: str, length: int, chunk: int, recompute: str, steps: int, out: Path) -> None:
     """One row of the sequence-length table: an actor at micro batch 1, `length` tokens, chunk
-    `chunk` (0: unchunked), `steps` train steps; its peak RSS and CPU time."""
+    `chunk` (0: unchunked), activation recomputation `recompute`, `steps` train steps; its peak
+    RSS and CPU time."""
     import torch
 
     torch.set_num_threads(1)
@@ -103,7 +104,7 @@ def chunk_worker(size: str, length: int, chunk: int, steps: int, out: Path) -> N
     cfg = load_config(None, [
         f"model.num_layers={s['layers']}", f"model.hidden_size={s['hidden']}", f"model.num_attention_heads={s['heads']}",
         f"model.num_query_groups={s['groups']}", f"model.ffn_hidden_size={s['ffn']}", f"model.vocab_size={s['vocab']}",
-        f"model.max_seq_length={length}", f"model.logits_chunk_tokens={chunk}",
+        f"model.max_seq_length={length}", f"model.logits_chunk_tokens={chunk}", *RECOMPUTE[recompute],
     ])
     start_distributed(cfg)
     baseline = current_memory_bytes()
@@ -134,19 +135,20 @@ def run_worker(*worker_args: str, out: Path) -> dict:
     return row
 
 
-def length_table(size: str, lengths: list[int], chunks: list[int], repeats: int, steps: int, tmp: Path) -> list[dict]:
+def length_table(size: str, lengths: list[int], chunks: list[int], recompute: str, repeats: int, steps: int,
+                 tmp: Path) -> list[dict]:
     """The sequence-length table's rows: per (length, chunk), min and median over interleaved repeats."""
     runs: dict[tuple[int, int], list[dict]] = {}
     for _ in range(repeats):
         for length in lengths:
             for chunk in [0, *chunks]:
-                row = run_worker("--chunk-worker", size, str(length), str(chunk), f"--steps={steps}", out=tmp)
+                row = run_worker("--chunk-worker", size, str(length), str(chunk), recompute, f"--steps={steps}", out=tmp)
                 runs.setdefault((length, chunk), []).append(row)
     rows = []
     for (length, chunk), got in runs.items():
         peaks = [r["peak_above_baseline_bytes"] for r in got]
         cpu = [r["step_cpu_s"] for r in got]
-        rows.append({"length": length, "chunk": chunk, "repeats": len(got),
+        rows.append({"length": length, "chunk": chunk, "recompute": recompute, "repeats": len(got),
                      "peak_above_baseline_min_bytes": min(peaks), "peak_above_baseline_median_bytes": statistics.median(peaks),
                      "step_cpu_min_s": min(cpu), "step_cpu_median_s": statistics.median(cpu),
                      "activation_bytes": got[0]["activation_bytes"], "logits_copy_bytes": got[0]["logits_copy_bytes"]})
@@ -198,17 +200,19 @@ def main() -> None:
     ap.add_argument("--tables", choices=("recompute", "lengths", "both"), default="both")
     ap.add_argument("--lengths", type=int, nargs="+", help="sequence lengths (default 1024 2048 4096; --quick: 128)")
     ap.add_argument("--chunks", type=int, nargs="+", help="logits_chunk_tokens against 0 (default 1024; --quick: 32)")
+    ap.add_argument("--length-recompute", choices=sorted(RECOMPUTE), default="none",
+                    help="activation recomputation of the length table's rows")
     ap.add_argument("--repeats", type=int, help="interleaved repeats of the length table (default 2; --quick: 1)")
     ap.add_argument("--worker", nargs=2, metavar=("SIZE", "RECOMPUTE"))
-    ap.add_argument("--chunk-worker", nargs=3, metavar=("SIZE", "LENGTH", "CHUNK"))
+    ap.add_argument("--chunk-worker", nargs=4, metavar=("SIZE", "LENGTH", "CHUNK", "RECOMPUTE"))
     ap.add_argument("--worker-out", type=Path)
     args = ap.parse_args()
     steps = args.steps or (1 if args.quick else 2)
     if args.worker:
         return worker(*args.worker, steps, args.worker_out)
     if args.chunk_worker:
-        size, length, chunk = args.chunk_worker
-        return chunk_worker(size, int(length), int(chunk), steps, args.worker_out)
+        size, length, chunk, recompute = args.chunk_worker
+        return chunk_worker(size, int(length), int(chunk), recompute, steps, args.worker_out)
 
     size = "tiny" if args.quick else args.size
     rows, length_rows = [], []
@@ -217,7 +221,8 @@ def main() -> None:
         lengths = args.lengths or ([128] if args.quick else [1024, 2048, 4096])
         chunks = args.chunks or ([32] if args.quick else [1024])
         repeats = args.repeats or (1 if args.quick else 2)
-        length_rows = length_table(size, lengths, chunks, repeats, steps, args.out.with_suffix(".length.tmp"))
+        length_rows = length_table(size, lengths, chunks, args.length_recompute, repeats, steps,
+                                   args.out.with_suffix(".length.tmp"))
     for recompute in (args.recompute or RECOMPUTE) if args.tables != "lengths" else ():
         tmp = args.out.with_suffix(f".{recompute}.tmp")
         env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
@@ -244,7 +249,7 @@ def main() -> None:
     title = "actor train step peak RSS vs memory account, then a checkpoint save's peak vs it, fp32, CPU, TP1 PP1"
     args.out.write_text(json.dumps({"benchmark": title,
                                     "quick": args.quick, "steps": steps, "shape": SIZES[size], "rows": rows,
-                                    "length_table": {"micro_batch": 1, "rows": length_rows}}, indent=2))
+                                    "length_table": {"micro_batch": 1, "recompute": args.length_recompute, "rows": length_rows}}, indent=2))
     print(f"wrote {args.out}")
 
 
