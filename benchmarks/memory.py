@@ -199,7 +199,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks/results/memory.json")
     ap.add_argument("--tables", choices=("recompute", "lengths", "both"), default="both")
     ap.add_argument("--lengths", type=int, nargs="+", help="sequence lengths (default 1024 2048 4096; --quick: 128)")
-    ap.add_argument("--chunks", type=int, nargs="+", help="logits_chunk_tokens against 0 (default 1024; --quick: 32)")
+    ap.add_argument("--chunks", type=int, nargs="+", help="logits_chunk_tokens against 0 (default 256; --quick: 32)")
     ap.add_argument("--length-recompute", choices=sorted(RECOMPUTE), default="none",
                     help="activation recomputation of the length table's rows")
     ap.add_argument("--repeats", type=int, help="interleaved repeats of the length table (default 2; --quick: 1)")
@@ -219,7 +219,7 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     if args.tables != "recompute":
         lengths = args.lengths or ([128] if args.quick else [1024, 2048, 4096])
-        chunks = args.chunks or ([32] if args.quick else [1024])
+        chunks = args.chunks or ([32] if args.quick else [256])
         repeats = args.repeats or (1 if args.quick else 2)
         length_rows = length_table(size, lengths, chunks, args.length_recompute, repeats, steps,
                                    args.out.with_suffix(".length.tmp"))
