@@ -117,7 +117,7 @@ class ModelConfig:
     # tokens (sequence positions x micro batch rows) at a time, in forward and again in backward,
     # so the [tokens x vocab/TP] logits never exist whole; 0 or null: all at once (the logits
     # kept for backward). 256: benchmarks/memory.py's lowest peak (135M shape, 4k tokens, full
-    # recomputation: 0.57 x the unchunked peak; 1024: 0.72), at the same step time.
+    # recomputation: 0.57-0.64 x the unchunked peak; 1024: 0.72), for ~5 % more step time.
     logits_chunk_tokens: int | None = 256
     # A local Hugging Face directory (config.json + safetensors): a fresh SFT run starts from
     # these weights. Implies from_hf_config (unless that is set).
