@@ -120,6 +120,11 @@ def check_memory(res: dict) -> None:
         # on both cores it can miss the short-lived copy and read 0 (seen once in CI).
         assert 0 <= row["checkpoint_save_bytes"] < row["model_state_bytes"], row
         assert row["save_over_train"] < 1.1 and row["peak_raised_by_save"] < 1.1, row
+    whole, chunked = sorted(res["length_table"]["rows"], key=lambda r: r["chunk"])  # chunk 0 and --quick's 32
+    for row in (whole, chunked):
+        positive(row, "peak_above_baseline_min_bytes", "step_cpu_min_s", "activation_bytes", "peak_vs_unchunked")
+    # chunked log-probs keep no logits for backward (measured: 0.999 of one fp32 copy fewer bytes)
+    assert whole["activation_bytes"] - chunked["activation_bytes"] > 0.9 * whole["logits_copy_bytes"], (whole, chunked)
 
 
 def check_lora_memory(res: dict) -> None:

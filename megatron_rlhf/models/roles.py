@@ -40,7 +40,7 @@ from megatron_rlhf.models.optimizer import build_optimizer, build_scheduler, wra
 from megatron_rlhf.models.role_experts import ExpertRouting
 from megatron_rlhf.models.routing import RoutingReplay
 from megatron_rlhf.models.vocab_parallel import (
-    mask_padded_vocab, vocab_parallel_logprobs_and_entropy,
+    chunked_logprobs_and_entropy, mask_padded_vocab, vocab_parallel_logprobs_and_entropy,
 )
 from megatron_rlhf.parallel import device
 from megatron_rlhf.parallel.collectives import dp_max, dp_sum
@@ -391,10 +391,15 @@ class Actor(Role):
         self.temperature = temperature
 
     def outputs(self, *, hidden_states, output_layer, output_weight, context, **_):
-        logits, _ = output_layer(hidden_states, weight=output_weight)  # [s, b, V/TP]
-        logits = mask_padded_vocab(logits.float() / self.temperature, self.model_config.token_vocab_size)
         targets, valid = next_token_targets(context)  # [s, b]; a packed row's targets stay in their sequence
-        logprobs, entropy = vocab_parallel_logprobs_and_entropy(logits, targets)
+        if self.model_config.logits_chunk_tokens:  # a chunk's logits at a time (models/vocab_parallel.py)
+            logprobs, entropy = chunked_logprobs_and_entropy(
+                hidden_states, targets, output_layer, output_weight, temperature=self.temperature,
+                vocab_size=self.model_config.token_vocab_size, chunk_tokens=self.model_config.logits_chunk_tokens)
+        else:
+            logits, _ = output_layer(hidden_states, weight=output_weight)  # [s, b, V/TP]
+            logits = mask_padded_vocab(logits.float() / self.temperature, self.model_config.token_vocab_size)
+            logprobs, entropy = vocab_parallel_logprobs_and_entropy(logits, targets)
         logprobs, entropy = logprobs * valid, entropy * valid
         return per_row(context, {"logprobs": logprobs, "entropy": entropy})
 

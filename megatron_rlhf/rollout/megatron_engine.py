@@ -112,6 +112,14 @@ class Decoding:
         self.done |= is_eos | (generating & (self.prompt_lengths <= pos + 1 - max_new_tokens))  # budget used
 
 
+def _last_position_logits(*, hidden_states, output_layer, output_weight, **_) -> torch.Tensor:
+    """[B, V/TP] logits of the chunk's last position only: a prefill of a long prompt would
+    otherwise project every position ([B, L, V/TP]) to keep one (megatron slices the same way
+    under its own inference mode, which this engine does not run)."""
+    logits, _ = output_layer(hidden_states[-1:], weight=output_weight)
+    return logits[0]
+
+
 class MegatronRolloutEngine(RolloutEngine):
     """Samples with `actor`, a model of section `model` (its vocabulary and length)."""
 
@@ -130,12 +138,12 @@ class MegatronRolloutEngine(RolloutEngine):
                                  dtype=model.config.params_dtype, device=chunk.device)
             recv_from_prev_pipeline_rank_(hidden)
             model.set_input_tensor(hidden)
-        out = model(chunk, positions, None, inference_context=context)
+        out = model(chunk, positions, None, inference_context=context, output_processor=_last_position_logits)
         context.sequence_len_offset += length
         if not layout.last:
             send_to_next_pipeline_rank(out.contiguous())
             return None
-        logits = out[:, -1, :].float()
+        logits = out.float()
         if layout.tp > 1:
             logits = gather_from_tensor_model_parallel_region(logits)
         tokens = self.model.token_vocab_size
