@@ -34,6 +34,13 @@ class ParallelConfig:
     # (megatron's expert groups: world / (ETP x EP x PP)).
     expert_parallel: int = 1
     expert_tensor_parallel: int | None = None
+    # CP: each sequence split over this many ranks for sequences too long for one GPU's
+    # activations (megatron-core's context parallelism, load-balanced: 2 x CP chunks, rank r
+    # holds chunks r and 2 x CP - 1 - r; docs/long_context.md). Needs Transformer Engine's
+    # attention on GPUs: megatron's local attention has none, so a CPU run refuses it. Weights
+    # are replicated over the CP ranks and their gradients reduce over data x context ranks;
+    # the data-parallel size is world / (TP x PP x CP).
+    context_parallel: int = 1
 
     @property
     def sequence_parallel_on(self) -> bool:
@@ -46,7 +53,8 @@ class ParallelConfig:
         """The layout against the model's shape and the world size; returns the data-parallel size."""
         p = self
         for name, value in {"parallel.tensor_parallel": p.tensor_parallel,
-                            "parallel.pipeline_parallel": p.pipeline_parallel}.items():
+                            "parallel.pipeline_parallel": p.pipeline_parallel,
+                            "parallel.context_parallel": p.context_parallel}.items():
             if value < 1:
                 raise ConfigError(f"{name}={value}: must be >= 1")
         if p.backend not in ("auto", "nccl", "gloo"):
@@ -85,13 +93,14 @@ class ParallelConfig:
             raise ConfigError(
                 f"parallel.pipeline_parallel={pp}: does not divide model.num_layers={m.num_layers}"
             )
-        if world_size is not None and world_size % (tp * pp):
+        cp = p.context_parallel
+        if world_size is not None and world_size % (tp * pp * cp):
             raise ConfigError(
-                f"parallel.tensor_parallel={tp} x parallel.pipeline_parallel={pp} = {tp * pp} does not "
-                f"divide the world size {world_size}; launch a multiple of TP*PP processes"
+                f"parallel.tensor_parallel={tp} x parallel.pipeline_parallel={pp} x parallel.context_parallel={cp} "
+                f"= {tp * pp * cp} does not divide the world size {world_size}; launch a multiple of TP*PP*CP processes"
             )
         self._check_experts(m, world_size)
-        return (world_size or tp * pp) // (tp * pp)
+        return (world_size or tp * pp * cp) // (tp * pp * cp)
 
     @property
     def expert_tensor_parallel_size(self) -> int:
