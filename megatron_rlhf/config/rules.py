@@ -49,6 +49,10 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
         raise ConfigError(f"rollout.engine_cpus={list(cfg.rollout.engine_cpus)} with rollout.engine="
                           f"{cfg.rollout.engine}: only the vLLM engine runs in a process of its own to pin; "
                           "remove rollout.engine_cpus or set rollout.engine=vllm")
+    if cfg.parallel.context_parallel > 1 and cfg.rollout.engine == "megatron" and "rl" in cfg.pipeline.stages:
+        raise ConfigError(f"parallel.context_parallel={cfg.parallel.context_parallel} with rollout.engine=megatron: "
+                          "the in-place engine decodes on the training layout, and megatron's inference has no "
+                          "context parallelism; set rollout.engine=vllm for context-parallel RL")
     # rl.routing_replay=rollout with vLLM on a machine without CUDA: refused when the engine starts
     # (VLLMRolloutEngine), not here, where a GPU job is often validated on a login node without one
     check_pipeline(cfg)

@@ -94,6 +94,10 @@ class ParallelConfig:
                 f"parallel.pipeline_parallel={pp}: does not divide model.num_layers={m.num_layers}"
             )
         cp = p.context_parallel
+        if cp > 1 and m.num_experts:
+            raise ConfigError(f"parallel.context_parallel={cp} with model.num_experts={m.num_experts}: context "
+                              "parallelism with expert layers (routing replay, the routers' load-balancing counts "
+                              "over split sequences) is not built yet; set parallel.context_parallel=1")
         if world_size is not None and world_size % (tp * pp * cp):
             raise ConfigError(
                 f"parallel.tensor_parallel={tp} x parallel.pipeline_parallel={pp} x parallel.context_parallel={cp} "

@@ -20,7 +20,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer import TransformerConfig
 
 from megatron_rlhf import parallel
-from megatron_rlhf.config import ModelConfig
+from megatron_rlhf.config import ConfigError, ModelConfig
 
 
 def transformer_engine_available() -> bool:
@@ -33,6 +33,13 @@ def transformer_engine_available() -> bool:
     return True
 
 
+# A core attention with context parallelism for the CPU spec. None ships: megatron's local
+# attention has none (context parallelism is Transformer Engine's), so a CPU run with
+# parallel.context_parallel > 1 is refused. The tests set a reference one
+# (tests/workers/context_parallel_attention.py) to run the CP code paths around it end to end.
+cpu_context_parallel_attention = None
+
+
 def layer_spec(m: ModelConfig, config: TransformerConfig):
     """The decoder's spec for this pipeline stage: Transformer Engine's modules on GPU, else
     megatron-core's local modules with SDPA core attention and an RMSNorm that allows sequence
@@ -41,10 +48,17 @@ def layer_spec(m: ModelConfig, config: TransformerConfig):
 
     # megatron's block spec: a dense or an expert layer each (config.moe_layer_freq), this stage's only
     te = transformer_engine_available()
+    cp_attention = cpu_context_parallel_attention if config.context_parallel_size > 1 else None
+    if config.context_parallel_size > 1 and not te and cp_attention is None:
+        raise ConfigError(f"parallel.context_parallel={config.context_parallel_size}: context parallelism runs in "
+                          "Transformer Engine's attention on GPUs; megatron's local attention (this machine has no "
+                          "GPU or no Transformer Engine) has none. Set parallel.context_parallel=1, or run on GPU "
+                          "nodes with Transformer Engine installed")
     block = gpt_layer_specs.get_gpt_decoder_block_spec(config, use_transformer_engine=te, normalization="RMSNorm")
     if te:
         return block
-    return dataclasses.replace(block, layer_specs=[cpu_modules(spec) for spec in block.layer_specs], layer_norm=RMSNorm)
+    return dataclasses.replace(block, layer_specs=[cpu_modules(spec, cp_attention) for spec in block.layer_specs],
+                               layer_norm=RMSNorm)
 
 
 def local_layer_spec(m: ModelConfig):
@@ -70,9 +84,10 @@ class RMSNorm(torch.nn.RMSNorm):
         self.weight.sequence_parallel = config.sequence_parallel
 
 
-def cpu_modules(spec):
-    """A local-spec transformer layer with torch's SDPA as its core attention (models/attention.py)
-    and RMSNorm in place of megatron's torch norm wrapper; every other module is the local spec's."""
+def cpu_modules(spec, core_attention=None):
+    """A local-spec transformer layer with torch's SDPA as its core attention (models/attention.py;
+    or `core_attention`) and RMSNorm in place of megatron's torch norm wrapper; every other module
+    is the local spec's."""
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
     from megatron_rlhf.models.attention import SDPADotProductAttention
@@ -83,7 +98,7 @@ def cpu_modules(spec):
     layer = spec.submodules
     attention = layer.self_attention
     attention = dataclasses.replace(attention, submodules=dataclasses.replace(
-        attention.submodules, core_attention=SDPADotProductAttention,
+        attention.submodules, core_attention=core_attention or SDPADotProductAttention,
         q_layernorm=norm(attention.submodules.q_layernorm), k_layernorm=norm(attention.submodules.k_layernorm)))
     return dataclasses.replace(spec, submodules=dataclasses.replace(
         layer, self_attention=attention, input_layernorm=norm(layer.input_layernorm),
@@ -110,6 +125,7 @@ def transformer_config(m: ModelConfig, per_token_loss: bool = False, routes: boo
         calculate_per_token_loss=per_token_loss,
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
+        context_parallel_size=parallel_state.get_context_parallel_world_size(),
         sequence_parallel=sequence_parallel,
         # Stages exchange each microbatch's shape first: microbatches are cut to their longest
         # row and sized by a token budget (Role._run), so shapes vary within a batch.

@@ -10,6 +10,8 @@ from itertools import accumulate
 
 import torch
 
+from megatron_rlhf.parallel.context import SHARE_KEY, gather_sequence
+
 Batch = dict[str, torch.Tensor]
 
 
@@ -92,7 +94,8 @@ def to_width(x: torch.Tensor, width: int) -> torch.Tensor:
 
 def pad_for_sequence_parallel(microbatches: list[Batch], tp: int) -> list[Batch]:
     """Each microbatch's sequence-shaped tensors ([b, S, ...]) padded with zeros to a multiple of
-    the TP size: sequence parallelism splits the sequence evenly over the TP ranks. The padding
+    `tp`: sequence parallelism splits the sequence evenly over the TP ranks (context parallelism
+    into 2 x CP chunks: parallel.context.column_multiple is passed then). The padding
     sits after every row's end, where a causal model's real positions do not look and every
     loss and output mask is 0 (a batch without `lengths` gets them: its rows end at the old width)."""
     out = []
@@ -103,8 +106,8 @@ def pad_for_sequence_parallel(microbatches: list[Batch], tp: int) -> list[Batch]
             out.append(mb)
             continue
         if "attention_mask" in mb:
-            raise ValueError(f"a batch with an explicit attention_mask of width {width} under sequence parallelism "
-                             f"needs a width divisible by the tensor-parallel size {tp}")
+            raise ValueError(f"a batch with an explicit attention_mask of width {width} under sequence or context "
+                             f"parallelism needs a width divisible by {tp} (TP, x 2 x CP with context parallelism)")
         padded = {k: torch.nn.functional.pad(v, (0, 0) * (v.dim() - 2) + (0, extra))
                   if v.dim() >= 2 and v.size(1) == width else v for k, v in mb.items()}
         if "lengths" not in mb:
@@ -132,35 +135,46 @@ def loss_units(loss_fn: Callable, batch: Batch, output_shapes: dict[str, torch.S
 PACKED_KEYS = ("packed_tokens", "packed_positions", "packed_has_next", "cu_seqlens")
 
 
-def pack_rows(mb: Batch, multiple: int = 1) -> Batch:
+def pack_rows(mb: Batch, multiple: int = 1, sequence_multiple: int = 1) -> Batch:
     """The microbatch `mb` (rows with `lengths`, already cut to its longest row) plus its rows
-    packed into one: `packed_tokens` [1, T] (each row's real tokens back to back, zeros after
-    them to a multiple of `multiple`: the TP size under sequence parallelism), `packed_positions`
-    [1, T] (restarting at 0 per row), `packed_has_next` [1, T] bool (the token has a next token
-    of its own row: a next-token target never crosses into the next row) and `cu_seqlens` int32
-    (the n rows' boundaries [n + 1], then the padding, if any, as a sequence of its own, so that
+    packed into one: `packed_tokens` [1, T] (each row's real tokens back to back, each row's
+    room padded with zeros to a multiple of `sequence_multiple`: 2 x CP under context
+    parallelism, which splits every sequence into 2 x CP chunks; then zeros to a multiple of
+    `multiple`: the split's columns, parallel.context.column_multiple), `packed_positions` [1, T]
+    (restarting at 0 per row), `packed_has_next` [1, T] bool (the token has a next token of its
+    own row: a next-token target never crosses into the next row) and `cu_seqlens` int32 (the n
+    rows' rooms' boundaries [n + 1], then the padding, if any, as a sequence of its own, so that
     cu_seqlens[-1] == T as THD RoPE and attention expect; never an empty sequence, which TE's
-    kernels need not accept). The row tensors stay: the outputs are
-    unpacked to them (unpack_rows), so loss functions see the same microbatch as without packing."""
+    kernels need not accept). With rooms larger than rows, `cu_seqlens_real` holds the real
+    lengths' boundaries (TE's cu_seqlens_q beside cu_seqlens_q_padded). The row tensors stay:
+    the outputs are unpacked to them (unpack_rows), so loss functions see the same microbatch
+    as without packing."""
     tokens, lengths = mb["tokens"], mb["lengths"]
-    real = real_positions(lengths, tokens.size(1)).bool()
-    packed = tokens[real]  # row-major: row 0's tokens, then row 1's, ...
-    total = packed.numel() + (-packed.numel() % multiple)
-    extra = total - packed.numel()
-    positions = torch.arange(tokens.size(1), device=tokens.device).expand_as(tokens)
-    has_next = real_positions(lengths, tokens.size(1), offset=1).bool()
-    pad = tokens.new_zeros(extra)
-    ends = [lengths.new_zeros(1), lengths.cumsum(0)] + ([lengths.new_full((1,), total)] if extra else [])
-    cu_seqlens = torch.cat(ends).to(torch.int32)
-    return {**mb, "packed_tokens": torch.cat([packed, pad])[None],
-            "packed_positions": torch.cat([positions[real], torch.arange(extra, device=tokens.device)])[None],
-            "packed_has_next": torch.cat([has_next[real], pad.bool()])[None],
-            "cu_seqlens": cu_seqlens}
+    rooms = lengths + (-lengths % sequence_multiple)
+    ends = rooms.cumsum(0)
+    used = int(ends[-1])  # one host read per microbatch: the packed row's size
+    total = used + (-used % multiple)
+    column = torch.arange(total, device=tokens.device)
+    row = torch.searchsorted(ends, column, right=True).clamp(max=lengths.numel() - 1)
+    offset = column - (ends[row] - rooms[row])
+    in_rows = column < used
+    real = in_rows & (offset < lengths[row])
+    packed = torch.where(real, tokens[row, offset.clamp(max=tokens.size(1) - 1)], tokens.new_zeros(()))
+    positions = torch.where(in_rows, offset, column - used)
+    has_next = in_rows & (offset < lengths[row] - 1)
+    boundaries = [lengths.new_zeros(1), ends] + ([lengths.new_full((1,), total)] if total > used else [])
+    out = {**mb, "packed_tokens": packed[None], "packed_positions": positions[None], "packed_has_next": has_next[None],
+           "cu_seqlens": torch.cat(boundaries).to(torch.int32)}
+    if sequence_multiple > 1:
+        real_ends = lengths.cumsum(0)
+        extra = [real_ends[-1:] + (total - used)] if total > used else []
+        out["cu_seqlens_real"] = torch.cat([lengths.new_zeros(1), real_ends, *extra]).to(torch.int32)
+    return out
 
 
-def pack_microbatches(microbatches: list[Batch], multiple: int = 1) -> list[Batch]:
+def pack_microbatches(microbatches: list[Batch], multiple: int = 1, sequence_multiple: int = 1) -> list[Batch]:
     """pack_rows on each microbatch."""
-    return [pack_rows(mb, multiple) for mb in microbatches]
+    return [pack_rows(mb, multiple, sequence_multiple) for mb in microbatches]
 
 
 def max_sequence_length(mb: Batch) -> int:
@@ -181,13 +195,18 @@ def unpack_rows(packed: torch.Tensor, mb: Batch) -> torch.Tensor:
 
 def last_tokens(packed: torch.Tensor, mb: Batch) -> torch.Tensor:
     """Per-token `packed` [T] or [1, T] -> [rows]: each row's value at its last token."""
-    return packed.reshape(-1)[(mb["cu_seqlens"][1:mb["lengths"].numel() + 1].long() - 1).clamp(min=0)]
+    lengths = mb["lengths"]
+    return packed.reshape(-1)[(mb["cu_seqlens"][:lengths.numel()].long() + lengths - 1).clamp(min=0)]
 
 
 def next_token_targets(context: Batch) -> tuple[torch.Tensor, torch.Tensor]:
     """(targets, valid) [s, b] for the model's input rows (the packed row when packed): each
     token's next token, and 1.0 where it has one (0 at the last column, from `lengths - 1` on,
-    and at each packed row's last token, so a target never crosses into the next sequence)."""
+    and at each packed row's last token, so a target never crosses into the next sequence).
+    Under context parallelism, this rank's share of them (computed whole before the split:
+    parallel/context.py)."""
+    if "cp_targets" in context:
+        return context["cp_targets"].t(), context["cp_valid"].t()
     if "packed_tokens" in context:
         tokens, valid = context["packed_tokens"].t(), context["packed_has_next"].t().float()
     else:
@@ -199,9 +218,17 @@ def next_token_targets(context: Batch) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.cat([tokens[1:], torch.zeros_like(tokens[:1])]), valid
 
 
+def whole_sequence(x: torch.Tensor, context: Batch, dim: int) -> torch.Tensor:
+    """Per-token `x` of the model's input rows along `dim`: under context parallelism this rank's
+    share, gathered whole over the CP ranks (parallel/context.py); else `x` itself."""
+    share = context.get(SHARE_KEY)
+    return x if share is None else gather_sequence(x, dim, share)
+
+
 def per_row(context: Batch, outputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Per-token outputs [s, b] of the model's input rows -> [b, s] of the microbatch's rows
-    (unpacked when the microbatch was packed)."""
+    (gathered whole under context parallelism, unpacked when the microbatch was packed)."""
+    outputs = {k: whole_sequence(v, context, 0) for k, v in outputs.items()}
     if "packed_tokens" in context:
         return {k: unpack_rows(v, context) for k, v in outputs.items()}
     return {k: v.t() for k, v in outputs.items()}

@@ -34,7 +34,7 @@ from megatron_rlhf.models.gpt import build_model
 from megatron_rlhf.models.lora import adapters_disabled, apply_lora
 from megatron_rlhf.models.microbatches import (
     Batch, last_tokens, max_sequence_length, next_token_targets, pack_microbatches, pad_for_sequence_parallel,
-    per_row, real_positions, split_microbatches, to_width, trim_padding, unpack_rows,
+    per_row, real_positions, split_microbatches, to_width, trim_padding, unpack_rows, whole_sequence,
 )
 from megatron_rlhf.models.optimizer import build_optimizer, build_scheduler, wrap_ddp
 from megatron_rlhf.models.role_experts import ExpertRouting
@@ -42,6 +42,7 @@ from megatron_rlhf.models.routing import RoutingReplay
 from megatron_rlhf.models.vocab_parallel import (
     chunked_logprobs_and_entropy, mask_padded_vocab, vocab_parallel_logprobs_and_entropy,
 )
+from megatron_rlhf.parallel import context as context_parallel
 from megatron_rlhf.parallel import device
 from megatron_rlhf.parallel.collectives import dp_max, dp_sum
 from megatron_rlhf.resilience.faults import FAULTS
@@ -73,11 +74,32 @@ def broadcast_from_last_stage(tensors: dict[str, torch.Tensor], like: dict[str, 
 
 def packed_options(mb: Batch) -> dict:
     """The model's keyword arguments for a packed microbatch (pack_rows): megatron's THD
-    PackedSeqParams; the SDPA core attention (CPU) and TE's attention (GPU) read the same."""
+    PackedSeqParams; the SDPA core attention (CPU) and TE's attention (GPU) read the same. Rows
+    packed in rooms larger than themselves (context parallelism) give TE both boundaries."""
     longest = max_sequence_length(mb)
-    return {"packed_seq_params": PackedSeqParams(qkv_format="thd", cu_seqlens_q=mb["cu_seqlens"],
-                                                 cu_seqlens_kv=mb["cu_seqlens"], max_seqlen_q=longest,
-                                                 max_seqlen_kv=longest)}
+    real, padded = mb.get("cu_seqlens_real"), mb["cu_seqlens"]
+    rooms = {} if real is None else {"cu_seqlens_q_padded": padded, "cu_seqlens_kv_padded": padded}
+    boundaries = padded if real is None else real
+    return {"packed_seq_params": PackedSeqParams(qkv_format="thd", cu_seqlens_q=boundaries, cu_seqlens_kv=boundaries,
+                                                 max_seqlen_q=longest, max_seqlen_kv=longest, **rooms)}
+
+
+def context_share(mb: Batch, cp: int, rank: int) -> Batch:
+    """The microbatch `mb` (padded or packed for CP: models/microbatches.py) plus this CP rank's
+    share of what the model reads (`cp_tokens`, `cp_positions`) and of the next-token targets,
+    computed whole first (`cp_targets`, `cp_valid`): parallel/context.py."""
+    if "attention_mask" in mb:
+        raise ValueError("context parallelism splits each sequence over the CP ranks; a batch with an explicit "
+                         "attention_mask cannot be split that way (set parallel.context_parallel=1)")
+    targets, valid = next_token_targets(mb)
+    if "packed_tokens" in mb:
+        tokens, positions, cu_seqlens = mb["packed_tokens"], mb["packed_positions"], mb["cu_seqlens"]
+    else:
+        tokens = mb["tokens"]
+        positions = torch.arange(tokens.size(1), device=tokens.device).expand_as(tokens)
+        cu_seqlens = torch.tensor([0, tokens.size(1)], dtype=torch.int32, device=tokens.device)
+    whole = {"cp_tokens": tokens, "cp_positions": positions, "cp_targets": targets.t(), "cp_valid": valid.t()}
+    return context_parallel.split_microbatch({**mb, **whole}, {k: k for k in whole}, cu_seqlens, cp, rank)
 
 
 def summed(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -238,6 +260,8 @@ class Role(ExpertRouting):
         options = {"padding_mask": padding} if padding is not None else {}
         if "packed_tokens" in mb:  # the rows as one THD row: positions restart per row
             tokens, position_ids, options = mb["packed_tokens"], mb["packed_positions"], packed_options(mb)
+        if context_parallel.SHARE_KEY in mb:  # this CP rank's share of the row(s)
+            tokens, position_ids = mb["cp_tokens"], mb["cp_positions"]
         routed = self._route(mb)
         meter = SavedActivations(self.module.parameters()) if self._meter is not None else nullcontext()
         with meter:
@@ -257,7 +281,8 @@ class Role(ExpertRouting):
             # int32: megatron adds it in place to its own int32 counter (a float raises there).
             units = units.to(torch.int32)
             stats = {k: v.detach().clone() for k, v in {"loss": loss, **stats}.items()}  # clone: kept past backward
-            return loss, units, {**stats, "units": units}
+            # every CP rank computed the whole-sequence loss: megatron counts its units once
+            return loss, context_parallel.units_share(units, self._cp_rank), {**stats, "units": units}
 
         return out, loss_func
 
@@ -274,14 +299,19 @@ class Role(ExpertRouting):
         if "lengths" in batch and "attention_mask" not in batch:
             microbatches = trim_padding(microbatches)  # no compute on the padding past each one's longest row
         tp = parallel_state.get_tensor_model_parallel_world_size()
+        cp, self._cp_rank = context_parallel.size(), parallel_state.get_context_parallel_rank()
+        # sequence parallelism splits each row (or the packed row) evenly over the TP ranks, context
+        # parallelism each sequence into 2 x CP chunks
+        multiple = context_parallel.column_multiple(cp, tp, self.module.config.sequence_parallel)
         if self.packing:
             if "lengths" not in batch or "attention_mask" in batch or self._has_experts:
                 raise ValueError(f"{type(self).__name__}: packed sequences need a batch with `lengths`, no explicit "
                                  "attention_mask, and a dense model (MoE routing is not packed yet)")
-            # sequence parallelism splits the packed row evenly over the TP ranks
-            microbatches = pack_microbatches(microbatches, tp if self.module.config.sequence_parallel else 1)
-        elif self.module.config.sequence_parallel:
-            microbatches = pad_for_sequence_parallel(microbatches, tp)
+            microbatches = pack_microbatches(microbatches, multiple, sequence_multiple=2 * cp if cp > 1 else 1)
+        elif multiple > 1:
+            microbatches = pad_for_sequence_parallel(microbatches, multiple)
+        if cp > 1:
+            microbatches = [context_share(mb, cp, self._cp_rank) for mb in microbatches]
         self._microbatches = len(microbatches)
         try:
             return get_forward_backward_func()(
@@ -444,7 +474,7 @@ class Critic(Role):
         super().__init__(model_config, trainable, **training)
 
     def outputs(self, *, hidden_states, output_layer, context, **_):
-        values = output_layer(hidden_states)  # [b, s]
+        values = whole_sequence(output_layer(hidden_states), context, 1)  # [b, s]
         if "packed_tokens" in context:  # one packed row: back to the rows, 0 past each
             return {"values": unpack_rows(values, context)}
         if "lengths" in context:  # 0 past the sequence, whatever the batch's width
@@ -472,7 +502,7 @@ class RewardModel(Role):
         self.reward_mean, self.reward_std = state.get("reward_mean", 0.0), state.get("reward_std", 1.0)
 
     def outputs(self, *, hidden_states, output_layer, context, **_):
-        values = output_layer(hidden_states)  # [b, s]
+        values = whole_sequence(output_layer(hidden_states), context, 1)  # [b, s]
         if "packed_tokens" in context:
             raw = last_tokens(values, context)
         else:

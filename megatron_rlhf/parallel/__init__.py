@@ -136,6 +136,7 @@ def initialize(p: ParallelConfig, seed: int) -> DistEnv:
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=p.tensor_parallel,
             pipeline_model_parallel_size=p.pipeline_parallel,
+            context_parallel_size=p.context_parallel,
             expert_model_parallel_size=p.expert_parallel,
             expert_tensor_parallel_size=p.expert_tensor_parallel_size,
         )

@@ -167,6 +167,16 @@ def _sliding_window_causal_mask(sq: int, skv: int, window_size) -> torch.Tensor:
     return ~visible_keys(sq, skv, tuple(window_size))
 
 
+def _pos_emb_on_this_cp_rank(pos_emb: torch.Tensor, seq_dim: int, cp_group) -> torch.Tensor:
+    """megatron's get_pos_emb_on_this_cp_rank (rope_utils.py:48) with its chunk index on the
+    embedding's device: megatron pins it in host memory and moves it with .cuda(). The same
+    load-balanced pick of chunks r and 2 x CP - 1 - r."""
+    cp, rank = cp_group.size(), cp_group.rank()
+    chunks = pos_emb.view(*pos_emb.shape[:seq_dim], 2 * cp, -1, *pos_emb.shape[seq_dim + 1:])
+    mine = chunks.index_select(seq_dim, torch.tensor([rank, 2 * cp - rank - 1], device=pos_emb.device))
+    return mine.view(*pos_emb.shape[:seq_dim], -1, *pos_emb.shape[seq_dim + 1:])
+
+
 def _one_rank_is_identity(collective):
     """megatron's DistributedOptimizer reduce-scatters the whole gradient buffer and all-gathers
     the whole parameter buffer every step, also over a one-rank data-parallel group (DP=1), where
@@ -274,6 +284,12 @@ def apply() -> bool:
     fused_softmax.get_sliding_window_causal_mask = _sliding_window_causal_mask
     schedules.forward_step = _without_mode(schedules.forward_step)
     schedules.backward_step = _without_mode(schedules.backward_step)
+
+    # RoPE's share of a context-parallel rank (runs inside model compute, outside the mode).
+    from megatron.core.models.common.embeddings import rope_utils, rotary_pos_embedding
+
+    rope_utils.get_pos_emb_on_this_cp_rank = _pos_emb_on_this_cp_rank
+    rotary_pos_embedding.get_pos_emb_on_this_cp_rank = _pos_emb_on_this_cp_rank
 
     # One-rank reduce-scatter / all-gather of the DP=1 DistributedOptimizer: nothing to move.
     from megatron.core.distributed import param_and_grad_buffer as buffers

@@ -32,7 +32,7 @@ from megatron.core.inference.communication_utils import (
 from megatron.core.inference.contexts import StaticInferenceContext
 from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
 
-from megatron_rlhf.config import ModelConfig
+from megatron_rlhf.config import ConfigError, ModelConfig
 from megatron_rlhf.models.gpt import sequence_parallel_disabled
 from megatron_rlhf.models.microbatches import padding_positions
 from megatron_rlhf.parallel import cpu, device
@@ -124,6 +124,11 @@ class MegatronRolloutEngine(RolloutEngine):
     """Samples with `actor`, a model of section `model` (its vocabulary and length)."""
 
     def __init__(self, model: ModelConfig, actor, eos_id: int, pad_id: int):
+        if ps.model_parallel_is_initialized() and ps.get_context_parallel_world_size() > 1:
+            raise ConfigError(f"parallel.context_parallel={ps.get_context_parallel_world_size()} with "
+                              "rollout.engine=megatron: the in-place engine decodes on the training layout, and "
+                              "megatron's inference has no context parallelism; set rollout.engine=vllm (its own "
+                              "layout, rollout.tensor_parallel) for context-parallel training")
         self.model, self.actor, self.eos_id, self.pad_id = model, actor, eos_id, pad_id
 
     def _next_token_logits(self, chunk: torch.Tensor, positions: torch.Tensor, context,

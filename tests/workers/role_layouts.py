@@ -206,7 +206,12 @@ def packed_outputs(roles, batch) -> dict:
 
 
 def check_layout(args, cfg, layout: str) -> None:
+    from megatron_rlhf.models import gpt
+    from workers.context_parallel_attention import ContextParallelSDPA
+
     rank = torch.distributed.get_rank()
+    # context parallelism on CPU: the reference attention (megatron's local one has none)
+    gpt.cpu_context_parallel_attention = ContextParallelSDPA if cfg.parallel.context_parallel > 1 else None
     if layout == "init":
         roles = {name: cls(cfg.model) if name == "reference" else cls(cfg.model, **training_of(cfg))
                  for name, cls in ROLES.items()}
