@@ -20,8 +20,13 @@ BASE = "tp1pp1dp1"
 # (TP, PP, processes[, overrides]). TP > 1 runs with sequence parallelism (parallel.sequence_parallel:
 # auto); one TP2 layout without it keeps the replicated-activation path checked too.
 NO_SP = ["parallel.sequence_parallel=false"]
+# Context parallelism (CP2) through the tests' reference CP attention (tests/workers/
+# context_parallel_attention.py; CPU runs refuse CP otherwise): alone, with TP2 + sequence
+# parallelism and with PP2. rollout.engine=vllm: CP refuses the in-place engine.
+CP2 = ["parallel.context_parallel=2", "rollout.engine=vllm"]
 LAYOUTS = {"tp2pp1dp1": (2, 1, 2), "tp1pp2dp1": (1, 2, 2), "tp2pp2dp1": (2, 2, 4), "tp1pp1dp2": (1, 1, 2),
-           "tp2pp1dp1_nosp": (2, 1, 2, NO_SP)}
+           "tp2pp1dp1_nosp": (2, 1, 2, NO_SP), "tp1pp1cp2": (1, 1, 2, CP2), "tp2pp1cp2": (2, 1, 4, CP2),
+           "tp1pp2cp2": (1, 2, 4, CP2)}
 ATOL = 1e-5
 GRAD_RTOL = 1e-6  # of the largest gradient entry: float32 rounding, while a split-dependent
 #                   weighting of tokens moves gradients by percents
@@ -88,7 +93,7 @@ def test_tensor_parallel_layouts_run_with_sequence_parallelism_unless_switched_o
     """The layouts below compare what they claim: auto turns sequence parallelism on at TP > 1."""
     _, results = runs
     for layout, (tp, _, _, *overrides) in LAYOUTS.items():
-        want = tp > 1 and not overrides
+        want = tp > 1 and not (overrides and NO_SP[0] in overrides[0])
         assert set(results[layout]["sequence_parallel"].values()) == {want}, layout
 
 

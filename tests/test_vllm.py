@@ -29,6 +29,24 @@ LAYOUTS = {"tp1": (1, []), "tp2pp2": (4, ["parallel.tensor_parallel=2", "paralle
            "moe": (1, MOE)}
 
 
+def test_vllm_with_context_parallelism_samples_once_per_replica(tmp_path):
+    """parallel.context_parallel=2 (the tests' reference CP attention on CPU): only CP rank 0's
+    engine starts and is refit; both CP ranks train on its rollout bit for bit; the
+    context-parallel actor recomputes vLLM's log-probs of it; and the second refit took."""
+    torchrun(2, "tests/workers/vllm_parity.py", "--root", str(tmp_path), "--layout", "cp2", *MODEL,
+             "parallel.context_parallel=2", "rollout.engine=vllm")
+    res = torch.load(tmp_path / "vllm_cp2.pt", weights_only=False)
+    assert res["engines"] == 1
+    for out in res["rounds"]:
+        assert out["same_on_every_rank"]
+        s = out["vllm_sampled"]
+        mask = (torch.arange(s["tokens"].size(1)) >= s["prompt_lengths"][:, None] - 1) & \
+               (torch.arange(s["tokens"].size(1)) < s["lengths"][:, None] - 1)
+        assert mask.sum() > 20
+        assert (s["logprobs"] * mask - out["recomputed"]).abs().max() < 1e-4
+    assert not torch.equal(res["rounds"][0]["vllm_greedy"]["tokens"], res["rounds"][1]["vllm_greedy"]["tokens"])
+
+
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_vllm_generates_as_the_megatron_engine_across_refits(tmp_path, layout):
     nproc, parallel = LAYOUTS[layout]

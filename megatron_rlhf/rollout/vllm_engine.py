@@ -214,7 +214,11 @@ class VLLMRolloutEngine(RolloutEngine):
         self.returns_routes = moe_actor and (routes if routes is not None else engine_returns_routes("vllm"))
         self.plan = RefitPlan.build(actor.module, model)
         self.expected = expected_hf_shapes(model)
-        self.is_engine_rank = dist.get_rank() == self.plan.engine_rank
+        # Context parallelism: the CP ranks hold the same weights and train on the same rows, so
+        # only CP rank 0's model-parallel group runs an engine and refits it; the other CP ranks
+        # get its rollouts (_broadcast over the CP group), never an engine's own samples.
+        self.cp_rank = ps.get_context_parallel_rank()
+        self.is_engine_rank = dist.get_rank() == self.plan.engine_rank and self.cp_rank == 0
         self.llm, self.stale, self.asleep, self.last_refit, self.last_sleep = None, True, False, {}, {}
         self.reaper, self.timeout = None, rollout.engine_timeout_seconds
         self.transport, self._broadcast_refit = refit_transport(rollout), None
@@ -251,7 +255,9 @@ class VLLMRolloutEngine(RolloutEngine):
                     self._rpc("refit_begin", {k: list(v) for k, v in self.expected.items()})
             except Exception as e:  # noqa: BLE001
                 error = e
-        for bucket in stream_hf_weights(self.actor.module, self.model, self.plan, self.rollout.refit_bucket_bytes):
+        buckets = (stream_hf_weights(self.actor.module, self.model, self.plan, self.rollout.refit_bucket_bytes)
+                   if self.cp_rank == 0 else ())  # the other CP ranks' weights are copies (see __init__)
+        for bucket in buckets:
             if error is None:  # after an error, keep receiving so the sending stages are not left waiting
                 try:
                     sent += self._send_bucket(bucket)
@@ -332,7 +338,12 @@ class VLLMRolloutEngine(RolloutEngine):
                            raise_as=lambda e: EngineError(f"the vLLM engine failed to generate: {self.watch.explain(e)}")):
             if self.is_engine_rank:
                 rollout = self._to_rollout(prompts, submitted.pending.wait(self.timeout), dev)
-        rollout = self._broadcast(rollout, len(prompts), dev)
+        if self.cp_rank == 0:
+            rollout = self._broadcast(rollout, len(prompts), dev, ps.get_model_parallel_group(), self.plan.engine_rank)
+        if ps.get_context_parallel_world_size() > 1:  # CP rank 0's rollout on every CP rank (see __init__)
+            cp_group = ps.get_context_parallel_group()
+            rollout = self._broadcast(rollout if self.cp_rank == 0 else None, len(prompts), dev, cp_group,
+                                      dist.get_process_group_ranks(cp_group)[0])
         if rollout.routes is not None:  # every MoE layer's came: this stage keeps its own
             rollout = dataclasses.replace(rollout, routes=stage_routes(rollout.routes, self.actor.routes, self.model))
         return rollout
@@ -393,13 +404,13 @@ class VLLMRolloutEngine(RolloutEngine):
         return Rollout(tokens.to(dev), torch.tensor([len(p) for p in prompts]).to(dev), lengths.to(dev),
                        logprobs.to(dev), finished.to(dev), routes)
 
-    def _broadcast(self, rollout: Rollout | None, batch: int, dev) -> Rollout:
-        """The engine rank's rollout on every rank of its model-parallel group."""
-        group = ps.get_model_parallel_group()
+    def _broadcast(self, rollout: Rollout | None, batch: int, dev, group, source: int) -> Rollout:
+        """The rollout of global rank `source` (None elsewhere) on every rank of `group`: the
+        engine rank's over its model-parallel group, then CP rank 0's over the CP group."""
         if dist.get_world_size(group) == 1:
             return rollout
         width = torch.tensor([rollout.tokens.size(1) if rollout is not None else 0], device=dev)
-        dist.broadcast(width, self.plan.engine_rank, group=group)
+        dist.broadcast(width, source, group=group)
         if rollout is None:
             w, m = int(width.item()), self.model
             routes = (torch.empty(batch, w, len(moe_layers(m)), m.moe_router_topk, dtype=route_dtype(m.num_experts),
@@ -415,7 +426,7 @@ class VLLMRolloutEngine(RolloutEngine):
                 continue
             # gloo has no bool broadcast, NCCL no int16 one
             wire = t.to(torch.uint8) if t.dtype == torch.bool else t.int() if t.dtype == torch.int16 else t
-            dist.broadcast(wire, self.plan.engine_rank, group=group)
+            dist.broadcast(wire, source, group=group)
             fields[name] = wire.to(t.dtype) if wire.dtype != t.dtype else wire
         return Rollout(**fields)
 

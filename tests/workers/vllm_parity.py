@@ -7,6 +7,11 @@ generate greedily with both engines (ragged prompts, an EOS that some rows hit) 
 vLLM; the actor recomputes the sampled tokens' log-probs. Round 0 uses the weights as built.
 After the rounds, refits that must fail: a corrupted bucket, a missing tensor, each followed by
 a generate() that must refuse. Results go to --out (global rank 0).
+
+With context parallelism (parallel.context_parallel=2, on CPU through the tests' reference CP
+attention) the in-place engine is refused, so each round compares what CP is about instead: CP
+rank 0's engine alone is refit and samples, every CP rank holds its rollout bit for bit, and the
+actor, running context-parallel, recomputes vLLM's log-probs of it.
 """
 
 import zlib
@@ -57,10 +62,51 @@ def run(engine, eos: int, sampling: SamplingParams, seed: int):
     return vars(engine.generate(PROMPTS, sampling, seed).to("cpu"))
 
 
+def same_on_every_rank(rollout) -> bool:
+    """Whether every rank holds the same rollout tensors (a checksum per rank, compared)."""
+    mine = torch.tensor([float(t.double().sum()) for t in vars(rollout).values() if t is not None], dtype=torch.float64)
+    every = [torch.empty_like(mine) for _ in range(torch.distributed.get_world_size())]
+    torch.distributed.all_gather(every, mine)
+    return all(torch.equal(x, every[0]) for x in every)
+
+
+def context_parallel_rounds(cfg, actor, vllm) -> dict:
+    greedy = SamplingParams(temperature=0.7, max_new_tokens=NEW, greedy=True)
+    sampled = SamplingParams(temperature=0.7, max_new_tokens=NEW)
+    res = {"rounds": [], "engines": int(vllm.is_engine_rank)}
+    for r in range(2):
+        if r:
+            perturb(actor, r)
+        vllm.update_weights()
+        s = vllm.generate(PROMPTS, sampled, seed=11 + r)
+        recomputed = actor.forward({"tokens": s.tokens, "lengths": s.lengths}, micro_batch_size=len(PROMPTS))["logprobs"]
+        res["rounds"].append({"vllm_sampled": vars(s.to("cpu")), "recomputed": (recomputed * s.response_mask()).cpu(),
+                              "same_on_every_rank": same_on_every_rank(s),
+                              "vllm_greedy": run(vllm, 1, greedy, 0)})
+    engines = torch.tensor([res["engines"]])
+    torch.distributed.all_reduce(engines)
+    res["engines"] = int(engines)
+    return res
+
+
 def main() -> None:
     args, cfg = start_layout_worker()
     torch.manual_seed(0)
+    if cfg.parallel.context_parallel > 1:
+        from megatron_rlhf.models import gpt
+        from workers.context_parallel_attention import ContextParallelSDPA
+
+        gpt.cpu_context_parallel_attention = ContextParallelSDPA
     actor = Actor(cfg.model, trainable=False, temperature=0.7)
+    if cfg.parallel.context_parallel > 1:
+        vllm = VLLMRolloutEngine(cfg.rollout, cfg.model, actor, eos_id=1, pad_id=PAD, workdir=args.root / "vllm",
+                                 seed=cfg.seed, verbose=cfg.logging.verbose)
+        res = context_parallel_rounds(cfg, actor, vllm)
+        vllm.shutdown()
+        if torch.distributed.get_rank() == 0:
+            torch.save(res, args.root / f"vllm_{args.layout}.pt")
+        parallel.destroy()
+        return
     megatron = MegatronRolloutEngine(cfg.model, actor, eos_id=1, pad_id=PAD)
     vllm = VLLMRolloutEngine(cfg.rollout, cfg.model, actor, eos_id=1, pad_id=PAD, workdir=args.root / "vllm",
                              seed=cfg.seed, verbose=cfg.logging.verbose)
