@@ -873,6 +873,7 @@ def format_table(res: dict) -> str:
     lines += vllm_lines(res.get("vllm") or {})
     lines += vllm_moe_lines(res.get("vllm_moe") or {})
     lines += vllm_separate_lines(res.get("vllm_separate") or {})
+    lines += long_context_lines(res.get("long_context") or {})
     if res.get("missing"):
         lines.append("missing: " + ", ".join(res["missing"]))
     if not gpu:
@@ -989,6 +990,58 @@ def cuda_devices(py: Path) -> int:
                           text=True, cwd=REPO)
     lines = proc.stdout.split()
     return int(lines[-1]) if proc.returncode == 0 and lines and lines[-1].isdigit() else 0
+
+
+def run_long_context(py: Path, out: Path, timeout: float, skip: bool) -> dict:
+    """5 (benchmarks/long_context_check.py): TE's THD split against ours, packed sequences through
+    TE's attention, and with 2 GPUs context parallelism (CP2 against DP2); its report, for
+    gpu_check.json's long_context. Its log is kept in `out` only when it failed (the device tool
+    brings back few files)."""
+    if skip:
+        return {"skipped": "--no-long-context"}
+    gpus = cuda_devices(py)
+    if gpus < 1:
+        return {"skipped": "no GPU visible: these paths run in Transformer Engine's attention"}
+    launcher = ([str(py), "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"] if gpus >= 2
+                else [str(py)])
+    say(f"long-context paths ({'2 GPUs: with context parallelism' if gpus >= 2 else f'{gpus} GPU: CP2 needs 2'})")
+    start = time.monotonic()
+    with tempfile.TemporaryDirectory() as work:
+        result, log_path = Path(work) / "long_context.json", Path(work) / "long_context.log"
+        with open(log_path, "w") as log:
+            try:
+                rc = subprocess.run([*launcher, str(REPO / "benchmarks" / "long_context_check.py"), "--out", str(result)],
+                                    cwd=REPO, stdout=log, stderr=subprocess.STDOUT, timeout=timeout).returncode
+            except subprocess.TimeoutExpired:
+                rc = 124
+        report = json.loads(result.read_text()) if result.exists() else {}
+        if rc != 0:
+            shutil.copy(log_path, out / "long_context.log")
+    return {**report, "exit_code": rc, "seconds": time.monotonic() - start, "gpus": gpus,
+            **({"log": "long_context.log"} if rc != 0 else {})}
+
+
+def long_context_lines(v: dict) -> list[str]:
+    """5's lines: the split, packed and CP comparisons, or why they did not run."""
+    if not v:
+        return []
+    if "skipped" in v and "exit_code" not in v:
+        return ["", f"long-context paths: skipped: {v['skipped']}"]
+    lines = ["", f"long-context paths (benchmarks/long_context_check.py, {v.get('dtype')}): exit {v.get('exit_code')} "
+                 f"in {_s(v.get('seconds'))} s, {'within' if v.get('ok') else 'NOT within'} {v.get('tolerance')}"]
+    split = v.get("split", {})
+    lines.append("  TE thd_get_partitioned_indices vs ours: " + (
+        f"skipped: {split['skipped']}" if "skipped" in split else
+        f"{split.get('cases')} cases, {'all equal' if split.get('all_equal') else 'DIFFER: ' + str(split.get('differ'))}"))
+    for part in ("packed", "cp"):
+        got = v.get(part, {})
+        if "skipped" in got:
+            lines.append(f"  {part}: skipped: {got['skipped']}")
+            continue
+        for case, d in got.items():
+            lines.append(f"  {part} {case}: max |d logprob| {d['logprobs']:.2e}, |d entropy| {d['entropy']:.2e}, "
+                         f"gradient {d['grad_rel']:.2e} of its largest entry")
+    return lines
 
 
 def run_vllm_separate(py: Path, overrides: list[str], root: Path, out: Path, timeout: float) -> dict:
@@ -1172,6 +1225,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--vllm-separate-timeout", type=float,
                     default=float(os.environ.get("GPU_CHECK_VLLM_SEPARATE_TIMEOUT", 240)),
                     help="seconds for --vllm-separate's PPO run (env GPU_CHECK_VLLM_SEPARATE_TIMEOUT; default 240)")
+    ap.add_argument("--no-long-context", action="store_true",
+                    help="skip the long-context paths (benchmarks/long_context_check.py: TE's THD split, packed "
+                         "sequences through TE's attention, and CP2 when the machine has 2 GPUs)")
+    ap.add_argument("--long-context-timeout", type=float, default=float(os.environ.get("GPU_CHECK_LONG_CONTEXT_TIMEOUT", 180)),
+                    help="seconds for the long-context paths (env GPU_CHECK_LONG_CONTEXT_TIMEOUT; default 180)")
     ap.add_argument("--run-root", default=None, help="run root (default: a new temporary folder, removed after)")
     ap.add_argument("--keep-run", action="store_true", help="keep the temporary run root")
     ap.add_argument("--cpu", action="store_true", help="accept a torch without a GPU (tests this script on CPU)")
@@ -1255,7 +1313,9 @@ def main(argv: list[str] | None = None) -> int:
     vllm_moe = run_vllm_moe(py, given, root, out, args.vllm_moe_timeout) if args.vllm_moe and not args.no_moe else None
     vllm_separate = (run_vllm_separate(py, overrides, root, out, args.vllm_separate_timeout)
                      if args.vllm_separate else None)
+    long_context = run_long_context(py, out, args.long_context_timeout, args.no_long_context)
     res = collect(run_dir)
+    res["long_context"] = long_context
     if vllm_moe is not None:
         res["vllm_moe"] = vllm_moe
     if vllm_separate is not None:
@@ -1289,6 +1349,9 @@ def main(argv: list[str] | None = None) -> int:
     if vllm_separate is not None and vllm_separate.get("exit_code") not in (None, 0):
         failed.append(f"the separate-placement vLLM run exited {vllm_separate['exit_code']} "
                       f"(log: {out / 'gpu_check_vllm_separate.log'})")
+    if long_context.get("exit_code") not in (None, 0):
+        outcome = "are not within tolerance" if long_context["exit_code"] == 1 else f"exited {long_context['exit_code']}"
+        failed.append(f"the long-context paths {outcome} (log: {out / 'long_context.log'}; gpu_check.json: long_context)")
     if vllm_run.get("exit_code") not in (None, 0):
         failed.append(f"the vLLM rollout path {run_state(res['vllm'])} (log: {out / 'gpu_check_vllm.log'})")
     for line in failed:

@@ -10,7 +10,9 @@ from itertools import accumulate
 
 import torch
 
-from megatron_rlhf.parallel.context import SHARE_KEY, gather_sequence
+from megatron.core.packed_seq_params import PackedSeqParams
+
+from megatron_rlhf.parallel.context import SHARE_KEY, gather_sequence, split_microbatch
 
 Batch = dict[str, torch.Tensor]
 
@@ -232,3 +234,33 @@ def per_row(context: Batch, outputs: dict[str, torch.Tensor]) -> dict[str, torch
     if "packed_tokens" in context:
         return {k: unpack_rows(v, context) for k, v in outputs.items()}
     return {k: v.t() for k, v in outputs.items()}
+
+
+def packed_options(mb: Batch) -> dict:
+    """The model's keyword arguments for a packed microbatch (pack_rows): megatron's THD
+    PackedSeqParams; the SDPA core attention (CPU) and TE's attention (GPU) read the same. Rows
+    packed in rooms larger than themselves (context parallelism) give TE both boundaries."""
+    longest = max_sequence_length(mb)
+    real, padded = mb.get("cu_seqlens_real"), mb["cu_seqlens"]
+    rooms = {} if real is None else {"cu_seqlens_q_padded": padded, "cu_seqlens_kv_padded": padded}
+    boundaries = padded if real is None else real
+    return {"packed_seq_params": PackedSeqParams(qkv_format="thd", cu_seqlens_q=boundaries, cu_seqlens_kv=boundaries,
+                                                 max_seqlen_q=longest, max_seqlen_kv=longest, **rooms)}
+
+
+def context_share(mb: Batch, cp: int, rank: int) -> Batch:
+    """The microbatch `mb` (padded or packed for CP: models/microbatches.py) plus this CP rank's
+    share of what the model reads (`cp_tokens`, `cp_positions`) and of the next-token targets,
+    computed whole first (`cp_targets`, `cp_valid`): parallel/context.py."""
+    if "attention_mask" in mb:
+        raise ValueError("context parallelism splits each sequence over the CP ranks; a batch with an explicit "
+                         "attention_mask cannot be split that way (set parallel.context_parallel=1)")
+    targets, valid = next_token_targets(mb)
+    if "packed_tokens" in mb:
+        tokens, positions, cu_seqlens = mb["packed_tokens"], mb["packed_positions"], mb["cu_seqlens"]
+    else:
+        tokens = mb["tokens"]
+        positions = torch.arange(tokens.size(1), device=tokens.device).expand_as(tokens)
+        cu_seqlens = torch.tensor([0, tokens.size(1)], dtype=torch.int32, device=tokens.device)
+    whole = {"cp_tokens": tokens, "cp_positions": positions, "cp_targets": targets.t(), "cp_valid": valid.t()}
+    return split_microbatch({**mb, **whole}, {k: k for k in whole}, cu_seqlens, cp, rank)

@@ -25,7 +25,6 @@ from typing import Callable
 import torch
 from megatron.core import parallel_state
 from megatron.core.distributed import finalize_model_grads
-from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megatron_rlhf.config import LoRAConfig, ModelConfig, OptimizerConfig
@@ -33,7 +32,7 @@ from megatron_rlhf.logging.memory import SavedActivations
 from megatron_rlhf.models.gpt import build_model
 from megatron_rlhf.models.lora import adapters_disabled, apply_lora
 from megatron_rlhf.models.microbatches import (
-    Batch, last_tokens, max_sequence_length, next_token_targets, pack_microbatches, pad_for_sequence_parallel,
+    Batch, context_share, last_tokens, next_token_targets, pack_microbatches, packed_options, pad_for_sequence_parallel,
     per_row, real_positions, split_microbatches, to_width, trim_padding, unpack_rows, whole_sequence,
 )
 from megatron_rlhf.models.optimizer import build_optimizer, build_scheduler, wrap_ddp
@@ -70,36 +69,6 @@ def broadcast_from_last_stage(tensors: dict[str, torch.Tensor], like: dict[str, 
         )
         out[key] = t
     return out
-
-
-def packed_options(mb: Batch) -> dict:
-    """The model's keyword arguments for a packed microbatch (pack_rows): megatron's THD
-    PackedSeqParams; the SDPA core attention (CPU) and TE's attention (GPU) read the same. Rows
-    packed in rooms larger than themselves (context parallelism) give TE both boundaries."""
-    longest = max_sequence_length(mb)
-    real, padded = mb.get("cu_seqlens_real"), mb["cu_seqlens"]
-    rooms = {} if real is None else {"cu_seqlens_q_padded": padded, "cu_seqlens_kv_padded": padded}
-    boundaries = padded if real is None else real
-    return {"packed_seq_params": PackedSeqParams(qkv_format="thd", cu_seqlens_q=boundaries, cu_seqlens_kv=boundaries,
-                                                 max_seqlen_q=longest, max_seqlen_kv=longest, **rooms)}
-
-
-def context_share(mb: Batch, cp: int, rank: int) -> Batch:
-    """The microbatch `mb` (padded or packed for CP: models/microbatches.py) plus this CP rank's
-    share of what the model reads (`cp_tokens`, `cp_positions`) and of the next-token targets,
-    computed whole first (`cp_targets`, `cp_valid`): parallel/context.py."""
-    if "attention_mask" in mb:
-        raise ValueError("context parallelism splits each sequence over the CP ranks; a batch with an explicit "
-                         "attention_mask cannot be split that way (set parallel.context_parallel=1)")
-    targets, valid = next_token_targets(mb)
-    if "packed_tokens" in mb:
-        tokens, positions, cu_seqlens = mb["packed_tokens"], mb["packed_positions"], mb["cu_seqlens"]
-    else:
-        tokens = mb["tokens"]
-        positions = torch.arange(tokens.size(1), device=tokens.device).expand_as(tokens)
-        cu_seqlens = torch.tensor([0, tokens.size(1)], dtype=torch.int32, device=tokens.device)
-    whole = {"cp_tokens": tokens, "cp_positions": positions, "cp_targets": targets.t(), "cp_valid": valid.t()}
-    return context_parallel.split_microbatch({**mb, **whole}, {k: k for k in whole}, cu_seqlens, cp, rank)
 
 
 def summed(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
