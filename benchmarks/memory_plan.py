@@ -23,15 +23,17 @@ What it counts, per GPU (the busiest pipeline stage: its layers plus one vocabul
 Elements kept per token and layer (no recompute), by implementation:
   te (GPU: Transformer Engine, flash attention, fused SwiGLU): two norms' input and output 4h,
      the QKV output (a + 2kv)d (V is a view of it), rotated q and k (a + kv)d, the attention
-     output a d, q/k norms' inputs (a + kv)d, SwiGLU's input 2f and fc2's input f; no dropout.
+     output a d, the q norm's input a d (Qwen3; k's is a view of the QKV output), SwiGLU's input
+     2f and fc2's input f; no dropout.
      This is Korthikanti et al. 2022's count (34 s b h bytes in 16-bit at GPT-3's shape: 16 h
      elements + two 1-byte dropout masks) with SwiGLU's 3f in place of GeLU's 8h, RoPE's rotated
-     q and k added and no dropout masks (RL roles run without dropout). Qwen3-8B: 18.0 h
-     elements = 36 s b h bytes per layer. --no-flash adds their 5 a s / h term.
+     q and k added and no dropout masks (RL roles run without dropout). Qwen3-8B: 17.8 h
+     elements = 35.5 s b h bytes per layer. --no-flash adds their 5 a s / h term.
   local (CPU: megatron's local spec, torch RMSNorm, SDPA): each norm keeps its input, output and
-     rstd (2h + 1) and each linear its input h; attention as te plus the softmax's log-sum-exp a
-     and RoPE's cos/sin (4d per position); SwiGLU 5f (fc1 output 2f, silu output, gate copy, fc2
-     input). tests/test_memory_plan.py measures this one against autograd's saved tensors.
+     rstd (2h + 1) and each linear its input h; attention as te plus the softmax's log-sum-exp a,
+     RoPE's cos/sin (4d per position) and the q/k norms' outputs and rstd; SwiGLU 5f (fc1 output
+     2f, silu output, gate copy, fc2 input). tests/test_memory_plan.py measures this one against
+     autograd's saved tensors (TP1, and TP2 with sequence parallelism).
   selective recompute: the core attention's own saves (te: log-sum-exp; --no-flash: the s^2 term).
 """
 
@@ -80,15 +82,18 @@ def layer_elements_per_token(m, implementation: str, tp: int, recompute: str | N
     a, kv = m.num_attention_heads / tp, m.kv_heads / tp
     f_rank = f / tp
     # heads and the MLP split over TP, norms' tensors over the sequence (sequence parallelism)
-    qk_norm = (a + kv) * d if m.qk_layernorm else 0
     if implementation == "te":
         norms = 4 * h / tp
+        # q/k norms: q's input is a copy (k's a view of the QKV output); TE's norms keep their input
+        qk_norm = a * d if m.qk_layernorm else 0
         attention = (a + 2 * kv) * d + (a + kv) * d + a * d + qk_norm
         core_own = 2 * a  # flash attention's fp32 log-sum-exp, as 16-bit elements
         mlp = 3 * f_rank
     else:
         norms = 2 * (2 * h + 1) / tp + 2 * h / tp
-        attention = (a + 2 * kv) * d + (a + kv) * d + a * d + (2 * qk_norm + (a + kv) if m.qk_layernorm else 0)
+        # q/k norms: q's input copy and output, k's output (its input is a view of the QKV output), rstd
+        qk_norm = (2 * a + kv) * d + a + kv if m.qk_layernorm else 0
+        attention = (a + 2 * kv) * d + (a + kv) * d + a * d + qk_norm
         core_own = a
         mlp = 5 * f_rank
     kept = norms + attention + mlp + core_own
@@ -155,7 +160,8 @@ def plan(cfg, world_size: int, *, gpu_gb: float = 80.0, seq_length: int | None =
     # tokens per rank: sequence parallelism splits the norms' tokens, CP every tensor's
     h_split = tp if sp else 1
     per_rank_tokens = tokens / cp
-    positions = (tokens if rows is None else seq) / cp  # RoPE's cos / sin: per position, shared by the rows
+    packed = rl.packing and rows is None
+    positions = (tokens if packed else seq) / cp  # RoPE's cos / sin: per position, shared by the rows
 
     def layer_bytes(recompute):
         elements = layer_elements_per_token(m, implementation, tp, recompute)
@@ -165,8 +171,8 @@ def plan(cfg, world_size: int, *, gpu_gb: float = 80.0, seq_length: int | None =
         b = elements * per_rank_tokens * act_bytes
         if implementation == "local":  # RoPE cos / sin per position: 4 x head_dim, fp32 or the compute dtype
             b += 4 * m.kv_channels * positions * act_bytes
-        if not flash and recompute != "selective":  # Korthikanti's 5 a s / h x s b h bytes (16-bit, dropout)
-            b += 5 * (m.num_attention_heads / tp) * seq * per_rank_tokens / cp
+        if not flash and recompute != "selective":  # Korthikanti's 5 a s / h x s b h bytes (16-bit, dropout):
+            b += 5 * (m.num_attention_heads / tp) * seq * per_rank_tokens  # each query's scores over all s keys
         return b
 
     layers = m.num_layers // pp
@@ -189,7 +195,7 @@ def plan(cfg, world_size: int, *, gpu_gb: float = 80.0, seq_length: int | None =
         kept = layers * layer_bytes(granularity)
         recompute = granularity or "none"
     # the output side (last stage): final norm and the head's input per token, log-probs, targets
-    hidden_out = m.hidden_size * per_rank_tokens * act_bytes
+    hidden_out = m.hidden_size / h_split * per_rank_tokens * act_bytes  # the head keeps its input un-gathered (SP)
     vocab_rank = m.padded_vocab_size / tp
     chunk = m.logits_chunk_tokens or 0
     if implementation == "local":
