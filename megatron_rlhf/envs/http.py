@@ -257,8 +257,11 @@ class HttpEnvironment(Environment):
         return start
 
     def step(self, action_text: str, action_ids: list[int]) -> StepResult:
-        return _parsed(parse_step_answer, self.service.post("step", step_request(self.episode_id, action_text,
-                                                                                  action_ids)))
+        result = _parsed(parse_step_answer, self.service.post("step", step_request(self.episode_id, action_text,
+                                                                                    action_ids)))
+        if result.done:  # the server has forgotten it: nothing to close
+            self.episode_id = None
+        return result
 
     def close(self) -> None:
         if self.episode_id is not None:

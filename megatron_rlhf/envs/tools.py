@@ -75,7 +75,8 @@ class JsonToolParser(ToolParser):
 
     def parse(self, text: str) -> ParsedCalls:
         parsed = ParsedCalls()
-        for body in _blocks(text, self.open_tag, self.close_tag, parsed):
+        bodies, unclosed = _blocks(text, self.open_tag, self.close_tag)
+        for body in bodies:
             try:
                 obj = json.loads(body)
             except ValueError as err:
@@ -91,6 +92,8 @@ class JsonToolParser(ToolParser):
                 parsed.errors.append('a tool call must be {"name": "<tool>", "arguments": {...}}')
                 continue
             self._known(ToolCall(obj["name"], arguments), parsed)
+        if unclosed:
+            parsed.errors.append(f"{self.open_tag} is not closed ({self.close_tag})")
         return parsed
 
     def format(self, call: ToolCall) -> str:
@@ -133,17 +136,16 @@ class TagToolParser(ToolParser):
         return f"<{call.name}> {call.arguments['input']} </{call.name}>"
 
 
-def _blocks(text: str, open_tag: str, close_tag: str, parsed: ParsedCalls) -> list[str]:
-    """The bodies between open_tag and close_tag; an unclosed one is recorded in `parsed`."""
+def _blocks(text: str, open_tag: str, close_tag: str) -> tuple[list[str], bool]:
+    """The bodies between open_tag and close_tag, and whether the last open_tag is unclosed."""
     bodies, start = [], 0
     while (begin := text.find(open_tag, start)) >= 0:
         end = text.find(close_tag, begin + len(open_tag))
         if end < 0:
-            parsed.errors.append(f"{open_tag} is not closed ({close_tag})")
-            break
+            return bodies, True
         bodies.append(text[begin + len(open_tag):end])
         start = end + len(close_tag)
-    return bodies
+    return bodies, False
 
 
 # Keyed by rl.environment.tool_parser (config/rl.py TOOL_PARSERS names the same formats).
