@@ -275,7 +275,7 @@ class RLConfig:
     # pipeline.stages runs dpo before rl: the actor and reference start from the DPO policy) and <run>/rm.
     sft_from: str | None = None
     rm_from: str | None = None       # the RM stage's checkpoint: the reward model (and ppo's critic: critic_from)
-    # Multi-turn episodes with an environment and tools (type none: single-turn, as without it).
+    # The default, type none, keeps rollouts single-turn (prompt -> response).
     environment: EnvironmentConfig = field(default_factory=EnvironmentConfig)
     max_turns: int = 8               # policy turns per episode; an episode still going then ends as truncated
     # Prompt and trajectory tokens (policy and environment turns) per episode; 0: model.max_seq_length.
