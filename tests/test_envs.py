@@ -13,6 +13,7 @@ import threading
 import time
 from contextlib import contextmanager
 
+import httpx
 import pytest
 
 from megatron_rlhf.config import ConfigError, load_config, validate
@@ -245,6 +246,7 @@ def test_the_start_context_is_appended_as_context():
     (StepResult(reward="1"), INVALID_OUTPUT, "the reward: score 0 is '1'"),
     (StepResult([5, 10 ** 6]), INVALID_OUTPUT, "observation token 1 is 1000000, not a token id in [0, 26)"),
     (StepResult(done="yes"), INVALID_OUTPUT, "done is 'yes'"),
+    (StepResult(info=["a"]), INVALID_OUTPUT, "info is list, not a dict"),
     (EpisodeFailed(TIMED_OUT, "the sandbox timed out"), TIMED_OUT, "the sandbox timed out"),
 ])
 def test_an_environment_failure_ends_only_its_episode_with_the_reason(answer, reason, detail):
@@ -373,6 +375,9 @@ def test_http_episode_matches_the_in_process_one(calculator_service):
     assert remote.final_reward == 1.0 and remote.failure is None
     assert [t.tool_calls for t in remote.turns] == [t.tool_calls for t in local.turns]
     assert service.pop_stats() == {"requests": 4, "retries": 0}  # reset and three steps (done: no close)
+    truncated = play(runner(service, max_turns=1), turns)
+    assert truncated.truncated == MAX_TURNS and service.pop_stats()["requests"] == 3  # reset, step, close
+    assert httpx.get(f"{calculator_service}/health").json()["episodes"] == 0  # the server forgot both
     service.close()
 
 
@@ -383,13 +388,11 @@ def test_http_failures_end_the_episode_with_their_reason():
         assert raised.failure == RAISED and "ValueError: the grader's database is gone" in raised.failure_detail
         slow = play(runner(service), ["answer"], record={"prompt": "slow"})
         assert slow.failure == TIMED_OUT and "step_timeout_s=0.3" in slow.failure_detail
-        episode = runner(service).start({"prompt": "fine"}, [])
-        episode_env = service()
-        episode_env.episode_id = "unknown"
+        forgotten = service()
+        forgotten.episode_id = "unknown"
         with pytest.raises(EpisodeFailed, match="HTTP 404: no running episode 'unknown'"):
-            episode_env.step("x", [])
+            forgotten.step("x", [])
         assert service.pop_stats()["retries"] == 0  # none of these is retried
-        assert not episode.ended
 
 
 @contextmanager
@@ -465,8 +468,6 @@ def test_a_service_that_is_down_raises_a_distinct_error_naming_the_url():
 
 
 def test_the_server_refuses_requests_off_the_schema(calculator_service):
-    import httpx
-
     bad = {"reset": {"schema": SCHEMA, "record": {"no_prompt": 1}},
            "step": {"schema": SCHEMA, "episode_id": "e", "action": "x", "action_ids": [1.5]}}
     for endpoint, body in bad.items():
@@ -493,6 +494,7 @@ def test_defaults_are_single_turn_and_change_no_existing_recipe():
     (["rl.max_turns=4"], r"rl.max_turns: only multi-turn episodes read it \(rl.environment.type=none\)"),
     (["rl.environment.type=gym"], r"rl.environment.type='gym': choose one of \('none', 'class', 'http'\)"),
     (["rl.environment.url=http://x:1"], "rl.environment.url: only an environment of type http reads it"),
+    (["rl.environment.step_timeout_s=5"], "step_timeout_s: only an environment of type class or http reads it"),
     (["rl.environment.type=class"], "rl.environment.class_path=None: give the file and the class"),
     (["rl.environment.type=class", "rl.environment.class_path=envs.Calc"], "class_path='envs.Calc'"),
     (["rl.environment.type=http"], r"rl.environment.url=None: give the service's base URL"),

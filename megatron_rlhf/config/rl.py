@@ -127,11 +127,11 @@ class EnvironmentConfig:
         if env.type not in ENVIRONMENT_TYPES:
             raise ConfigError(f"{where}.type={env.type!r}: choose one of {ENVIRONMENT_TYPES}")
         defaults = EnvironmentConfig()
-        for other, fields in ENVIRONMENT_FIELDS.items():
-            stray = [f for f in fields if f not in ENVIRONMENT_FIELDS[env.type] and getattr(env, f) != getattr(defaults, f)]
-            if stray:
-                why = " (the service parses its own tool calls)" if stray[0] == "tool_parser" else ""
-                raise ConfigError(f"{where}.{stray[0]}: only an environment of type {other} reads it{why} "
+        for name in dict.fromkeys(f for fields in ENVIRONMENT_FIELDS.values() for f in fields):
+            if name not in ENVIRONMENT_FIELDS[env.type] and getattr(env, name) != getattr(defaults, name):
+                readers = " or ".join(t for t, fields in ENVIRONMENT_FIELDS.items() if name in fields)
+                why = " (the service parses its own tool calls)" if name == "tool_parser" else ""
+                raise ConfigError(f"{where}.{name}: only an environment of type {readers} reads it{why} "
                                   f"({where}.type={env.type}); remove it")
         if env.type == "class" and (not env.class_path or ":" not in env.class_path
                                     or not env.class_path.rsplit(":", 1)[0].endswith(".py")):

@@ -74,7 +74,6 @@ class EnvStart:
     a system note), as text or ids; None: nothing. Never trained on."""
 
     observation: Observation = None
-    info: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -253,6 +252,8 @@ def check_step_result(result: Any, vocab_size: int | None) -> StepResult:
     check_observation(result.observation, vocab_size)
     if not isinstance(result.done, bool):
         raise EpisodeFailed(INVALID_OUTPUT, f"done is {result.done!r}, not true or false")
+    if not isinstance(result.info, dict):
+        raise EpisodeFailed(INVALID_OUTPUT, f"info is {type(result.info).__name__}, not a dict")
     if result.reward is not None:
         try:
             finite_scores([result.reward], 1)
