@@ -562,7 +562,7 @@ def test_task_splits_write_and_read_back(tmp_path):
 
 def test_unknown_task_and_bad_sizes_are_errors():
     assert "sentiment" in TASKS
-    unknown = "data.task: unknown task 'poetry'; known tasks: arithmetic, sentiment"
+    unknown = "data.task: unknown task 'poetry'; known tasks: arithmetic, calculator, sentiment"
     with pytest.raises(ValueError, match=unknown):
         get_task("poetry")
     with pytest.raises(ValueError, match="TaskSizes.sft_eval"):

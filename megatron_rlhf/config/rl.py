@@ -91,6 +91,64 @@ class RewardSourceConfig:
                                   f"max_concurrency={src.max_concurrency}: need >= 0, >= 1, >= 1")
 
 
+ENVIRONMENT_TYPES = ("none", "class", "http")
+TOOL_PARSERS = ("json", "tag")  # envs/tools.py TOOL_PARSERS implements each
+# Fields each environment type reads (beyond type); others must stay unset.
+ENVIRONMENT_FIELDS = {"none": (), "class": ("class_path", "tool_parser", "step_timeout_s"),
+                      "http": ("url", "step_timeout_s", "max_retries", "backoff_s", "max_backoff_s")}
+# rl fields only a multi-turn run reads: refused with rl.environment.type=none.
+MULTI_TURN_FIELDS = ("max_turns", "max_total_tokens", "max_failed_episodes")
+
+
+@dataclass(frozen=True)
+class EnvironmentConfig:
+    """Multi-turn episodes: prompt -> (policy turn -> environment turn)* -> reward, with tools
+    (megatron_rlhf/envs/; docs/environments.md). Not wired into the RL stage yet."""
+
+    # none: single-turn rollouts (prompt -> response); class: a Python class in a file
+    # (class_path); http: an environment service (url; schema: docs/environments.md).
+    type: str = "none"
+    # class: "path/to/file.py:ClassName" (a relative path from the working directory, else from
+    # the project root), e.g. megatron_rlhf/envs/calculator.py:CalculatorEnv.
+    class_path: str | None = None
+    # class: the tool-call format a ToolEnvironment parses: json (<tool_call>{"name": ...,
+    # "arguments": {...}}</tool_call>) or tag (<calc>12*34</calc>); null: the environment's own default.
+    tool_parser: str | None = None
+    # http: the service's base URL (POST <url>/reset, /step, /close), e.g. http://127.0.0.1:8100.
+    url: str | None = None
+    # A reset or step that takes longer ends its episode as failed (timed_out), not the run.
+    step_timeout_s: float = 30.0
+    max_retries: int = 4             # http: refused connections and 429 / 503 retried this often, then the stage stops
+    backoff_s: float = 0.5           # http: the first retry waits about this long, doubling each retry
+    max_backoff_s: float = 8.0       # http: the longest wait between retries
+
+    def check(self, where: str = "rl.environment") -> None:
+        env = self
+        if env.type not in ENVIRONMENT_TYPES:
+            raise ConfigError(f"{where}.type={env.type!r}: choose one of {ENVIRONMENT_TYPES}")
+        defaults = EnvironmentConfig()
+        for name in dict.fromkeys(f for fields in ENVIRONMENT_FIELDS.values() for f in fields):
+            if name not in ENVIRONMENT_FIELDS[env.type] and getattr(env, name) != getattr(defaults, name):
+                readers = " or ".join(t for t, fields in ENVIRONMENT_FIELDS.items() if name in fields)
+                why = " (the service parses its own tool calls)" if name == "tool_parser" else ""
+                raise ConfigError(f"{where}.{name}: only an environment of type {readers} reads it{why} "
+                                  f"({where}.type={env.type}); remove it")
+        if env.type == "class" and (not env.class_path or ":" not in env.class_path
+                                    or not env.class_path.rsplit(":", 1)[0].endswith(".py")):
+            raise ConfigError(f"{where}.class_path={env.class_path!r}: give the file and the class, e.g. "
+                              "megatron_rlhf/envs/calculator.py:CalculatorEnv")
+        if env.tool_parser is not None and env.tool_parser not in TOOL_PARSERS:
+            raise ConfigError(f"{where}.tool_parser={env.tool_parser!r}: choose one of {TOOL_PARSERS}, or null for "
+                              "the environment's default")
+        if env.type == "http" and (not env.url or not env.url.startswith(("http://", "https://"))):
+            raise ConfigError(f"{where}.url={env.url!r}: give the service's base URL, e.g. http://127.0.0.1:8100")
+        if env.step_timeout_s <= 0:
+            raise ConfigError(f"{where}.step_timeout_s={env.step_timeout_s}: must be > 0 (seconds)")
+        if env.max_retries < 0 or not 0 <= env.backoff_s <= env.max_backoff_s:
+            raise ConfigError(f"{where}: max_retries={env.max_retries}, backoff_s={env.backoff_s}, max_backoff_s="
+                              f"{env.max_backoff_s}: need max_retries >= 0 and 0 <= backoff_s <= max_backoff_s")
+
+
 def engine_returns_routes(engine: str) -> bool:
     """Whether rollout.engine `engine` returns the experts it routed each token to, on this
     machine: the in-place engine records them; vLLM returns them only through its V2 model
@@ -217,6 +275,14 @@ class RLConfig:
     # pipeline.stages runs dpo before rl: the actor and reference start from the DPO policy) and <run>/rm.
     sft_from: str | None = None
     rm_from: str | None = None       # the RM stage's checkpoint: the reward model (and ppo's critic: critic_from)
+    # The default, type none, keeps rollouts single-turn (prompt -> response).
+    environment: EnvironmentConfig = field(default_factory=EnvironmentConfig)
+    max_turns: int = 8               # policy turns per episode; an episode still going then ends as truncated
+    # Prompt and trajectory tokens (policy and environment turns) per episode; 0: model.max_seq_length.
+    max_total_tokens: int = 0
+    # The largest fraction of a batch's episodes that may fail (an environment or tool that
+    # raised, timed out or answered garbage) before the stage stops; failed episodes are not trained on.
+    max_failed_episodes: float = 0.1
 
     @property
     def has_critic(self) -> bool:
@@ -350,9 +416,41 @@ class RLConfig:
             raise ConfigError("rl.routing_replay=rollout: the model has no experts (model.num_experts is unset), so "
                               "there are no routes to replay; remove it or set rl.routing_replay=off")
         p.check_rewards()
+        p.check_environment(m, given)
         if p.dual_clip is not None and p.dual_clip <= 1:
             raise ConfigError(f"rl.dual_clip={p.dual_clip}: must be > 1 (the bound c * |A| on a negative "
                               "advantage's loss; typical 3), or null for none")
+
+    @property
+    def multi_turn(self) -> bool:
+        return self.environment.type != "none"
+
+    def episode_token_budget(self, m: ModelConfig) -> int:
+        """rl.max_total_tokens resolved (0: model.max_seq_length)."""
+        return self.max_total_tokens or m.max_seq_length
+
+    def check_environment(self, m: ModelConfig, given: frozenset = frozenset(), wired: bool = False) -> None:
+        """rl.environment and the multi-turn limits. `wired`: the RL stage runs episodes (until it
+        does, a multi-turn setting is refused rather than ignored)."""
+        p = self
+        p.environment.check()
+        if not p.multi_turn:
+            if stray := sorted(k for k in given if k.startswith("rl.") and k.split(".")[1] in MULTI_TURN_FIELDS):
+                raise ConfigError(f"{stray[0]}: only multi-turn episodes read it (rl.environment.type=none); remove "
+                                  "it, or set rl.environment.type (docs/environments.md)")
+            return
+        if p.max_turns < 1:
+            raise ConfigError(f"rl.max_turns={p.max_turns}: must be >= 1 (policy turns per episode)")
+        if not 0 <= p.max_total_tokens <= m.max_seq_length:
+            raise ConfigError(f"rl.max_total_tokens={p.max_total_tokens}: must be in [0, model.max_seq_length="
+                              f"{m.max_seq_length}] (0: model.max_seq_length); an episode is one sequence")
+        if not 0 <= p.max_failed_episodes <= 1:
+            raise ConfigError(f"rl.max_failed_episodes={p.max_failed_episodes}: a fraction of a batch's episodes, "
+                              "in [0, 1] (0: any failed episode stops the stage)")
+        if not wired:
+            raise ConfigError(f"rl.environment.type={p.environment.type}: multi-turn episodes are not wired into the "
+                              "RL stage yet (megatron_rlhf/envs/ holds the environments, parsers and episode runner; "
+                              "docs/environments.md); set rl.environment.type=none")
 
     def check_rewards(self) -> None:
         p = self

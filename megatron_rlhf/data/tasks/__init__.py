@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from megatron_rlhf.data.tasks.arithmetic import ArithmeticTask
+from megatron_rlhf.data.tasks.calculator import CalculatorTask
 from megatron_rlhf.data.tasks.base import Task, TaskSizes, TaskSplits
 from megatron_rlhf.data.tasks.sentiment import SentimentTask
 
-TASKS: dict[str, type[Task]] = {"sentiment": SentimentTask, "arithmetic": ArithmeticTask}
+TASKS: dict[str, type[Task]] = {"sentiment": SentimentTask, "arithmetic": ArithmeticTask, "calculator": CalculatorTask}
 
 __all__ = [
-    "TASKS", "ArithmeticTask", "SentimentTask", "Task", "TaskSizes", "TaskSplits", "get_task",
+    "TASKS", "ArithmeticTask", "CalculatorTask", "SentimentTask", "Task", "TaskSizes", "TaskSplits", "get_task",
 ]
 
 
