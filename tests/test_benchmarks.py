@@ -211,10 +211,10 @@ def test_benchmark_quick_mode_runs(name, quick_runs):
 
 def test_every_benchmark_is_covered():
     """A new benchmark gets a quick mode and an entry here (gpu_check.py: test_gpu.py; vs_trl.py,
-    gpu_ppo.py and memory_plan.py: their own tests)."""
+    gpu_ppo.py, memory_plan.py and long_context_check.py: their own tests)."""
     # async_rl: its pure functions are tested below; a run of it is a vLLM engine start per N (~3 min of CI),
     # and tests/test_async_rl.py runs the same stage end to end
-    own_tests = {"gpu_check", "vs_trl", "gpu_ppo", "async_rl", "memory_plan"}
+    own_tests = {"gpu_check", "vs_trl", "gpu_ppo", "async_rl", "memory_plan", "long_context_check"}
     scripts = {p.stem for p in (REPO / "benchmarks").glob("*.py")} - own_tests
     assert scripts <= set(BENCHMARKS), f"benchmarks without a quick-mode test: {sorted(scripts - set(BENCHMARKS))}"
 

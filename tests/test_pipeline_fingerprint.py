@@ -157,3 +157,13 @@ def test_a_summary_without_inputs_is_reused_with_a_note(tmp_path):
 def test_rerun_names_stages_of_the_pipeline(tmp_path):
     with pytest.raises(ConfigError, match=r"pipeline.rerun=\['ppo'\]: \['ppo'\] not in pipeline.stages.*stage is rl"):
         config(tmp_path, "pipeline.rerun=[ppo]")
+
+
+def test_a_single_turn_rl_stage_fingerprint_leaves_the_environment_settings_out():
+    """An RL stage finished before the multi-turn settings existed is still reused: single-turn
+    (no rl.environment), they change nothing it trains and are not inputs."""
+    cfg = validate(load_config("pipelines/tiny_cpu.yaml", ["rl.max_turns=3", "rl.max_failed_episodes=0.5"]))
+    inputs = stage_inputs(cfg, "rl")
+    assert inputs and not [k for k in inputs if "environment" in k or k in ("rl.max_turns", "rl.max_total_tokens",
+                                                                             "rl.max_failed_episodes")]
+    assert inputs == stage_inputs(validate(load_config("pipelines/tiny_cpu.yaml", [])), "rl")

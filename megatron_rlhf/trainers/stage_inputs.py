@@ -39,6 +39,7 @@ from typing import Any
 
 from megatron_rlhf.checkpoint.validate import CheckpointError, find_checkpoint
 from megatron_rlhf.config import MOE_ARCHITECTURE_FIELDS, Config, ConfigError, policy_start
+from megatron_rlhf.config.rl import MULTI_TURN_FIELDS
 from megatron_rlhf.trainers.stage_data import (
     STAGE_SPLITS, resolve_run, run_dir, split_source, stage_dir,
 )
@@ -84,7 +85,12 @@ def stage_inputs(cfg: Config, stage: str) -> dict[str, Any]:
     kind = f"builtin ({cfg.data.task})" if cfg.data.tokenizer == "builtin" else "files"
     inputs["tokenizer"] = f"{kind} sha256:{tokenizer.fingerprint()}"  # where its files lie does not count
     section = dataclasses.asdict(getattr(cfg, stage))
-    inputs.update(_flat({k: v for k, v in section.items() if k not in NOT_INPUTS}, f"{stage}."))
+    left_out = NOT_INPUTS
+    if stage == "rl" and not cfg.rl.multi_turn:
+        # single-turn: the environment's settings change nothing it trains; left out, an RL stage
+        # finished before they existed is still reused
+        left_out = (*NOT_INPUTS, "environment", *MULTI_TURN_FIELDS)
+    inputs.update(_flat({k: v for k, v in section.items() if k not in left_out}, f"{stage}."))
     if cfg.lora.applies_to(stage):
         inputs.update(_flat({k: v for k, v in dataclasses.asdict(cfg.lora).items() if k != "stages"}, "lora."))
     if stage == "rl":
