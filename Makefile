@@ -13,7 +13,7 @@ PYTHON312 ?= $(shell (python3.12 -c 'import sys' >/dev/null 2>&1 && command -v p
 	(v=$$(pyenv versions --bare 2>/dev/null | grep '^3\.12' | tail -n1); \
 	 [ -n "$$v" ] && PYENV_VERSION=$$v pyenv which python3.12 2>/dev/null))
 
-.PHONY: setup test test-fast pipeline pipeline-moe pipeline-vllm pipeline-async pipeline-arithmetic pipeline-dpo smoke sft rm dpo rl ppo bench bench-vllm clean-venv
+.PHONY: setup test test-fast pipeline pipeline-moe pipeline-vllm pipeline-async pipeline-arithmetic pipeline-agent pipeline-dpo smoke sft rm dpo rl ppo bench bench-vllm clean-venv
 
 setup: $(STAMP)
 
@@ -116,6 +116,12 @@ pipeline-async: $(VLLM_STAMP)
 pipeline-arithmetic: setup
 	$(PY) -m megatron_rlhf.torchrun --nproc-per-node $(PIPELINE_NPROC) \
 	  pipeline --config pipelines/tiny_cpu_arithmetic.yaml $(ARGS)
+
+# SFT on tool-use demonstrations -> GRPO with the calculator environment: multi-turn episodes
+# that call a tool (pipelines/tiny_cpu_agent.yaml; docs/environments.md).
+pipeline-agent: setup
+	$(PY) -m megatron_rlhf.torchrun --nproc-per-node $(PIPELINE_NPROC) \
+	  pipeline --config pipelines/tiny_cpu_agent.yaml $(ARGS)
 
 # SFT -> DPO on the default task (pipelines/tiny_cpu_dpo.yaml; docs/dpo.md). The route
 # SFT -> RM -> DPO -> PPO: make pipeline CONFIG=pipelines/tiny_cpu_dpo_ppo.yaml

@@ -511,8 +511,9 @@ def test_defaults_are_single_turn_and_change_no_existing_recipe():
      r"rl.max_total_tokens=100000: must be in \[0, model.max_seq_length="),
     (["rl.environment.type=class", "rl.environment.class_path=a.py:B", "rl.max_failed_episodes=1.5"],
      r"rl.max_failed_episodes=1.5: a fraction .* in \[0, 1\]"),
-    (["rl.environment.type=class", "rl.environment.class_path=a.py:B"],
-     "rl.environment.type=class: multi-turn episodes are not wired into the RL stage yet"),
+    (["rl.environment.type=class", "rl.environment.class_path=a.py:B", "rl.max_staleness=1", "rollout.engine=vllm"],
+     "multi-turn episodes run in the synchronous loop only so far"),
+    (["rl.rewards=[{type: environment}]"], "rl.rewards has a source of type environment with rl.environment.type=none"),
 ])
 def test_config_rules_name_the_field(overrides, message):
     with pytest.raises(ConfigError, match=message):
@@ -523,10 +524,10 @@ def test_a_valid_multi_turn_section_passes_its_rules():
     cfg = config("rl.environment.type=class", "rl.environment.class_path=megatron_rlhf/envs/calculator.py:CalculatorEnv",
                  "rl.environment.tool_parser=tag", "rl.max_turns=3", "rl.max_total_tokens=48",
                  "rl.max_failed_episodes=0")
-    cfg.rl.check_environment(cfg.model, cfg.given, wired=True)
+    validate(cfg)
     assert cfg.rl.multi_turn and cfg.rl.episode_token_budget(cfg.model) == 48
     http = config("rl.environment.type=http", "rl.environment.url=http://127.0.0.1:8100", "rl.max_turns=2")
-    http.rl.check_environment(http.model, http.given, wired=True)
+    validate(http)
     assert math.isclose(http.rl.environment.step_timeout_s, 30.0)
     factory = environment_factory(http.rl.environment)
     assert isinstance(factory, HttpEnvironmentService) and factory.url == "http://127.0.0.1:8100"

@@ -47,10 +47,12 @@ class Settings:
 
 def token_rewards(kl_penalty: Tensor, scores: Tensor, mask: Tensor) -> Tensor:
     """r_t = kl_penalty_t, plus the sequence score on the last valid token. kl_penalty, mask:
-    [B, T]; scores [B] -> [B, T], zero where mask is 0 (right padding assumed)."""
+    [B, T]; scores [B] -> [B, T], zero where mask is 0 (right padding, or a multi-turn episode's
+    environment tokens between the policy's: the score goes on the policy's last token)."""
     rewards = masked(kl_penalty, mask)
     lengths = mask.sum(dim=1).long()
-    last = (lengths - 1).clamp(min=0).unsqueeze(1)
+    columns = torch.arange(mask.size(1), device=mask.device)
+    last = torch.where(mask != 0, columns, torch.zeros_like(columns)).amax(dim=1, keepdim=True)
     # An all-padding row has no token to carry its score, so it gets none.
     score = torch.where(lengths > 0, scores.to(rewards.dtype), torch.zeros_like(rewards[:, 0]))
     return rewards.scatter_add(1, last, score.unsqueeze(1))

@@ -24,9 +24,9 @@ KL_CONTROLLERS = ("fixed", "adaptive")
 LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum")
 
 
-REWARD_SOURCE_TYPES = ("model", "function", "http")
+REWARD_SOURCE_TYPES = ("model", "function", "http", "environment")
 # Fields each reward source type reads (beyond type, weight, name); others must stay unset.
-REWARD_SOURCE_FIELDS = {"model": (), "function": ("function",),
+REWARD_SOURCE_FIELDS = {"model": (), "function": ("function",), "environment": (),
                         "http": ("url", "timeout_s", "max_retries", "backoff_s", "max_backoff_s", "batch_size",
                                  "max_concurrency")}
 
@@ -37,7 +37,9 @@ class RewardSourceConfig:
     (megatron_rlhf/rewards/; docs/rewards.md)."""
 
     # model: the reward model of the RM stage (the `reward` role, rl.rm_from); function: a
-    # rule function in a Python file; http: a reward service (python -m megatron_rlhf serve-reward).
+    # rule function in a Python file; http: a reward service (python -m megatron_rlhf serve-reward);
+    # environment: a multi-turn episode's reward from its environment (the sum of its turns'
+    # rewards; rl.environment), 0 for a failed episode.
     type: str = "model"
     weight: float = 1.0              # the combined reward is the sum of weight x score over rl.rewards
     # Logged as reward_<name>; default: rm, the function's name, or http.
@@ -103,7 +105,7 @@ MULTI_TURN_FIELDS = ("max_turns", "max_total_tokens", "max_failed_episodes")
 @dataclass(frozen=True)
 class EnvironmentConfig:
     """Multi-turn episodes: prompt -> (policy turn -> environment turn)* -> reward, with tools
-    (megatron_rlhf/envs/; docs/environments.md). Not wired into the RL stage yet."""
+    (megatron_rlhf/envs/, rollout/episodes.py; docs/environments.md)."""
 
     # none: single-turn rollouts (prompt -> response); class: a Python class in a file
     # (class_path); http: an environment service (url; schema: docs/environments.md).
@@ -429,11 +431,18 @@ class RLConfig:
         """rl.max_total_tokens resolved (0: model.max_seq_length)."""
         return self.max_total_tokens or m.max_seq_length
 
-    def check_environment(self, m: ModelConfig, given: frozenset = frozenset(), wired: bool = False) -> None:
-        """rl.environment and the multi-turn limits. `wired`: the RL stage runs episodes (until it
-        does, a multi-turn setting is refused rather than ignored)."""
+    def response_width(self, m: ModelConfig, sampling) -> int:
+        """The most tokens after a prompt: sampling.max_new_tokens, or a multi-turn episode's
+        whole trajectory (policy and environment turns within rl.max_total_tokens)."""
+        return self.episode_token_budget(m) if self.multi_turn else sampling.max_new_tokens
+
+    def check_environment(self, m: ModelConfig, given: frozenset = frozenset()) -> None:
+        """rl.environment and the multi-turn limits."""
         p = self
         p.environment.check()
+        if not p.multi_turn and any(src.type == "environment" for src in p.rewards):
+            raise ConfigError("rl.rewards has a source of type environment with rl.environment.type=none: only "
+                              "multi-turn episodes have an environment's reward; set rl.environment or remove it")
         if not p.multi_turn:
             if stray := sorted(k for k in given if k.startswith("rl.") and k.split(".")[1] in MULTI_TURN_FIELDS):
                 raise ConfigError(f"{stray[0]}: only multi-turn episodes read it (rl.environment.type=none); remove "
@@ -447,10 +456,9 @@ class RLConfig:
         if not 0 <= p.max_failed_episodes <= 1:
             raise ConfigError(f"rl.max_failed_episodes={p.max_failed_episodes}: a fraction of a batch's episodes, "
                               "in [0, 1] (0: any failed episode stops the stage)")
-        if not wired:
-            raise ConfigError(f"rl.environment.type={p.environment.type}: multi-turn episodes are not wired into the "
-                              "RL stage yet (megatron_rlhf/envs/ holds the environments, parsers and episode runner; "
-                              "docs/environments.md); set rl.environment.type=none")
+        if p.max_staleness:
+            raise ConfigError(f"rl.environment.type={p.environment.type} with rl.max_staleness={p.max_staleness}: "
+                              "multi-turn episodes run in the synchronous loop only so far; set rl.max_staleness=0")
 
     def check_rewards(self) -> None:
         p = self

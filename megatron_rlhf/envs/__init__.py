@@ -1,4 +1,4 @@
-"""Multi-turn environments and tools (issue 39): the foundation, not wired into the RL stage yet.
+"""Multi-turn environments and tools: what an episode is made of (rollout/episodes.py runs them in the RL stage).
 
     base.py        Environment (reset / step), ToolEnvironment, StepResult, the Episode record,
                    failure reasons, check_failed_fraction, episode_metrics

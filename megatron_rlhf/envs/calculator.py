@@ -38,6 +38,7 @@ def calculator(arguments: dict[str, Any]) -> str:
 
 class CalculatorEnv(ToolEnvironment):
     tools = {TOOL_NAME: calculator}
+    turn_template = TURN_TEMPLATE
     default_tool_parser = "tag"
     separator = " "  # the word tokenizer's only separator
 

@@ -50,6 +50,14 @@ def environment_factory(env: EnvironmentConfig, field_name: str = "rl.environmen
     raise ConfigError(f"{field_name}.type={env.type!r}: no environment to build (single-turn rollouts)")
 
 
+def turn_template(env: EnvironmentConfig) -> TurnTemplate:
+    """The turn template of rl.environment: a class's `turn_template` attribute (the markers
+    around observations, the tool-call end), else none (only EOS ends a turn)."""
+    if env.type == "class":
+        return getattr(load_environment_class(env.class_path), "turn_template", None) or TurnTemplate()
+    return TurnTemplate()
+
+
 def episode_runner(rl: RLConfig, model: ModelConfig, tokenizer, template: TurnTemplate) -> EpisodeRunner:
     """The RL section's episode runner: its environment, rl.max_turns, rl.max_total_tokens, the step timeout."""
     return EpisodeRunner(environment_factory(rl.environment), tokenizer, template, max_turns=rl.max_turns,

@@ -2,8 +2,9 @@
 
     reward = sum_i weight_i * score_i      (then rl.missing_eos_penalty and rl.reward_clip)
 
-A source is the reward model role (`model`), a rule function (`function`, rewards/function.py)
-or a reward service (`http`, rewards/http.py; served by `python -m megatron_rlhf serve-reward`).
+A source is the reward model role (`model`), a rule function (`function`, rewards/function.py),
+a reward service (`http`, rewards/http.py; served by `python -m megatron_rlhf serve-reward`) or a
+multi-turn episode's environment (`environment`, rollout/episodes.py).
 Each source's own mean score is logged as reward_<name>, so a user sees which one moved.
 
 Device and process discipline: the reward model runs on every rank of its model-parallel group
@@ -24,10 +25,25 @@ from megatron_rlhf.rewards.base import RewardInputs, RewardSourceError
 __all__ = ["RewardInputs", "RewardSourceError", "RewardSources"]
 
 
+class EnvironmentReward:
+    """The `environment` source: each multi-turn episode's reward from its environment, which
+    the rollout carries (Rollout.env_reward: rollout/episodes.py); nothing to call."""
+
+    @staticmethod
+    def scores(rollout) -> torch.Tensor:
+        if rollout.env_reward is None:
+            raise RewardSourceError("the reward source of type environment scores multi-turn episodes; this rollout "
+                                    "is single-turn (rl.environment.type=none)")
+        return rollout.env_reward.float()
+
+
 def build_source(src: RewardSourceConfig, index: int, reward_role):
-    """The scorer of `src`, rl.rewards[index]: the reward role, a FunctionReward or an HttpRewardClient."""
+    """The scorer of `src`, rl.rewards[index]: the reward role, a FunctionReward, an
+    HttpRewardClient or the EnvironmentReward."""
     if src.type == "model":
         return reward_role
+    if src.type == "environment":
+        return EnvironmentReward()
     if src.type == "function":
         from megatron_rlhf.rewards.function import FunctionReward
 
@@ -57,6 +73,9 @@ class RewardSources:
         for label, _, source in self.sources:
             if hasattr(source, "forward"):  # the reward model role: a collective forward
                 per_source[label] = rm_scores(source, rollout, self.micro_batch_size, self.micro_batch_tokens)
+                continue
+            if isinstance(source, EnvironmentReward):  # already on every rank of the replica
+                per_source[label] = source.scores(rollout)
                 continue
             inputs = inputs if inputs is not None else inputs_fn()
             per_source[label] = on_replica_leader(source.score, inputs, rollout.tokens.device)

@@ -15,6 +15,9 @@ class SamplingParams:
     top_p: float = 1.0      # 1.0: no nucleus filter
     max_new_tokens: int = 16
     greedy: bool = False
+    # token ids that end a row besides the engine's EOS (a multi-turn episode's tool-call end:
+    # envs/episode.py); a row ending with one is `finished` as with EOS
+    stop_token_ids: tuple[int, ...] = ()
 
     @classmethod
     def of(cls, section) -> SamplingParams:
@@ -74,6 +77,11 @@ class Rollout:
     layer of this pipeline stage chose for each token while sampling (models/routing.py); None
     otherwise.
 
+    Multi-turn episodes (rollout/episodes.py): policy_mask [B, S] float: 1 at positions t whose
+    next token t+1 the policy sampled (environment and template tokens are context: 0), which
+    response_mask() returns; env_reward [B]: each episode's reward from its environment. None
+    for single-turn rollouts.
+
     `lengths` and `finished` are the only record of where a row ends and whether it ended with
     EOS: the padding after `lengths` may be EOS itself (pad_id == eos_id), so nothing may
     derive them from the tokens.
@@ -85,6 +93,8 @@ class Rollout:
     logprobs: torch.Tensor
     finished: torch.Tensor
     routes: torch.Tensor | None = None
+    policy_mask: torch.Tensor | None = None
+    env_reward: torch.Tensor | None = None
 
     def to(self, device: torch.device | str) -> Rollout:
         return Rollout(**{name: t.to(device) if t is not None else None for name, t in vars(self).items()})
@@ -105,13 +115,16 @@ class Rollout:
         def pad(t: torch.Tensor, value) -> torch.Tensor:
             return torch.nn.functional.pad(t, (0, 0) * (t.dim() - 2) + (0, width - t.size(1)), value=value)
 
-        routes = None
+        routes = policy_mask = env_reward = None
         if parts[0].routes is not None:
             unrouted = torch.iinfo(parts[0].routes.dtype).max  # models/routing.py: no expert
             routes = torch.cat([pad(p.routes, unrouted) for p in parts])
+        if parts[0].policy_mask is not None:
+            policy_mask = torch.cat([pad(p.policy_mask, 0.0) for p in parts])
+            env_reward = torch.cat([p.env_reward for p in parts])
         return Rollout(torch.cat([pad(p.tokens, pad_id) for p in parts]), torch.cat([p.prompt_lengths for p in parts]),
                        torch.cat([p.lengths for p in parts]), torch.cat([pad(p.logprobs, 0.0) for p in parts]),
-                       torch.cat([p.finished for p in parts]), routes)
+                       torch.cat([p.finished for p in parts]), routes, policy_mask, env_reward)
 
     def response_lengths(self) -> torch.Tensor:
         """[B] generated tokens per row (EOS included when one was generated), on the tokens' device."""
@@ -123,7 +136,10 @@ class Rollout:
         return [row[p:n] for row, p, n in zip(rows, starts, ends)]
 
     def response_mask(self) -> torch.Tensor:
-        """[B, S] float on the tokens' device: 1 at positions t whose next token t+1 is a response token."""
+        """[B, S] float on the tokens' device: 1 at positions t whose next token t+1 is a response
+        token (multi-turn: one the policy sampled, policy_mask)."""
+        if self.policy_mask is not None:
+            return self.policy_mask
         pos = torch.arange(self.tokens.size(1), device=self.tokens.device)
         return ((pos >= self.prompt_lengths[:, None] - 1) & (pos < self.lengths[:, None] - 1)).float()
 

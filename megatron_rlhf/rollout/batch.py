@@ -52,9 +52,10 @@ class RolloutBatch:
         return dataclasses.replace(self, **{k: v[rows] for k, v in self.tensors().items()})
 
     def response_mask(self, width: int) -> Tensor:
-        """[B, width] float: 1 on the response tokens (response layout)."""
-        pos = torch.arange(width, device=self.lengths.device)
-        return (pos < (self.lengths - self.prompt_lengths)[:, None]).float()
+        """[B, width] float: 1 on the response tokens the policy sampled (response layout): `mask`
+        in response layout, where a multi-turn episode's environment tokens are 0 between them."""
+        return self.response(self.mask, width) * (torch.arange(width, device=self.mask.device)
+                                                  < (self.lengths - self.prompt_lengths)[:, None])
 
     def response(self, x: Tensor, width: int) -> Tensor:
         """[B, S] sequence layout -> [B, width] response layout."""

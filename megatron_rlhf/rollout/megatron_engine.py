@@ -91,12 +91,13 @@ class Decoding:
         return cls(tokens.to(dev), prompt_lengths, prompt_lengths.clone(),
                    torch.zeros(len(prompts), total, device=dev), flags, flags.clone())
 
-    def record(self, pos: int, sampled: torch.Tensor, logprob: torch.Tensor | None, eos_id: int, pad_id: int,
-               max_new_tokens: int) -> None:
+    def record(self, pos: int, sampled: torch.Tensor, logprob: torch.Tensor | None, eos_id: int | torch.Tensor,
+               pad_id: int, max_new_tokens: int) -> None:
         """Write position `pos`: rows still in their prompt keep the prompt token, done rows get
         pad, the others take `sampled` ([B]) and, when given, its log-prob ([B]) at pos - 1.
         EOS is only looked for in rows still generating, so a pad equal to EOS, written into
-        rows already done, never marks them finished or extends their length."""
+        rows already done, never marks them finished or extends their length. `eos_id`: the id,
+        or a tensor of ids that each end a row (EOS and SamplingParams.stop_token_ids)."""
         # Called once per token, where each tensor op costs a dispatch: the writes go in place
         # into views of the state (no temporaries, no index_put).
         generating = (self.prompt_lengths <= pos) & ~self.done
@@ -107,7 +108,7 @@ class Decoding:
             previous = self.logprobs[:, pos - 1]
             torch.where(generating, logprob, previous, out=previous)
         self.lengths.masked_fill_(generating, pos + 1)
-        is_eos = generating & (column == eos_id)
+        is_eos = generating & (torch.isin(column, eos_id) if isinstance(eos_id, torch.Tensor) else column == eos_id)
         self.finished |= is_eos
         self.done |= is_eos | (generating & (self.prompt_lengths <= pos + 1 - max_new_tokens))  # budget used
 
@@ -214,6 +215,8 @@ class MegatronRolloutEngine(RolloutEngine):
     def _decode(self, state: Decoding, context, positions, shortest: int, total: int, generator, sampling,
                 layout: StageLayout, across_ranks: bool, routers, routes) -> None:
         batch, prev, pos = state.tokens.size(0), 0, shortest
+        stops = (torch.tensor([self.eos_id, *sampling.stop_token_ids], device=state.tokens.device)
+                 if sampling.stop_token_ids else self.eos_id)
         # The whole loop runs outside the CPU device-rewriting mode (a no-op on GPU): besides the
         # model (which ran there already) it only does tensor math on the state's own device and
         # megatron's inference p2p / TP helpers, which name the device only through
@@ -229,5 +232,5 @@ class MegatronRolloutEngine(RolloutEngine):
                     routers.write_step(routes, prev, pos)
                 ids, logprob = sample_next(logits, generator, sampling) if layout.last else (None, None)
                 ids = from_last_stage_tp0(ids, [batch], torch.long, layout)
-                state.record(pos, ids, logprob, self.eos_id, self.pad_id, sampling.max_new_tokens)
+                state.record(pos, ids, logprob, stops, self.pad_id, sampling.max_new_tokens)
                 prev, pos = pos, pos + 1

@@ -327,7 +327,7 @@ class VLLMRolloutEngine(RolloutEngine):
                 pending = PendingGeneration(lambda: self._generate_here(prompts, sampling, seed),
                                             cpus=list(self.rollout.engine_cpus) or None)
                 inject_engine_fault("generate", self.watch.processes)  # fire drill: dies (or hangs) mid-generation
-        return Submitted(prompts, pending)
+        return Submitted(prompts, pending, tuple(sampling.stop_token_ids))
 
     @torch.no_grad()
     def collect(self, submitted: "Submitted") -> Rollout:
@@ -337,7 +337,7 @@ class VLLMRolloutEngine(RolloutEngine):
         with errors_agreed(lambda: EngineError("the vLLM engine of another replica failed to generate (see its error)"),
                            raise_as=lambda e: EngineError(f"the vLLM engine failed to generate: {self.watch.explain(e)}")):
             if self.is_engine_rank:
-                rollout = self._to_rollout(prompts, submitted.pending.wait(self.timeout), dev)
+                rollout = self._to_rollout(prompts, submitted.pending.wait(self.timeout), dev, submitted.stop_ids)
         if self.cp_rank == 0:
             rollout = self._broadcast(rollout, len(prompts), dev, ps.get_model_parallel_group(), self.plan.engine_rank)
         if ps.get_context_parallel_world_size() > 1:  # CP rank 0's rollout on every CP rank (see __init__)
@@ -356,7 +356,8 @@ class VLLMRolloutEngine(RolloutEngine):
         allowed = list(range(m.token_vocab_size)) if m.token_vocab_size < m.vocab_size else None
         params = [VLLMSampling(temperature=0.0 if sampling.greedy else sampling.temperature, top_k=sampling.top_k or -1,
                                top_p=sampling.top_p, max_tokens=sampling.max_new_tokens,
-                               stop_token_ids=[self.eos_id] if self.eos_id >= 0 else [],  # < 0: no EOS (vLLM refuses -1)
+                               # < 0: no EOS (vLLM refuses -1); a multi-turn episode's tool-call end too
+                               stop_token_ids=([self.eos_id] if self.eos_id >= 0 else []) + list(sampling.stop_token_ids),
                                ignore_eos=True,  # stop at our EOS only (config.json names one too)
                                logprobs=0, detokenize=False, seed=(seed * 1_000_003 + row) % 2**63,
                                allowed_token_ids=allowed)
@@ -376,7 +377,7 @@ class VLLMRolloutEngine(RolloutEngine):
                 self.last_sleep = {"engine_sleep_freed_bytes": float(torch.cuda.mem_get_info()[0] - free)}
         return [o.outputs[0] for o in outputs]
 
-    def _to_rollout(self, prompts, completions, dev) -> Rollout:
+    def _to_rollout(self, prompts, completions, dev, stop_ids: tuple[int, ...] = ()) -> Rollout:
         """The engine's outputs in the training layout (rollout/base.py: Rollout)."""
         width = max(len(p) + len(c.token_ids) for p, c in zip(prompts, completions))
         tokens = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
@@ -392,7 +393,8 @@ class VLLMRolloutEngine(RolloutEngine):
                 raise EngineError(f"the engine returned {len(c.logprobs or [])} log-probs for {len(ids)} tokens")
         full = [len(p) + len(c.token_ids) for p, c in zip(prompts, completions)]
         lengths = torch.tensor(full)
-        finished = torch.tensor([bool(c.token_ids) and c.token_ids[-1] == self.eos_id and c.finish_reason == "stop"
+        stops = {self.eos_id, *stop_ids}
+        finished = torch.tensor([bool(c.token_ids) and c.token_ids[-1] in stops and c.finish_reason == "stop"
                                  for c in completions])
         routes = None
         if self.returns_routes:
@@ -451,6 +453,7 @@ class Submitted:
     thread generating it (None on the replica's other ranks)."""
     prompts: list[list[int]]
     pending: PendingGeneration | None
+    stop_ids: tuple[int, ...] = ()  # SamplingParams.stop_token_ids: rows ending with one are finished
 
     @property
     def seconds(self) -> float:

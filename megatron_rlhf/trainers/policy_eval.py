@@ -18,6 +18,7 @@ from megatron_rlhf.data.encode import EncodedPrompt
 from megatron_rlhf.models.batching import data_parallel
 from megatron_rlhf.parallel.collectives import dp_sum
 from megatron_rlhf.rollout import Rollout, SamplingParams
+from megatron_rlhf.rollout.episodes import sample_rows
 
 # The eval's sampling seed, cfg.seed + this: the RL stage and the DPO stage's gold eval both use
 # it, so both stages score the same policy with the same samples.
@@ -49,7 +50,7 @@ def evaluate(engine, judges: dict[str, Judge], tokenizer, task, prompts: list[En
     all of them); samples; response tokens."""
     rank, size = data_parallel()
     rows = prompts[rank::size]
-    rollout = engine.generate([p.ids for p in rows], sampling, seed)
+    rollout = sample_rows(engine, rows, sampling, seed)
     texts = decode_responses(rollout, tokenizer)
     mine = {name: judge(rollout, rows) for name, judge in judges.items()}
     if task:

@@ -36,6 +36,7 @@ from megatron_rlhf.models.roles import Actor, AdapterFreeReference, Critic, Refe
 from megatron_rlhf.parallel.collectives import any_rank, dp_sum, masked_moments
 from megatron_rlhf.rewards import RewardInputs, RewardSourceError, RewardSources, rm_scores
 from megatron_rlhf.rollout import Rollout, SamplingParams, make_engine
+from megatron_rlhf.rollout.episodes import EpisodeEngine, sample_rows, with_episodes
 from megatron_rlhf.rollout.batch import RolloutBatch
 from megatron_rlhf.trainers.rl_async import AsyncRollouts, RolloutAudit
 from megatron_rlhf.trainers.rl_inputs import load_inputs
@@ -118,7 +119,7 @@ def generate(engine, score_fn, draw_prompts, rl: RLConfig, sampling, seed: int) 
     n = rl.n_samples_per_prompt
     prompts = draw_prompts()
     rows = [p for p in prompts for _ in range(n)]
-    rollout = engine.generate([p.ids for p in rows], sampling, seed)
+    rollout = sample_rows(engine, rows, sampling, seed)
     if not rl.dynamic_sampling:
         return Generation(rollout, rows)
     quota, parts, part_rows, scored = len(prompts), [rollout], [rows], [score_fn(rollout, rows)]
@@ -127,7 +128,7 @@ def generate(engine, score_fn, draw_prompts, rl: RLConfig, sampling, seed: int) 
         if not any_rank(int(sum(int(i.sum()) for i in informative)) < quota):
             break
         more_rows = [p for p in draw_prompts() for _ in range(n)]
-        more = engine.generate([p.ids for p in more_rows], sampling, seed + 7919 * extra)
+        more = sample_rows(engine, more_rows, sampling, seed + 7919 * extra)
         parts.append(more)
         part_rows.append(more_rows)
         scored.append(score_fn(more, more_rows))
@@ -356,6 +357,7 @@ def train(cfg: Config) -> dict:
 def run_iterations(cfg: Config, runner: StageRunner, data, roles: dict, engine, sched: ColocationScheduler,
                    rewards: RewardSources, prompts: Prompts) -> dict:
     rl, tok = cfg.rl, data.tokenizer
+    engine = with_episodes(cfg, engine, tok)  # rl.environment: multi-turn episodes (rollout/episodes.py)
     trained = {name: roles[name] for name in ("actor", "critic") if name in roles}
     state = RLTrainerState(make_kl_controller(rl.kl_controller, rl.kl_coef, rl.kl_target, rl.kl_horizon),
                            RewardHackingAlarm(rl.reward_hacking_window), sched)
@@ -412,6 +414,8 @@ def run_iterations(cfg: Config, runner: StageRunner, data, roles: dict, engine, 
                     generation, batch = ahead.advance(step, version=step - 1)
                 else:
                     generation = generate(engine, scoring, draw_prompts, rl, sampling, seed)
+                # rl.max_failed_episodes: too many failed episodes stop the stage here, checkpointed
+                env_metrics = engine.episode_metrics() if isinstance(engine, EpisodeEngine) else {}
                 phase.tokens = int(generation.rollout.response_lengths().sum())
             runner.heartbeat.beat()
             with sched.phase("score") as phase:
@@ -420,10 +424,11 @@ def run_iterations(cfg: Config, runner: StageRunner, data, roles: dict, engine, 
                 phase.tokens = int(it.rollout.lengths.sum())
         runner.heartbeat.beat()
         with sched.phase("train") as phase:
-            train_iteration(it, trained, rl, state.kl.value, step > rl.critic_warmup_steps, seed, cfg.sampling.max_new_tokens)
+            train_iteration(it, trained, rl, state.kl.value, step > rl.critic_warmup_steps, seed,
+                            rl.response_width(cfg.model, cfg.sampling))
             synced = synced and not it.trains_actor
             phase.tokens = int(it.rollout.lengths.sum()) * rl.epochs
-        metrics = iteration_metrics(it, tok, data.task, rl)
+        metrics = {**iteration_metrics(it, tok, data.task, rl), **env_metrics}
         state.samples_seen += int(metrics.pop("responses"))
         state.last_mismatch.update({k: metrics[k] for k in ("logprob_mismatch", "mismatch_max_ratio") if k in metrics})
         if it.trains_actor:  # the actor does not move during critic warm-up: nothing to steer yet

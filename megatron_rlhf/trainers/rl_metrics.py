@@ -117,7 +117,8 @@ def rl_summary(cfg: Config, state: RLTrainerState, metrics: dict, roles: dict, d
         "lora": lora_summary(roles),
         # what the reward is made of, and each source's mean score in the last iteration
         "reward_sources": [{"name": src.label, "type": src.type, "weight": src.weight,
-                            "source": {"model": rl.rm_from or "<run>/rm", "function": src.function, "http": src.url}[src.type],
+                            "source": {"model": rl.rm_from or "<run>/rm", "function": src.function, "http": src.url,
+                                       "environment": rl.environment.class_path or rl.environment.url}[src.type],
                             "score_final": metrics.get(f"reward_{src.label}")} for src in rl.rewards],
         # the final policy against the SFT policy on the held-out prompts (null: not measured)
         **{f"win_rate_{judge}_final": eval_metrics.get(f"eval_win_rate_{judge}")

@@ -1,0 +1,241 @@
+"""Multi-turn rollouts: episodes of an environment (rl.environment) run turn by turn with any
+rollout engine, token in and token out.
+
+Each turn, the episodes still running are generated together from their whole trajectory so
+far (prompt + every earlier turn's ids, as ids: the engine's `generate` with the trajectory as
+its prompt; vLLM's prompt token ids, the in-place engine's prefill of it), each row stopping at
+EOS, at the tool-call end marker (SamplingParams.stop_token_ids) or at the turn's token budget;
+then the environment answers every turn (envs/episode.py: EpisodeRunner) and its observation ids
+are appended. Nothing is decoded and encoded again: the ids trained on are the ids sampled.
+
+The in-place engine keeps no KV cache from one turn to the next: each turn prefills the
+trajectory in one forward (the cost of a prompt) and decodes from there.
+
+Process discipline: the engine's generate is collective over the replica (model-parallel and
+context-parallel ranks hold the same rows). The environments run on the replica's first rank
+only (a service must see each step once), which hands every turn's episodes to the others
+(`broadcast_object_list`: host objects, once per turn). Every data-parallel rank runs as many
+turns as the one with the most (an expert-parallel engine's forward is collective over them);
+a rank whose episodes have all ended generates for a stand-in row and drops it.
+
+The rollout built at the end is a Rollout (right-padded, sequence layout) whose policy_mask
+marks the tokens the policy sampled and env_reward holds each episode's reward (the sum of its
+turns' rewards); `finished` is True for episodes the environment ended (done), not truncated
+or failed. A failed episode keeps its row, with a policy_mask of zeros: a group keeps its size
+and the episode trains on nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron_rlhf.envs.base import Episode
+from megatron_rlhf.envs.episode import EpisodeRunner
+from megatron_rlhf.parallel import device
+from megatron_rlhf.parallel.collectives import any_rank
+from megatron_rlhf.rollout.base import Rollout, SamplingParams
+
+# the seed of turn k's generate: distinct per turn, the same for a rerun of the iteration
+_TURN_SEED_STRIDE = 1_000_003
+
+
+def replica_groups() -> list:
+    """The groups over which one data-parallel replica's ranks hold the same rows: megatron's
+    model-parallel group, then (context parallelism) the CP group. Empty outside a distributed run."""
+    from megatron.core import parallel_state as ps
+
+    if not dist.is_initialized() or not ps.model_parallel_is_initialized():
+        return []
+    groups = [ps.get_model_parallel_group()]
+    if ps.get_context_parallel_world_size() > 1:
+        groups.append(ps.get_context_parallel_group())
+    return [g for g in groups if dist.get_world_size(g) > 1]
+
+
+def runs_environments() -> bool:
+    """Whether this rank steps the replica's environments (the first rank of each replica group)."""
+    return all(dist.get_rank() == dist.get_process_group_ranks(g)[0] for g in replica_groups())
+
+
+def share_episodes(episodes: list[Episode] | None) -> list[Episode]:
+    """The replica's first rank's `episodes` on every rank of the replica (None elsewhere)."""
+    for group in replica_groups():
+        box = [episodes]
+        dist.broadcast_object_list(box, src=dist.get_process_group_ranks(group)[0], group=group)
+        episodes = box[0]
+    return episodes
+
+
+def generate_episodes(engine, runner: EpisodeRunner | None, prompts: list[list[int]], records: list[dict[str, Any]],
+                      sampling: SamplingParams, seed: int, max_total_tokens: int) -> tuple[Rollout, list[Episode]]:
+    """One episode per prompt (records[i]: prompt i's record for the environment's reset),
+    generated with `engine`, stepped by `runner` (None on ranks that do not run environments:
+    runs_environments), at most `max_total_tokens` tokens each (prompt included; rl.max_total_tokens,
+    the runner's). Returns the rollout and the episodes, the same on every rank of a replica."""
+    mine = runs_environments()
+    episodes = [runner.start(record, ids) for record, ids in zip(records, prompts)] if mine else None
+    episodes = share_episodes(episodes)
+    logprobs: list[list[float]] = [[0.0] * len(e.tokens) for e in episodes]  # per trajectory token
+    turn_sampling = dataclasses.replace(sampling, stop_token_ids=tuple(runner.stop_ids[1:]) if mine else ())
+    turn_sampling = _same_on_replica(turn_sampling)
+    turn = 0
+    while any_rank(any(not e.ended for e in episodes)):
+        active = [i for i, e in enumerate(episodes) if not e.ended]
+        rows = active or [0]  # a stand-in row keeps this rank in the collective turns of the others
+        sequences = [episodes[i].prompt_ids + episodes[i].tokens for i in rows]
+        # the turn's budget: the room of the longest row (an active episode has at least one token
+        # of room: the runner truncates one whose observation leaves none)
+        budget = min(sampling.max_new_tokens, max_total_tokens - max(len(s) for s in sequences))
+        out = engine.generate(sequences, dataclasses.replace(turn_sampling, max_new_tokens=max(budget, 1)),
+                              seed + _TURN_SEED_STRIDE * turn)
+        new_ids, new_logprobs = _new_tokens(out, [len(s) for s in sequences])
+        if active:
+            for i, ids, lps in zip(active, new_ids, new_logprobs):
+                logprobs[i].extend(lps)
+                if mine:
+                    runner.policy_turn(episodes[i], ids[:max(max_total_tokens - episodes[i].length, 0)])
+            episodes = share_episodes(episodes if mine else None)
+            for i in active:  # observation ids appended after the policy's: context, log-prob 0
+                logprobs[i] = logprobs[i][:_policy_end(episodes[i])]
+                logprobs[i].extend([0.0] * (len(episodes[i].tokens) - len(logprobs[i])))
+        turn += 1
+    return build_rollout(episodes, logprobs, engine.pad_id), episodes
+
+
+def _same_on_replica(sampling: SamplingParams) -> SamplingParams:
+    """The first rank's stop ids on every rank of the replica (only it has the runner)."""
+    box = [sampling.stop_token_ids]
+    for group in replica_groups():
+        dist.broadcast_object_list(box, src=dist.get_process_group_ranks(group)[0], group=group)
+    return dataclasses.replace(sampling, stop_token_ids=tuple(box[0]))
+
+
+def _policy_end(episode: Episode) -> int:
+    """Trajectory tokens up to and including the last token the policy sampled."""
+    mask = episode.policy_mask
+    return max((i + 1 for i, sampled in enumerate(mask) if sampled), default=0)
+
+
+def _new_tokens(out: Rollout, starts: list[int]) -> tuple[list[list[int]], list[list[float]]]:
+    """Each row's generated ids and their log-probs (host lists: one read per turn)."""
+    tokens, logprobs, lengths = out.tokens.tolist(), out.logprobs.tolist(), out.lengths.tolist()
+    return ([row[s:n] for row, s, n in zip(tokens, starts, lengths)],
+            [lp[s - 1:n - 1] for lp, s, n in zip(logprobs, starts, lengths)])
+
+
+def build_rollout(episodes: list[Episode], logprobs: list[list[float]], pad_id: int) -> Rollout:
+    """The episodes as a Rollout (see the module docstring), on this rank's device."""
+    width = max(len(e.prompt_ids) + len(e.tokens) for e in episodes)
+    batch = len(episodes)
+    tokens = torch.full((batch, width), pad_id, dtype=torch.long)
+    logprob = torch.zeros(batch, width)
+    policy = torch.zeros(batch, width)
+    for row, (e, lps) in enumerate(zip(episodes, logprobs)):
+        p, n = len(e.prompt_ids), len(e.prompt_ids) + len(e.tokens)
+        tokens[row, :n] = torch.tensor(e.prompt_ids + e.tokens, dtype=torch.long)
+        if n > p:  # position t predicts token t+1: the trajectory's token j sits at p + j
+            logprob[row, p - 1:n - 1] = torch.tensor(lps[:n - p])
+            if e.failure is None:
+                policy[row, p - 1:n - 1] = torch.tensor(e.policy_mask, dtype=torch.float)
+    lengths = torch.tensor([len(e.prompt_ids) + len(e.tokens) for e in episodes])
+    prompt_lengths = torch.tensor([len(e.prompt_ids) for e in episodes])
+    finished = torch.tensor([e.done and e.failure is None and e.truncated is None for e in episodes])
+    reward = torch.tensor([episode_reward(e) for e in episodes], dtype=torch.float32)
+    dev = device()
+    return Rollout(tokens.to(dev), prompt_lengths.to(dev), lengths.to(dev), (logprob * policy).to(dev), finished.to(dev),
+                   policy_mask=policy.to(dev), env_reward=reward.to(dev))
+
+
+def episode_reward(episode: Episode) -> float:
+    """The environment's reward of an episode: the sum of its turns' rewards (0 when failed)."""
+    if episode.failure is not None:
+        return 0.0
+    return float(sum(t.reward for t in episode.turns if t.reward is not None))
+
+
+class EpisodeEngine:
+    """A rollout engine whose generate runs multi-turn episodes (generate_episodes) with
+    `engine`; `runner` steps the environments (None on ranks that do not: runs_environments).
+    What a generate's episodes were like: `episode_metrics()` (global means), and the stage
+    stops (TooManyFailedEpisodes) when more than `max_failed` of a batch's episodes failed."""
+
+    runs_episodes = True
+
+    def __init__(self, engine, runner: EpisodeRunner | None, max_total_tokens: int, max_failed: float):
+        self.engine, self.runner = engine, runner
+        self.max_total_tokens, self.max_failed = max_total_tokens, max_failed
+        self.needs_refit, self.pad_id = engine.needs_refit, engine.pad_id
+        self.episodes: list[Episode] = []  # this rank's, of the last generate
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams, seed: int,
+                 records: list[dict[str, Any]] | None = None) -> Rollout:
+        records = records if records is not None else [{} for _ in prompts]
+        rollout, self.episodes = generate_episodes(self.engine, self.runner, prompts, records, sampling, seed,
+                                                   self.max_total_tokens)
+        return rollout
+
+    def episode_metrics(self) -> dict[str, float]:
+        """The last generate's episode statistics over every data-parallel rank (envs/base.py:
+        episode_metrics); raises TooManyFailedEpisodes on every rank when too many failed."""
+        from megatron_rlhf.envs.base import TooManyFailedEpisodes, episode_metrics
+        from megatron_rlhf.parallel.collectives import dp_sum
+
+        local, n = episode_metrics(self.episodes), len(self.episodes)
+        totals = dp_sum(torch.tensor([v * n for v in local.values()] + [n], dtype=torch.float64, device=device()))
+        totals = totals.tolist()
+        metrics = {k: v / max(totals[-1], 1) for k, v in zip(local, totals)}
+        if metrics["env_failed_fraction"] > self.max_failed:
+            failed = [e for e in self.episodes if e.failure is not None]
+            first = f"; here, e.g. {failed[0].failure}: {failed[0].failure_detail}" if failed else ""
+            raise TooManyFailedEpisodes(
+                f"{metrics['env_failed_fraction']:.0%} of the batch's episodes failed, more than "
+                f"rl.max_failed_episodes={self.max_failed}{first}. Fix the environment, or raise "
+                "rl.max_failed_episodes to train on the episodes that succeed")
+        return metrics
+
+    def update_weights(self) -> None:
+        self.engine.update_weights()
+
+    def metrics(self) -> dict[str, float]:
+        return self.engine.metrics()
+
+    def shutdown(self) -> None:
+        if self.runner is not None:
+            self.runner.close()
+        self.engine.shutdown()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+
+def records_of(rows) -> list[dict[str, Any]]:
+    """The environment's reset records of prompt rows (data/encode.py EncodedPrompt): the prompt
+    text and the record's other fields."""
+    return [{"prompt": p.example.prompt, **dict(p.example.extra)} for p in rows]
+
+
+def sample_rows(engine, rows, sampling: SamplingParams, seed: int) -> Rollout:
+    """`engine`'s rollout of prompt rows; a multi-turn engine gets each row's record too."""
+    ids = [p.ids for p in rows]
+    if getattr(engine, "runs_episodes", False):
+        return engine.generate(ids, sampling, seed, records=records_of(rows))
+    return engine.generate(ids, sampling, seed)
+
+
+def with_episodes(cfg, engine, tokenizer):
+    """`engine` as the RL stage uses it: wrapped in an EpisodeEngine when rl.environment is set
+    (its runner on the ranks that run environments), else itself."""
+    rl = cfg.rl
+    if not rl.multi_turn:
+        return engine
+    from megatron_rlhf.envs.loading import episode_runner, turn_template
+
+    runner = episode_runner(rl, cfg.model, tokenizer, turn_template(rl.environment)) if runs_environments() else None
+    return EpisodeEngine(engine, runner, rl.episode_token_budget(cfg.model), rl.max_failed_episodes)

@@ -1,0 +1,48 @@
+"""The RL stage with multi-turn episodes (rl.environment: the calculator environment on the
+built-in calculator task), run as users run it: SFT on the task's tool-use demonstrations, then
+GRPO at DP2 whose episodes call the tool; the episode metrics are logged; a rank killed in the
+middle of an iteration resumes bitwise (an interrupted iteration's episodes are restarted from
+the last checkpoint with the same seeds: a deterministic environment replays them exactly)."""
+
+import pytest
+
+from stages import assert_same_run, fault, latest, metrics, stage, summary
+
+RECIPE = "pipelines/tiny_cpu_agent.yaml"
+SIZES = ["data.task_sizes.sft_train=256", "data.task_sizes.sft_eval=32", "data.task_sizes.ppo_prompts=64",
+         "data.task_sizes.eval_prompts=8"]
+STEPS = 3
+RL = [f"rl.steps={STEPS}", "rl.save_interval=1", "rl.eval_interval=3", "rl.rollout_batch_size=4",
+      "rl.mini_batch_size=16", "rl.micro_batch_size=8", "rl.epochs=1"]
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    root = tmp_path_factory.mktemp("agent")
+    stage(1, "sft", root, "agent", "sft.steps=30", "sft.eval_interval=30", *SIZES, recipe=RECIPE)
+    inputs = [f"rl.sft_from={root}/agent/sft", *SIZES, *RL]
+    stage(2, "rl", root, "agent", *inputs, recipe=RECIPE)
+    return root, inputs
+
+
+def test_the_agent_stage_logs_its_episodes(root):
+    root, _ = root
+    s = summary(root, "agent", "grpo")
+    assert s["steps"] == STEPS and s["reward_sources"][0]["type"] == "environment"
+    lines = metrics(root, "agent", "grpo")
+    assert [x["step"] for x in lines] == list(range(STEPS + 1))
+    for line in lines[1:]:
+        assert line["env_turns_per_episode"] >= 1 and 0 <= line["env_tool_call_rate"] <= 1
+        assert line["env_failed_fraction"] == 0 and line["env_episode_length"] > 5
+        assert line["logprob_mismatch"] < 1e-5  # the engine's log-probs of the policy's tokens are the actor's
+    assert any(line["env_tool_call_rate"] > 0 for line in lines[1:])  # the tool was called: multi-turn episodes
+
+
+def test_a_rank_killed_mid_iteration_resumes_the_episodes_bitwise(root):
+    root, inputs = root
+    proc = stage(2, "rl", root, "agent_killed", f"rl.sft_from={root}/agent/sft", *inputs[1:], recipe=RECIPE,
+                 **fault("kill@train:2:1"))
+    assert proc.returncode != 0 and "kill at train of step 2" in proc.stdout
+    assert latest(root, "agent_killed", "grpo") == "iter_0000001"
+    stage(2, "rl", root, "agent_killed", f"rl.sft_from={root}/agent/sft", *inputs[1:], recipe=RECIPE)
+    assert_same_run(root, "agent", "agent_killed", "grpo", STEPS, ["actor"])

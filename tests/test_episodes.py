@@ -1,0 +1,156 @@
+"""Multi-turn episodes (rollout/episodes.py): token in, token out; what trains and what is
+context; the environment stepped once per replica; failed episodes; and the advantage math
+with environment tokens between the policy's turns. The RL stage with the calculator
+environment, interrupted and resumed, is tests/test_agent_stage.py."""
+
+import pytest
+import torch
+
+from distributed import TINY_MODEL, torchrun
+from megatron_rlhf.data.tasks import get_task
+from megatron_rlhf.data.tokenizers import WordTokenizer
+from workers import layout_args
+
+VOCAB = WordTokenizer(get_task("calculator").words()).vocab_size
+LAYOUTS = {"dp2": (1, 1), "tp2": (2, 1)}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("episodes")
+    model = [o for o in TINY_MODEL if not o.startswith("model.vocab_size")]
+    torchrun(2, "tests/workers/episodes.py", f"--root={root}", *layout_args(LAYOUTS), *model,
+             f"model.vocab_size={VOCAB}", "seed=11")
+    return {name: torch.load(root / f"episodes_{name}.pt", weights_only=False) for name in LAYOUTS}
+
+
+def each_rank(results, run="ok"):
+    return results[run]
+
+
+def full_rows(r):
+    rollout = r["rollout"]
+    return [rollout["tokens"][i, :n].tolist() for i, n in enumerate(rollout["lengths"].tolist())]
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_the_trained_ids_are_the_sampled_ids_and_observations_are_appended_as_ids(runs, layout):
+    """Token in, token out: every row is its prompt then the episode's ids; each turn's engine
+    input is the trajectory so far, and what the engine sampled sits there unchanged, marked as
+    the policy's; the rest are the observations between their marker ids."""
+    res = runs[layout]
+    turns = 0
+    for r in res["ok"]:
+        rows = full_rows(r)
+        for row, e in zip(rows, r["episodes"]):
+            assert row == e["prompt_ids"] + e["tokens"]
+        covered = [set() for _ in rows]
+        for call in r["calls"]:
+            assert call["stops"] == [res["markers"]["</calc>"]]
+            for prompt, new in zip(call["prompts"], call["new"]):
+                matches = [i for i, row in enumerate(rows) if row[:len(prompt)] == prompt and len(row) > len(prompt)
+                           and r["episodes"][i]["policy_mask"][len(prompt) - len(r["episodes"][i]["prompt_ids"])]]
+                if not matches:
+                    continue  # a stand-in row, or a turn the runner ended without room
+                i = matches[0]
+                mask = r["episodes"][i]["policy_mask"]
+                start = len(prompt) - len(r["episodes"][i]["prompt_ids"])
+                kept = 0
+                while start + kept < len(mask) and kept < len(new) and mask[start + kept]:
+                    kept += 1
+                assert kept > 0 and rows[i][len(prompt):len(prompt) + kept] == new[:kept]
+                covered[i].update(range(start, start + kept))
+        for i, e in enumerate(r["episodes"]):
+            assert covered[i] == {j for j, sampled in enumerate(e["policy_mask"]) if sampled}
+            context = [t for t, sampled in zip(e["tokens"], e["policy_mask"]) if not sampled]
+            assert context == [t for obs in e["observations"] for t in obs]
+            for obs in e["observations"]:
+                if obs:
+                    assert obs[0] == res["markers"]["<obs>"] and obs[-1] == res["markers"]["</obs>"]
+            turns += e["turns"]
+    assert turns > len(res["ok"]) * 3  # episodes ran more than one turn, some of them with observations
+    assert any(obs for r in res["ok"] for e in r["episodes"] for obs in e["observations"])
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_only_the_policys_tokens_train_and_their_logprobs_are_the_actors(runs, layout):
+    """policy_mask (= response_mask) is 1 exactly where the next token is one the policy
+    sampled; the engine's log-probs there equal the actor's recomputed ones (each turn prefills
+    the trajectory), and they are 0 at the environment's tokens."""
+    for r in runs[layout]["ok"]:
+        rollout = r["rollout"]
+        for i, e in enumerate(r["episodes"]):
+            p = len(e["prompt_ids"])
+            want = torch.zeros(rollout["tokens"].size(1))
+            want[p - 1:p - 1 + len(e["tokens"])] = torch.tensor(e["policy_mask"], dtype=torch.float)
+            assert torch.equal(rollout["policy_mask"][i], want)
+        mask = rollout["policy_mask"]
+        assert mask.sum() > 0 and ((rollout["logprobs"] != 0).float() <= mask).all()
+        torch.testing.assert_close(rollout["logprobs"], r["recomputed"] * mask, atol=1e-5, rtol=0)
+
+
+def test_a_replica_steps_its_environments_once_and_shares_the_episodes(runs):
+    tp2 = runs["tp2"]["ok"]
+    assert [r["runs_environments"] for r in tp2] == [True, False]
+    assert tp2[0]["environments_made"] == 6 and tp2[1]["environments_made"] == 0
+    for key, value in tp2[0]["rollout"].items():
+        assert value is None or torch.equal(value, tp2[1]["rollout"][key]), key
+    dp2 = runs["dp2"]["ok"]  # two replicas: each steps its own share of the prompts
+    assert [r["environments_made"] for r in dp2] == [3, 3]
+    assert dp2[0]["metrics"] == dp2[1]["metrics"] and dp2[0]["metrics"]["env_turns_per_episode"] > 1
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_failed_episodes_train_on_nothing_and_too_many_stop_the_stage(runs, layout):
+    failing = runs[layout]["failing"]
+    failed = 0
+    for r in failing:
+        for i, e in enumerate(r["episodes"]):
+            if e["failure"] is not None:
+                failed += 1
+                assert e["failure"] == "raised"
+                assert r["rollout"]["policy_mask"][i].sum() == 0 and r["rollout"]["env_reward"][i] == 0
+        assert r["too_many"] is not None and "TooManyFailedEpisodes" in r["too_many"]
+        assert "rl.max_failed_episodes=0.2" in r["too_many"]
+    assert failed >= 2
+    assert all(r["too_many"] is None and r["metrics"]["env_failed_fraction"] == 0 for r in runs[layout]["ok"])
+
+
+# ------------------------------------------------------------------------------ units
+def test_the_sequence_score_goes_on_the_policys_last_token_past_the_observations():
+    from megatron_rlhf.algorithms.advantages import gae, token_rewards
+
+    mask = torch.tensor([[1.0, 1.0, 0.0, 0.0, 1.0, 0.0], [1.0, 1.0, 1.0, 0.0, 0.0, 0.0]])
+    rewards = token_rewards(torch.zeros(2, 6), torch.tensor([2.0, 3.0]), mask)
+    assert rewards.tolist() == [[0, 0, 0, 0, 2, 0], [0, 0, 3, 0, 0, 0]]
+    values = torch.tensor([[0.5, 0.4, 9.0, 9.0, 0.2, 0.0], [0.1, 0.2, 0.3, 0.0, 0.0, 0.0]])
+    advantages, returns = gae(rewards, values * mask, mask, gamma=1.0, lam=1.0)
+    # the observation tokens are skipped: the policy's tokens before them bootstrap from its next turn
+    assert advantages[0].tolist() == pytest.approx([1.5, 1.6, 0, 0, 1.8, 0])
+    assert returns[0, 2:4].tolist() == [0, 0]
+
+
+def test_the_batchs_response_mask_has_the_episodes_gaps():
+    from megatron_rlhf.rollout.batch import RolloutBatch
+
+    mask = torch.tensor([[0.0, 1.0, 1.0, 0.0, 1.0, 0.0, 0.0]])
+    ones = torch.ones(1, 7)
+    batch = RolloutBatch(tokens=torch.zeros(1, 7, dtype=torch.long), lengths=torch.tensor([6]),
+                         prompt_lengths=torch.tensor([2]), mask=mask, group_ids=torch.zeros(1, dtype=torch.long),
+                         old_logprobs=ones, ref_logprobs=ones, scores=torch.zeros(1))
+    assert batch.response_mask(6).tolist() == [[1, 1, 0, 1, 0, 0]]
+
+
+def test_a_multi_turn_rollout_keeps_its_masks_through_cat_and_select():
+    from megatron_rlhf.rollout import Rollout
+
+    def rollout(width, reward):
+        policy = torch.zeros(1, width)
+        policy[0, 1] = 1.0
+        return Rollout(torch.ones(1, width, dtype=torch.long), torch.tensor([1]), torch.tensor([width]),
+                       torch.zeros(1, width), torch.tensor([True]), policy_mask=policy, env_reward=torch.tensor([reward]))
+
+    both = Rollout.cat([rollout(3, 1.0), rollout(5, 0.0)], pad_id=0)
+    assert both.policy_mask.shape == (2, 5) and both.env_reward.tolist() == [1.0, 0.0]
+    assert torch.equal(both.response_mask(), both.policy_mask)
+    assert both.select(torch.tensor([1])).env_reward.tolist() == [0.0]
