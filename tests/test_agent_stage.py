@@ -46,3 +46,15 @@ def test_a_rank_killed_mid_iteration_resumes_the_episodes_bitwise(root):
     assert latest(root, "agent_killed", "grpo") == "iter_0000001"
     stage(2, "rl", root, "agent_killed", f"rl.sft_from={root}/agent/sft", *inputs[1:], recipe=RECIPE)
     assert_same_run(root, "agent", "agent_killed", "grpo", STEPS, ["actor"])
+
+
+def test_an_environment_service_that_is_down_stops_the_stage_cleanly(root):
+    """rl.environment.type=http at a port nobody serves: every rank stops with exit code 4 (a
+    failed reward source's), naming the service, before anything trains."""
+    root, inputs = root
+    proc = stage(2, "rl", root, "agent_down", *inputs, "rl.environment.type=http",
+                 "rl.environment.class_path=null", "rl.environment.url=http://127.0.0.1:9",
+                 "rl.environment.max_retries=0", recipe=RECIPE, check=False)
+    assert proc.returncode == 4, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "http://127.0.0.1:9" in proc.stdout + proc.stderr
+    assert not (root / "agent_down" / "grpo" / "latest").exists()

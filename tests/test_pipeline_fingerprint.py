@@ -161,9 +161,9 @@ def test_rerun_names_stages_of_the_pipeline(tmp_path):
 
 def test_a_single_turn_rl_stage_fingerprint_leaves_the_environment_settings_out():
     """An RL stage finished before the multi-turn settings existed is still reused: single-turn
-    (no rl.environment), they change nothing it trains and are not inputs."""
-    cfg = validate(load_config("pipelines/tiny_cpu.yaml", ["rl.max_turns=3", "rl.max_failed_episodes=0.5"]))
-    inputs = stage_inputs(cfg, "rl")
-    assert inputs and not [k for k in inputs if "environment" in k or k in ("rl.max_turns", "rl.max_total_tokens",
+    (rl.environment.type none) they change nothing it trains and are not inputs; multi-turn they are."""
+    single = stage_inputs(validate(load_config("pipelines/tiny_cpu.yaml", [])), "rl")
+    assert single and not [k for k in single if "environment" in k or k in ("rl.max_turns", "rl.max_total_tokens",
                                                                              "rl.max_failed_episodes")]
-    assert inputs == stage_inputs(validate(load_config("pipelines/tiny_cpu.yaml", [])), "rl")
+    multi = stage_inputs(validate(load_config("pipelines/tiny_cpu_agent.yaml", [])), "rl")
+    assert multi["rl.environment.type"] == "class" and multi["rl.max_turns"] == 3

@@ -74,6 +74,14 @@ def test_vllm_generates_as_the_megatron_engine_across_refits(tmp_path, layout):
     for label in ("corrupted", "missing"):
         assert "stale" in failures[f"{label}_generate"], failures
     assert failures["recovered_equal"] is True
+    # multi-turn episodes, greedy: vLLM (a prompt of the trajectory's ids each turn) and the
+    # in-place engine (a prefill of it) run the same episodes, observations between the turns
+    episodes = res["episodes"]
+    for key in ("tokens", "lengths", "prompt_lengths", "policy_mask", "env_reward", "finished"):
+        assert torch.equal(episodes["megatron"][key], episodes["vllm"][key]), key
+    mask = episodes["vllm"]["policy_mask"]
+    assert (episodes["vllm"]["logprobs"] - episodes["megatron"]["logprobs"]).abs().max() < 1e-4
+    assert (mask.sum(1) < (episodes["vllm"]["lengths"] - episodes["vllm"]["prompt_lengths"])).all()  # observations
 
 
 VLLM_RECIPE = "pipelines/tiny_cpu_vllm.yaml"

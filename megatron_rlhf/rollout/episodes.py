@@ -36,7 +36,7 @@ import torch.distributed as dist
 from megatron_rlhf.envs.base import Episode
 from megatron_rlhf.envs.episode import EpisodeRunner
 from megatron_rlhf.parallel import device
-from megatron_rlhf.parallel.collectives import any_rank
+from megatron_rlhf.parallel.collectives import any_rank, errors_agreed
 from megatron_rlhf.rollout.base import Rollout, SamplingParams
 
 # the seed of turn k's generate: distinct per turn, the same for a rerun of the iteration
@@ -77,7 +77,10 @@ def generate_episodes(engine, runner: EpisodeRunner | None, prompts: list[list[i
     runs_environments), at most `max_total_tokens` tokens each (prompt included; rl.max_total_tokens,
     the runner's). Returns the rollout and the episodes, the same on every rank of a replica."""
     mine = runs_environments()
-    episodes = [runner.start(record, ids) for record, ids in zip(records, prompts)] if mine else None
+    episodes = None
+    with _stops_every_rank():
+        if mine:
+            episodes = [runner.start(record, ids) for record, ids in zip(records, prompts)]
     episodes = share_episodes(episodes)
     logprobs: list[list[float]] = [[0.0] * len(e.tokens) for e in episodes]  # per trajectory token
     turn_sampling = dataclasses.replace(sampling, stop_token_ids=tuple(runner.stop_ids[1:]) if mine else ())
@@ -93,17 +96,29 @@ def generate_episodes(engine, runner: EpisodeRunner | None, prompts: list[list[i
         out = engine.generate(sequences, dataclasses.replace(turn_sampling, max_new_tokens=max(budget, 1)),
                               seed + _TURN_SEED_STRIDE * turn)
         new_ids, new_logprobs = _new_tokens(out, [len(s) for s in sequences])
-        if active:
-            for i, ids, lps in zip(active, new_ids, new_logprobs):
-                logprobs[i].extend(lps)
+        with _stops_every_rank():
+            for i, ids in zip(active, new_ids):
                 if mine:
                     runner.policy_turn(episodes[i], ids[:max(max_total_tokens - episodes[i].length, 0)])
+        if active:
+            for i, lps in zip(active, new_logprobs):
+                logprobs[i].extend(lps)
             episodes = share_episodes(episodes if mine else None)
             for i in active:  # observation ids appended after the policy's: context, log-prob 0
                 logprobs[i] = logprobs[i][:_policy_end(episodes[i])]
                 logprobs[i].extend([0.0] * (len(episodes[i].tokens) - len(logprobs[i])))
         turn += 1
     return build_rollout(episodes, logprobs, engine.pad_id), episodes
+
+
+def _stops_every_rank():
+    """An environment failure that stops the stage (a service down: EnvironmentFailure), raised
+    where the environments run, is raised on every rank of the world after the block (no rank
+    left waiting in the next turn's collectives); the others say where to look."""
+    from megatron_rlhf.envs.base import EnvironmentFailure
+
+    return errors_agreed(lambda: EnvironmentFailure("the environment of another data-parallel replica stopped the "
+                                                    "stage (see that rank's error)"), catch=EnvironmentFailure)
 
 
 def _same_on_replica(sampling: SamplingParams) -> SamplingParams:

@@ -20,6 +20,7 @@ import torch
 
 from megatron_rlhf import parallel  # first: it adapts megatron-core before its import
 from megatron.core import parallel_state as ps  # noqa: E402,I001
+from megatron_rlhf.envs.base import EnvStart, Environment, StepResult
 from megatron_rlhf.models.roles import Actor
 from megatron_rlhf.rollout import MegatronRolloutEngine, SamplingParams
 from megatron_rlhf.rollout import refit
@@ -60,6 +61,35 @@ def perturb(actor: Actor, round_: int) -> None:
 def run(engine, eos: int, sampling: SamplingParams, seed: int):
     engine.eos_id = eos
     return vars(engine.generate(PROMPTS, sampling, seed).to("cpu"))
+
+
+class EchoEnv(Environment):
+    """A tool-less multi-turn environment on token ids: each turn's observation is the turn's
+    first three ids reversed (ids, no text), done after the third turn; reward: the turn's length."""
+
+    def __init__(self):
+        self.turns = 0
+
+    def reset(self, record):
+        return EnvStart()
+
+    def step(self, action_text, action_ids):
+        self.turns += 1
+        return StepResult(observation=list(reversed(action_ids[:3])), done=self.turns == 3,
+                          reward=float(len(action_ids)))
+
+
+def episodes_with(engine, tokenizer, seed: int):
+    """Greedy episodes of EchoEnv through rollout/episodes.py with `engine` (turns end at id 92 or 6 tokens)."""
+    from megatron_rlhf.envs.episode import EpisodeRunner, TurnTemplate
+    from megatron_rlhf.rollout.episodes import EpisodeEngine, runs_environments
+
+    runner = (EpisodeRunner(EchoEnv, tokenizer, TurnTemplate("w90", "w91", "w92"), max_turns=3, max_total_tokens=48,
+                            step_timeout_s=30) if runs_environments() else None)
+    multi = EpisodeEngine(engine, runner, 48, max_failed=0.0)
+    greedy = SamplingParams(temperature=0.7, max_new_tokens=6, greedy=True)
+    rollout = multi.generate(PROMPTS, greedy, seed, records=[{} for _ in PROMPTS])
+    return {k: v.cpu() if v is not None else None for k, v in vars(rollout).items()}
 
 
 def same_on_every_rank(rollout) -> bool:
@@ -161,6 +191,12 @@ def main() -> None:
     vllm.update_weights()  # a good refit makes it usable again
     failures["recovered_equal"] = run(vllm, eos, greedy, 0)["tokens"].tolist() == run(megatron, eos, greedy, 0)["tokens"].tolist()
     res["failures"] = failures
+    # multi-turn episodes (rollout/episodes.py): each turn's prompt is the trajectory's ids
+    from megatron_rlhf.data.tokenizers import WordTokenizer
+
+    words = WordTokenizer([f"w{i}" for i in range(97)])  # ids 3..99: every row of the model's 100 decodes
+    megatron.eos_id = vllm.eos_id = 1
+    res["episodes"] = {"megatron": episodes_with(megatron, words, 3), "vllm": episodes_with(vllm, words, 3)}
     vllm.shutdown()
     if torch.distributed.get_rank() == 0:
         torch.save(res, args.root / f"vllm_{args.layout}.pt")
