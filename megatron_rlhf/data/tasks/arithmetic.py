@@ -19,7 +19,7 @@ from __future__ import annotations
 import random
 
 from megatron_rlhf.data.jsonl import PreferenceExample, PromptExample, SFTExample
-from megatron_rlhf.data.tasks.base import Task, TaskSizes, TaskSplits
+from megatron_rlhf.data.tasks.base import Task, TaskSizes, TaskSplits, generated_splits
 
 OPERAND_RANGE = range(0, 5)
 ANSWER_RANGE = range(2 * OPERAND_RANGE[0], 2 * OPERAND_RANGE[-1] + 1)
@@ -54,20 +54,7 @@ class ArithmeticTask(Task):
 
     def splits(self, seed: int, sizes: TaskSizes) -> TaskSplits:
         """All six splits; each draws from its own RNG derived from `seed` and the split name."""
-
-        def rng(split: str) -> random.Random:
-            # String seeds are hashed with SHA-512 by `random`, so this is stable across
-            # processes and Python versions, and no split shares another's stream.
-            return random.Random(f"{self.name}:{seed}:{split}")
-
-        return TaskSplits(
-            sft_train=_sft(rng("sft_train"), sizes.sft_train),
-            sft_eval=_sft(rng("sft_eval"), sizes.sft_eval),
-            preference_train=_preferences(rng("preference_train"), sizes.preference_train),
-            preference_eval=_preferences(rng("preference_eval"), sizes.preference_eval),
-            ppo_prompts=_prompts(rng("ppo_prompts"), sizes.ppo_prompts),
-            eval_prompts=_prompts(rng("eval_prompts"), sizes.eval_prompts),
-        )
+        return generated_splits(self.name, seed, sizes, _sft, _preferences, _prompts)
 
     def gold_score(self, prompt: str, response: str) -> float:
         """1.0 when the response is exactly the sum of the prompt's two operands, else 0.0."""

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import random
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -74,3 +76,24 @@ class Task(ABC):
     @abstractmethod
     def gold_score(self, prompt: str, response: str) -> float:
         """The true quality of `response` to `prompt`, the target the reward model learns."""
+
+
+def generated_splits(name: str, seed: int, sizes: TaskSizes, sft: Callable[[random.Random, int], list],
+                     preferences: Callable[[random.Random, int], list],
+                     prompts: Callable[[random.Random, int], list]) -> TaskSplits:
+    """The six splits of a task whose examples come from generators (rng, count) -> examples;
+    each split draws from its own RNG derived from the task's `name`, `seed` and the split's
+    name. String seeds are hashed with SHA-512 by `random`, so this is stable across processes
+    and Python versions, and no split shares another's stream."""
+
+    def rng(split: str) -> random.Random:
+        return random.Random(f"{name}:{seed}:{split}")
+
+    return TaskSplits(
+        sft_train=sft(rng("sft_train"), sizes.sft_train),
+        sft_eval=sft(rng("sft_eval"), sizes.sft_eval),
+        preference_train=preferences(rng("preference_train"), sizes.preference_train),
+        preference_eval=preferences(rng("preference_eval"), sizes.preference_eval),
+        ppo_prompts=prompts(rng("ppo_prompts"), sizes.ppo_prompts),
+        eval_prompts=prompts(rng("eval_prompts"), sizes.eval_prompts),
+    )

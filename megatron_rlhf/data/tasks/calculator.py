@@ -28,7 +28,7 @@ from __future__ import annotations
 import random
 
 from megatron_rlhf.data.jsonl import PreferenceExample, PromptExample, SFTExample
-from megatron_rlhf.data.tasks.base import Task, TaskSizes, TaskSplits
+from megatron_rlhf.data.tasks.base import Task, TaskSizes, TaskSplits, generated_splits
 
 OPERAND_RANGE = range(10, 1000)
 OPERATORS = ("+", "-", "*")
@@ -153,17 +153,8 @@ class CalculatorTask(Task):
         return list(dict.fromkeys([*template_words, *DIGITS, *OPERATORS, *markers]))
 
     def splits(self, seed: int, sizes: TaskSizes) -> TaskSplits:
-        def rng(split: str) -> random.Random:
-            return random.Random(f"{self.name}:{seed}:{split}")
-
-        return TaskSplits(
-            sft_train=_sft(rng("sft_train"), sizes.sft_train),
-            sft_eval=_sft(rng("sft_eval"), sizes.sft_eval),
-            preference_train=_preferences(rng("preference_train"), sizes.preference_train),
-            preference_eval=_preferences(rng("preference_eval"), sizes.preference_eval),
-            ppo_prompts=_prompts(rng("ppo_prompts"), sizes.ppo_prompts),
-            eval_prompts=_prompts(rng("eval_prompts"), sizes.eval_prompts),
-        )
+        """All six splits; each draws from its own RNG derived from `seed` and the split name."""
+        return generated_splits(self.name, seed, sizes, _sft, _preferences, _prompts)
 
     def gold_score(self, prompt: str, response: str) -> float:
         """1.0 when the response's final turn is "answer" and the prompt's exact value."""

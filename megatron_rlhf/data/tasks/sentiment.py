@@ -12,7 +12,7 @@ from __future__ import annotations
 import random
 
 from megatron_rlhf.data.jsonl import PreferenceExample, PromptExample, SFTExample
-from megatron_rlhf.data.tasks.base import Task, TaskSizes, TaskSplits
+from megatron_rlhf.data.tasks.base import Task, TaskSizes, TaskSplits, generated_splits
 
 POSITIVE = (
     "great", "wonderful", "brilliant", "delightful", "superb", "excellent", "amazing",
@@ -85,20 +85,7 @@ class SentimentTask(Task):
 
     def splits(self, seed: int, sizes: TaskSizes) -> TaskSplits:
         """All six splits; each draws from its own RNG derived from `seed` and the split name."""
-
-        def rng(split: str) -> random.Random:
-            # String seeds are hashed with SHA-512 by `random`, so this is stable across
-            # processes and Python versions, and no split shares another's stream.
-            return random.Random(f"{self.name}:{seed}:{split}")
-
-        return TaskSplits(
-            sft_train=self._sft(rng("sft_train"), sizes.sft_train),
-            sft_eval=self._sft(rng("sft_eval"), sizes.sft_eval),
-            preference_train=self._preferences(rng("preference_train"), sizes.preference_train),
-            preference_eval=self._preferences(rng("preference_eval"), sizes.preference_eval),
-            ppo_prompts=self._prompts(rng("ppo_prompts"), sizes.ppo_prompts),
-            eval_prompts=self._prompts(rng("eval_prompts"), sizes.eval_prompts),
-        )
+        return generated_splits(self.name, seed, sizes, self._sft, self._preferences, self._prompts)
 
     def gold_score(self, prompt: str, response: str) -> float:
         """(positive - negative) / (positive + negative) over the response's words; 0.0 if none."""
