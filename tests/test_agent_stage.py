@@ -12,8 +12,10 @@ RECIPE = "pipelines/tiny_cpu_agent.yaml"
 SIZES = ["data.task_sizes.sft_train=256", "data.task_sizes.sft_eval=32", "data.task_sizes.ppo_prompts=64",
          "data.task_sizes.eval_prompts=8"]
 STEPS = 3
+# dynamic sampling on: groups whose episodes all scored alike are redrawn (episodes again)
 RL = [f"rl.steps={STEPS}", "rl.save_interval=1", "rl.eval_interval=3", "rl.rollout_batch_size=4",
-      "rl.mini_batch_size=16", "rl.micro_batch_size=8", "rl.epochs=1"]
+      "rl.mini_batch_size=16", "rl.micro_batch_size=8", "rl.epochs=1", "rl.dynamic_sampling=true",
+      "rl.max_sampling_rounds=2"]
 
 
 @pytest.fixture(scope="module")
@@ -36,6 +38,18 @@ def test_the_agent_stage_logs_its_episodes(root):
         assert line["env_failed_fraction"] == 0 and line["env_episode_length"] > 5
         assert line["logprob_mismatch"] < 1e-5  # the engine's log-probs of the policy's tokens are the actor's
     assert any(line["env_tool_call_rate"] > 0 for line in lines[1:])  # the tool was called: multi-turn episodes
+
+
+def test_ppo_trains_its_critic_on_the_policys_tokens_of_episodes(root):
+    """PPO with episodes: the critic (from the SFT actor) is fitted on the policy's tokens only."""
+    root, inputs = root
+    stage(1, "rl", root, "agent", *inputs, "rl.algorithm=ppo", "rl.steps=2", "rl.dynamic_sampling=false",
+          "rl.critic_optimizer.lr=1e-3", recipe=RECIPE)
+    lines = metrics(root, "agent", "ppo")
+    assert [x["step"] for x in lines] == [0, 1, 2]
+    for line in lines[1:]:
+        assert line["env_turns_per_episode"] >= 1 and "value_loss" in line and "explained_variance" in line
+    assert summary(root, "agent", "ppo")["roles"] == ["actor", "critic", "reference"]
 
 
 def test_a_rank_killed_mid_iteration_resumes_the_episodes_bitwise(root):
