@@ -233,6 +233,23 @@ def test_limits_end_episodes_as_truncated():
             runner(CalculatorEnv, max_total_tokens=prompt + 2).start(RECORD, ids(RECORD["prompt"])), ids("1 2 3"))
 
 
+def test_an_episode_goes_on_only_while_a_whole_turn_fits():
+    """turn_tokens (the engine's per-turn budget, sampling.max_new_tokens): an observation that
+    leaves less room than one whole turn ends the episode; so does a prompt that leaves none."""
+    prompt = len(ids(RECORD["prompt"]))
+    call = "<calc> 1 + 1 </calc>"  # 5 ids; its observation "<obs> 2 </obs>" 3
+    fits = EpisodeRunner(CalculatorEnv, TOKENIZER, TURN_TEMPLATE, max_turns=8, max_total_tokens=prompt + 5 + 3 + 6,
+                         step_timeout_s=1.0, turn_tokens=6)
+    assert play(fits, [call, "answer 2"]).done
+    short = EpisodeRunner(CalculatorEnv, TOKENIZER, TURN_TEMPLATE, max_turns=8, max_total_tokens=prompt + 5 + 3 + 5,
+                          step_timeout_s=1.0, turn_tokens=6)
+    episode = play(short, [call, "answer 2"])
+    assert episode.truncated == MAX_TOTAL_TOKENS and len(episode.turns) == 1 and episode.turns[0].observation_ids == []
+    none = EpisodeRunner(CalculatorEnv, TOKENIZER, TURN_TEMPLATE, max_turns=8, max_total_tokens=prompt + 5,
+                         step_timeout_s=1.0, turn_tokens=6)
+    assert none.start(RECORD, ids(RECORD["prompt"])).truncated == MAX_TOTAL_TOKENS
+
+
 def test_the_start_context_is_appended_as_context():
     episode = play(runner(lambda: Scripted([StepResult(done=True, reward=0.5)], start="1 2")), ["answer 1"])
     assert episode.tokens[:4] == ids("<obs> 1 2 </obs>") and episode.policy_mask[:4] == [False] * 4

@@ -46,12 +46,16 @@ class EpisodeRunner:
     episodes it runs at once are independent (one environment each)."""
 
     def __init__(self, factory: EnvironmentFactory, tokenizer, template: TurnTemplate, *, max_turns: int,
-                 max_total_tokens: int, step_timeout_s: float):
-        if max_turns < 1 or max_total_tokens < 1 or step_timeout_s <= 0:
+                 max_total_tokens: int, step_timeout_s: float, turn_tokens: int = 1):
+        if max_turns < 1 or max_total_tokens < 1 or step_timeout_s <= 0 or turn_tokens < 1:
             raise ValueError(f"max_turns={max_turns}, max_total_tokens={max_total_tokens}, step_timeout_s="
-                             f"{step_timeout_s}: need >= 1, >= 1, > 0")
+                             f"{step_timeout_s}, turn_tokens={turn_tokens}: need >= 1, >= 1, > 0, >= 1")
         self.factory, self.tokenizer = factory, tokenizer
         self.max_turns, self.max_total_tokens, self.step_timeout_s = max_turns, max_total_tokens, step_timeout_s
+        # An episode goes on only while a whole policy turn (sampling.max_new_tokens) still fits in
+        # max_total_tokens: the engine generates every running episode's turn with one budget,
+        # so a turn is never cut short by another episode's lack of room.
+        self.turn_tokens = turn_tokens
         self.prefix_ids = marker_ids(tokenizer, template.observation_prefix, "observation_prefix")
         self.suffix_ids = marker_ids(tokenizer, template.observation_suffix, "observation_suffix")
         tool_end = marker_ids(tokenizer, template.tool_call_end, "tool_call_end")
@@ -77,6 +81,8 @@ class EpisodeRunner:
                 self._observe(episode, start.observation, ends_turn=False)
             except EpisodeFailed as failed:
                 episode.fail(failed.reason, failed.detail)
+        if episode.length + self.turn_tokens > self.max_total_tokens and not episode.ended:
+            episode.truncated = MAX_TOTAL_TOKENS  # the prompt leaves no room for a whole turn
         self._end_if_over(episode)
         return episode
 
@@ -130,7 +136,7 @@ class EpisodeRunner:
             return []
         ids = observation if isinstance(observation, list) else self.tokenizer.encode(observation or "")
         framed = [*self.prefix_ids, *ids, *self.suffix_ids]
-        if episode.length + len(framed) >= self.max_total_tokens:  # no room left for the policy to answer
+        if episode.length + len(framed) + self.turn_tokens > self.max_total_tokens:  # no room for the next turn
             episode.truncated = MAX_TOTAL_TOKENS
             return []
         episode.append(framed, sampled=False)

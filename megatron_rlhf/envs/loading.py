@@ -58,8 +58,10 @@ def turn_template(env: EnvironmentConfig) -> TurnTemplate:
     return TurnTemplate()
 
 
-def episode_runner(rl: RLConfig, model: ModelConfig, tokenizer, template: TurnTemplate) -> EpisodeRunner:
-    """The RL section's episode runner: its environment, rl.max_turns, rl.max_total_tokens, the step timeout."""
+def episode_runner(rl: RLConfig, model: ModelConfig, tokenizer, template: TurnTemplate,
+                   turn_tokens: int = 1) -> EpisodeRunner:
+    """The RL section's episode runner: its environment, rl.max_turns, rl.max_total_tokens, the
+    step timeout; `turn_tokens`: a policy turn's budget (sampling.max_new_tokens)."""
     return EpisodeRunner(environment_factory(rl.environment), tokenizer, template, max_turns=rl.max_turns,
                          max_total_tokens=rl.episode_token_budget(model),
-                         step_timeout_s=rl.environment.step_timeout_s)
+                         step_timeout_s=rl.environment.step_timeout_s, turn_tokens=turn_tokens)

@@ -1,7 +1,8 @@
 """Multi-turn rollouts: episodes of an environment (rl.environment) run turn by turn with any
 rollout engine, token in and token out.
 
-Each turn, the episodes still running are generated together from their whole trajectory so
+Each turn, the episodes still running are generated together (one budget, sampling.max_new_tokens:
+an episode goes on only while a whole turn fits in rl.max_total_tokens) from their whole trajectory so
 far (prompt + every earlier turn's ids, as ids: the engine's `generate` with the trajectory as
 its prompt; vLLM's prompt token ids, the in-place engine's prefill of it), each row stopping at
 EOS, at the tool-call end marker (SamplingParams.stop_token_ids) or at the turn's token budget;
@@ -90,11 +91,8 @@ def generate_episodes(engine, runner: EpisodeRunner | None, prompts: list[list[i
         active = [i for i, e in enumerate(episodes) if not e.ended]
         rows = active or [0]  # a stand-in row keeps this rank in the collective turns of the others
         sequences = [episodes[i].prompt_ids + episodes[i].tokens for i in rows]
-        # the turn's budget: the room of the longest row (an active episode has at least one token
-        # of room: the runner truncates one whose observation leaves none)
-        budget = min(sampling.max_new_tokens, max_total_tokens - max(len(s) for s in sequences))
-        out = engine.generate(sequences, dataclasses.replace(turn_sampling, max_new_tokens=max(budget, 1)),
-                              seed + _TURN_SEED_STRIDE * turn)
+        # every running episode has room for a whole turn (the runner's turn_tokens): one budget for all
+        out = engine.generate(sequences, turn_sampling, seed + _TURN_SEED_STRIDE * turn)
         new_ids, new_logprobs = _new_tokens(out, [len(s) for s in sequences])
         with _stops_every_rank():
             for i, ids in zip(active, new_ids):
@@ -252,5 +250,6 @@ def with_episodes(cfg, engine, tokenizer):
         return engine
     from megatron_rlhf.envs.loading import episode_runner, turn_template
 
-    runner = episode_runner(rl, cfg.model, tokenizer, turn_template(rl.environment)) if runs_environments() else None
+    runner = (episode_runner(rl, cfg.model, tokenizer, turn_template(rl.environment), cfg.sampling.max_new_tokens)
+              if runs_environments() else None)
     return EpisodeEngine(engine, runner, rl.episode_token_budget(cfg.model), rl.max_failed_episodes)

@@ -331,7 +331,8 @@ def train(cfg: Config) -> dict:
     runner = StageRunner(cfg, "rl", rl.steps, rl.log_interval, rl.save_interval)
     data = load_stage_data(cfg, ("prompts_train", "prompts_eval"), stage="rl")
     cfg = data.config  # the run's vocabulary and start architecture resolved (stage_data.RunContext)
-    tok, max_prompt = data.tokenizer, cfg.model.max_seq_length - cfg.sampling.max_new_tokens
+    # a prompt leaves room for one turn: the whole response, or an episode's first policy turn
+    tok, max_prompt = data.tokenizer, rl.episode_token_budget(cfg.model) - cfg.sampling.max_new_tokens
     train_prompts, train_report = encode_prompt_records(data.splits["prompts_train"], tok, max_prompt)
     eval_prompts, _ = encode_prompt_records(data.splits["prompts_eval"], tok, max_prompt)
     prompts = Prompts(train_prompts, train_report, eval_prompts)
