@@ -137,7 +137,7 @@ def test_task_sizes_are_checked_with_the_field():
 
 
 RECIPES = {"tiny_cpu.yaml": (1, 2), "tiny_cpu_grpo.yaml": (1, 2), "tiny_cpu_rloo.yaml": (1, 2),
-           "tiny_cpu_reinforce_pp.yaml": (1, 2), "tiny_cpu_vllm.yaml": (1, 2), "tiny_cpu_arithmetic.yaml": (1, 2), "tiny_cpu_dpo.yaml": (1, 2), "tiny_cpu_dpo_ppo.yaml": (1, 2), "llama3_8b.yaml": (8,), "qwen3_8b.yaml": (8,), "qwen3_8b_grpo_long.yaml": (16, 8), "llama3_70b.yaml": (64,),
+           "tiny_cpu_reinforce_pp.yaml": (1, 2), "tiny_cpu_vllm.yaml": (1, 2), "tiny_cpu_arithmetic.yaml": (1, 2), "tiny_cpu_agent.yaml": (1, 2), "tiny_cpu_dpo.yaml": (1, 2), "tiny_cpu_dpo_ppo.yaml": (1, 2), "llama3_8b.yaml": (8,), "qwen3_8b.yaml": (8,), "qwen3_8b_grpo_long.yaml": (16, 8), "llama3_70b.yaml": (64,),
            "llama3_70b_grpo.yaml": (64,), "llama3_70b_dpo.yaml": (64,), "tiny_cpu_lora.yaml": (1, 2),
            "llama3_70b_lora.yaml": (64,), "tiny_cpu_dpo_lora.yaml": (1, 2),
            "tiny_cpu_moe.yaml": (2,), "tiny_cpu_async.yaml": (1, 2), "llama3_70b_grpo_async.yaml": (64,), "qwen3_30b_a3b_grpo.yaml": (16,), "qwen3_235b_a22b_grpo.yaml": (256,)}
