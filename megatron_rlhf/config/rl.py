@@ -96,8 +96,9 @@ class RewardSourceConfig:
 ENVIRONMENT_TYPES = ("none", "class", "http")
 TOOL_PARSERS = ("json", "tag")  # envs/tools.py TOOL_PARSERS implements each
 # Fields each environment type reads (beyond type); others must stay unset.
-ENVIRONMENT_FIELDS = {"none": (), "class": ("class_path", "tool_parser", "step_timeout_s"),
-                      "http": ("url", "step_timeout_s", "max_retries", "backoff_s", "max_backoff_s")}
+ENVIRONMENT_FIELDS = {"none": (), "class": ("class_path", "tool_parser", "observation_role", "step_timeout_s"),
+                      "http": ("url", "observation_role", "step_timeout_s", "max_retries", "backoff_s",
+                               "max_backoff_s")}
 # rl fields only a multi-turn run reads: refused with rl.environment.type=none.
 MULTI_TURN_FIELDS = ("max_turns", "max_total_tokens", "max_failed_episodes")
 
@@ -118,6 +119,10 @@ class EnvironmentConfig:
     tool_parser: str | None = None
     # http: the service's base URL (POST <url>/reset, /step, /close), e.g. http://127.0.0.1:8100.
     url: str | None = None
+    # With a chat template (data.chat_template) and no turn_template on the class, observations are
+    # framed as the template frames a message of this role after an assistant turn (tool; Llama 3:
+    # ipython; a template without a tool role: user). envs/chat_turns.py; docs/environments.md.
+    observation_role: str = "tool"
     # A reset or step that takes longer ends its episode as failed (timed_out), not the run.
     step_timeout_s: float = 30.0
     max_retries: int = 4             # http: refused connections and 429 / 503 retried this often, then the stage stops
@@ -144,6 +149,9 @@ class EnvironmentConfig:
                               "the environment's default")
         if env.type == "http" and (not env.url or not env.url.startswith(("http://", "https://"))):
             raise ConfigError(f"{where}.url={env.url!r}: give the service's base URL, e.g. http://127.0.0.1:8100")
+        if not env.observation_role or not env.observation_role.strip():
+            raise ConfigError(f"{where}.observation_role={env.observation_role!r}: give the chat role of tool results "
+                              "(tool, ipython, user)")
         if env.step_timeout_s <= 0:
             raise ConfigError(f"{where}.step_timeout_s={env.step_timeout_s}: must be > 0 (seconds)")
         if env.max_retries < 0 or not 0 <= env.backoff_s <= env.max_backoff_s:

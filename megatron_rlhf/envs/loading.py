@@ -50,11 +50,20 @@ def environment_factory(env: EnvironmentConfig, field_name: str = "rl.environmen
     raise ConfigError(f"{field_name}.type={env.type!r}: no environment to build (single-turn rollouts)")
 
 
-def turn_template(env: EnvironmentConfig) -> TurnTemplate:
-    """The turn template of rl.environment: a class's `turn_template` attribute (the markers
-    around observations, the tool-call end), else none (only EOS ends a turn)."""
+def turn_template(env: EnvironmentConfig, tokenizer=None) -> TurnTemplate:
+    """The turn template of rl.environment: a class's own `turn_template` attribute (the markers
+    around observations, the tool-call end); else, when `tokenizer` has a chat template
+    (data.chat_template), the one read off it for rl.environment.observation_role
+    (envs/chat_turns.py); else none (observations unframed, only EOS ends a turn)."""
     if env.type == "class":
-        return getattr(load_environment_class(env.class_path), "turn_template", None) or TurnTemplate()
+        own = getattr(load_environment_class(env.class_path), "turn_template", None)
+        if own is not None:
+            return own
+    chat = getattr(tokenizer, "chat_template", None)
+    if chat is not None:
+        from megatron_rlhf.envs.chat_turns import turn_template_from_chat
+
+        return turn_template_from_chat(chat, tokenizer.special_tokens()["eos_token"], env.observation_role)
     return TurnTemplate()
 
 

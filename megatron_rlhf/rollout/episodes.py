@@ -250,6 +250,7 @@ def with_episodes(cfg, engine, tokenizer):
         return engine
     from megatron_rlhf.envs.loading import episode_runner, turn_template
 
-    runner = (episode_runner(rl, cfg.model, tokenizer, turn_template(rl.environment), cfg.sampling.max_new_tokens)
+    runner = (episode_runner(rl, cfg.model, tokenizer, turn_template(rl.environment, tokenizer),
+                             cfg.sampling.max_new_tokens)
               if runs_environments() else None)
     return EpisodeEngine(engine, runner, rl.episode_token_budget(cfg.model), rl.max_failed_episodes)
