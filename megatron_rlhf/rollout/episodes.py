@@ -72,11 +72,11 @@ def share_episodes(episodes: list[Episode] | None) -> list[Episode]:
 
 
 def generate_episodes(engine, runner: EpisodeRunner | None, prompts: list[list[int]], records: list[dict[str, Any]],
-                      sampling: SamplingParams, seed: int, max_total_tokens: int) -> tuple[Rollout, list[Episode]]:
+                      sampling: SamplingParams, seed: int) -> tuple[Rollout, list[Episode]]:
     """One episode per prompt (records[i]: prompt i's record for the environment's reset),
     generated with `engine`, stepped by `runner` (None on ranks that do not run environments:
-    runs_environments), at most `max_total_tokens` tokens each (prompt included; rl.max_total_tokens,
-    the runner's). Returns the rollout and the episodes, the same on every rank of a replica."""
+    runs_environments), within the runner's max_total_tokens (prompt included; rl.max_total_tokens);
+    `sampling.max_new_tokens` is the runner's turn_tokens. Returns the rollout and the episodes, the same on every rank of a replica."""
     mine = runs_environments()
     episodes = None
     with _stops_every_rank():
@@ -97,7 +97,7 @@ def generate_episodes(engine, runner: EpisodeRunner | None, prompts: list[list[i
         with _stops_every_rank():
             for i, ids in zip(active, new_ids):
                 if mine:
-                    runner.policy_turn(episodes[i], ids[:max(max_total_tokens - episodes[i].length, 0)])
+                    runner.policy_turn(episodes[i], ids)
         if active:
             for i, lps in zip(active, new_logprobs):
                 logprobs[i].extend(lps)
@@ -178,17 +178,16 @@ class EpisodeEngine:
 
     runs_episodes = True
 
-    def __init__(self, engine, runner: EpisodeRunner | None, max_total_tokens: int, max_failed: float):
+    def __init__(self, engine, runner: EpisodeRunner | None, max_failed: float):
         self.engine, self.runner = engine, runner
-        self.max_total_tokens, self.max_failed = max_total_tokens, max_failed
+        self.max_failed = max_failed
         self.needs_refit, self.pad_id = engine.needs_refit, engine.pad_id
         self.episodes: list[Episode] = []  # this rank's, of the last generate
 
     def generate(self, prompts: list[list[int]], sampling: SamplingParams, seed: int,
                  records: list[dict[str, Any]] | None = None) -> Rollout:
         records = records if records is not None else [{} for _ in prompts]
-        rollout, self.episodes = generate_episodes(self.engine, self.runner, prompts, records, sampling, seed,
-                                                   self.max_total_tokens)
+        rollout, self.episodes = generate_episodes(self.engine, self.runner, prompts, records, sampling, seed)
         return rollout
 
     def episode_metrics(self) -> dict[str, float]:
@@ -253,4 +252,4 @@ def with_episodes(cfg, engine, tokenizer):
     runner = (episode_runner(rl, cfg.model, tokenizer, turn_template(rl.environment, tokenizer),
                              cfg.sampling.max_new_tokens)
               if runs_environments() else None)
-    return EpisodeEngine(engine, runner, rl.episode_token_budget(cfg.model), rl.max_failed_episodes)
+    return EpisodeEngine(engine, runner, rl.max_failed_episodes)

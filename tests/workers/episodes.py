@@ -82,7 +82,7 @@ def run(cfg, tokenizer, prompts, env_cls, seed: int):
     recording = RecordingEngine(MegatronRolloutEngine(cfg.model, actor, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id))
     runner = (EpisodeRunner(lambda: env_cls(), tokenizer, TURN_TEMPLATE, max_turns=3, max_total_tokens=MAX_TOTAL,
                             step_timeout_s=30, turn_tokens=10) if runs_environments() else None)
-    engine = EpisodeEngine(recording, runner, MAX_TOTAL, max_failed=0.2)
+    engine = EpisodeEngine(recording, runner, max_failed=0.2)
     from megatron_rlhf.models.batching import data_parallel
 
     rank, size = data_parallel()

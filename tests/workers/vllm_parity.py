@@ -86,7 +86,7 @@ def episodes_with(engine, tokenizer, seed: int):
 
     runner = (EpisodeRunner(EchoEnv, tokenizer, TurnTemplate("w90", "w91", "w92"), max_turns=3, max_total_tokens=48,
                             step_timeout_s=30, turn_tokens=6) if runs_environments() else None)
-    multi = EpisodeEngine(engine, runner, 48, max_failed=0.0)
+    multi = EpisodeEngine(engine, runner, max_failed=0.0)
     # temperature 1: vLLM's greedy log-probs are the unscaled softmax's, as ours are at temperature 1
     greedy = SamplingParams(temperature=1.0, max_new_tokens=6, greedy=True)
     rollout = multi.generate(PROMPTS, greedy, seed, records=[{} for _ in PROMPTS])
