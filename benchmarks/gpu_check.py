@@ -1033,6 +1033,10 @@ def long_context_lines(v: dict) -> list[str]:
     lines.append("  TE thd_get_partitioned_indices vs ours: " + (
         f"skipped: {split['skipped']}" if "skipped" in split else
         f"{split.get('cases')} cases, {'all equal' if split.get('all_equal') else 'DIFFER: ' + str(split.get('differ'))}"))
+    turns = v.get("turns")
+    if turns:
+        lines.append(f"  turns from the turn cache: max |engine - recomputed log-prob| {turns['logprobs']:.2e} "
+                     f"({turns['reused_tokens']} positions from the cache)")
     for part in ("packed", "cp"):
         got = v.get(part, {})
         if "skipped" in got:

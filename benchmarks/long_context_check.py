@@ -8,6 +8,10 @@
    the output layer (model.logits_chunk_tokens) and without.
 3. `cp` (world size 2, i.e. 2 GPUs, under torchrun): the same at parallel.context_parallel=2
    (TE's context-parallel attention, packed and not) against DP2 with the same weights.
+4. `turns`: multi-turn continuation from the in-place engine's turn cache (rows grown by
+   observations, fed as one chunk after the cached keys through TE's attention with the causal
+   mask aligned bottom right: models/attention.py te_chunked_inference_attention): the log-probs
+   the engine sampled with against the actor's recomputed ones, over three turns.
 
 Each process writes nothing but rank 0's JSON (--out); a missing GPU count or TE says why in it.
 `python benchmarks/long_context_check.py --out X.json` (1 GPU: parts 1 and 2);
@@ -85,6 +89,27 @@ def role_outputs(actor, batch, packed: bool) -> dict:
     return {"logprobs": out["logprobs"], "entropy": out["entropy"], "loss": loss, "grad": grad}
 
 
+def turn_cache_outputs(actor, model) -> dict:
+    """Part 4: three turns of four rows from the engine's turn cache, each row grown by an
+    "observation" of its own length between turns; the largest |engine log-prob - recomputed|
+    over the sampled tokens (a chunk that saw later keys, or missed cached ones, is off by nats)."""
+    from megatron_rlhf.rollout import MegatronRolloutEngine, SamplingParams
+
+    engine = MegatronRolloutEngine(model, actor, eos_id=1, pad_id=0)
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=16)
+    cache = engine.turn_cache(model.max_seq_length)
+    g = torch.Generator().manual_seed(1)
+    rows = [torch.randint(2, 1000, (n,), generator=g).tolist() for n in (12, 30, 7, 21)]
+    keys, worst = list(range(len(rows))), 0.0
+    for turn in range(3):
+        out = engine.generate(rows, sampling, seed=turn, cache=cache, keys=keys)
+        recomputed = actor.forward({"tokens": out.tokens, "lengths": out.lengths}, micro_batch_size=2)["logprobs"]
+        worst = max(worst, ((out.logprobs - recomputed) * out.response_mask()).abs().max().item())
+        rows = [out.tokens[i, :n].tolist() + torch.randint(2, 1000, (5 + 3 * i,), generator=g).tolist()
+                for i, n in enumerate(out.lengths.tolist())]
+    return {"logprobs": worst, "reused_tokens": cache.reused_tokens}
+
+
 def differences(got: dict, want: dict) -> dict:
     scale = want["grad"].abs().max().item()
     return {"logprobs": (got["logprobs"] - want["logprobs"]).abs().max().item(),
@@ -93,9 +118,11 @@ def differences(got: dict, want: dict) -> dict:
             "grad_rel": (got["grad"] - want["grad"]).abs().max().item() / max(scale, 1e-30)}
 
 
-def layout_outputs(overrides: list[str], weights: dict | None, chunks: tuple[int, ...]) -> tuple[dict, dict]:
+def layout_outputs(overrides: list[str], weights: dict | None, chunks: tuple[int, ...],
+                   turns: bool = False) -> tuple[dict, dict]:
     """Start megatron at `overrides`, build the actor (loading `weights` when given: TP1 state
-    dicts), and return its outputs {chunk setting: {packed: outputs}} and its weights."""
+    dicts), and return its outputs {chunk setting: {packed: outputs}} (and, with `turns`,
+    "turns": part 4 with the first chunk setting's actor) and its weights."""
     from megatron.core import parallel_state
 
     from megatron_rlhf.config import load_config
@@ -115,6 +142,8 @@ def layout_outputs(overrides: list[str], weights: dict | None, chunks: tuple[int
             actor.module.load_state_dict(weights, strict=False)
         batch = make_batch(device())
         results[chunk] = {packed: role_outputs(actor, batch, packed) for packed in (False, True)}
+        if turns and chunk == chunks[0]:
+            results["turns"] = turn_cache_outputs(actor, model)
     parallel_state.destroy_model_parallel()
     return results, weights
 
@@ -125,7 +154,8 @@ def passed(report: dict) -> bool:
     if "skipped" not in report["split"] and not report["split"]["all_equal"]:
         return False
     compared = [d for part in ("packed", "cp") if "skipped" not in report[part] for d in report[part].values()]
-    return all(d[k] <= limit for d in compared for k, limit in limits.items())
+    turns_ok = report.get("turns", {}).get("logprobs", 0.0) <= limits["logprobs"]
+    return turns_ok and all(d[k] <= limit for d in compared for k, limit in limits.items())
 
 
 def main(argv=None) -> int:
@@ -144,7 +174,8 @@ def main(argv=None) -> int:
     world = parallel.read_dist_env().world_size
     report = {"split": split_check() if not args.cpu else {"skipped": "--cpu: no Transformer Engine"}}
     chunks = (256, 0)  # chunked output layer (the default) and the whole logits
-    base, weights = layout_outputs(["parallel.tensor_parallel=1"], None, chunks)
+    base, weights = layout_outputs(["parallel.tensor_parallel=1"], None, chunks, turns=True)
+    report["turns"] = base.pop("turns")
     report["packed"] = {f"logits_chunk_tokens={c}": differences(base[c][True], base[c][False]) for c in chunks}
     if world == 2:
         cp, _ = layout_outputs(["parallel.context_parallel=2"], weights, chunks)

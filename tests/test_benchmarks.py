@@ -156,6 +156,16 @@ def check_train_step(res: dict) -> None:
             assert sum(per_repeat[p][i] for p in ("fwd_bwd", "guard", "optimizer")) <= whole + 1e-6, row
 
 
+def check_turn_cache(res: dict) -> None:
+    assert res["quick"] and res["same_tokens"]  # the cache changes what is computed, not what is sampled
+    rows = {r["variant"]: r for r in res["rows"]}
+    assert set(rows) == {"cache", "recompute"}
+    for row in rows.values():
+        positive(row, "cpu_s_min", "cpu_s_median", "positions_fed")
+    assert rows["cache"]["positions_fed"] < rows["recompute"]["positions_fed"]
+    positive(res, "speedup_min", "speedup_median")
+
+
 BENCHMARKS = {
     "bench_roles": check_bench_roles,
     "memory": check_memory,
@@ -168,6 +178,7 @@ BENCHMARKS = {
     "reward_server": check_reward_server,
     "train_step": check_train_step,
     "rollout_engines": check_rollout_engines,
+    "turn_cache": check_turn_cache,
 }
 NEEDS_VLLM = {"rollout_engines"}
 

@@ -12,7 +12,7 @@ from megatron_rlhf.data.tokenizers import WordTokenizer
 from workers import layout_args
 
 VOCAB = WordTokenizer(get_task("calculator").words()).vocab_size
-LAYOUTS = {"dp2": (1, 1), "tp2": (2, 1)}
+LAYOUTS = {"dp2": (1, 1), "tp2": (2, 1), "pp2": (1, 2)}
 
 
 @pytest.fixture(scope="module")
@@ -49,6 +49,7 @@ def test_the_trained_ids_are_the_sampled_ids_and_observations_are_appended_as_id
             assert call["stops"] == [res["markers"]["</calc>"]]
             for prompt, new in zip(call["prompts"], call["new"]):
                 matches = [i for i, row in enumerate(rows) if row[:len(prompt)] == prompt and len(row) > len(prompt)
+                           and len(prompt) >= len(r["episodes"][i]["prompt_ids"])
                            and r["episodes"][i]["policy_mask"][len(prompt) - len(r["episodes"][i]["prompt_ids"])]]
                 if not matches:
                     continue  # a stand-in row, or a turn the runner ended without room
@@ -75,7 +76,7 @@ def test_the_trained_ids_are_the_sampled_ids_and_observations_are_appended_as_id
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_only_the_policys_tokens_train_and_their_logprobs_are_the_actors(runs, layout):
     """policy_mask (= response_mask) is 1 exactly where the next token is one the policy
-    sampled; the engine's log-probs there equal the actor's recomputed ones (each turn prefills
+    sampled; the engine's log-probs there equal the actor's recomputed ones (each turn continues
     the trajectory), and they are 0 at the environment's tokens."""
     for r in runs[layout]["ok"]:
         rollout = r["rollout"]
@@ -87,6 +88,24 @@ def test_only_the_policys_tokens_train_and_their_logprobs_are_the_actors(runs, l
         mask = rollout["policy_mask"]
         assert mask.sum() > 0 and ((rollout["logprobs"] != 0).float() <= mask).all()
         torch.testing.assert_close(rollout["logprobs"], r["recomputed"] * mask, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_the_kv_cache_across_turns_changes_nothing_but_what_is_computed(runs, layout):
+    """The in-place engine's turn cache: each turn feeds only what its rows have not cached (the
+    observation, as one chunk after the cached keys), and the episodes are the ones a run that
+    computes every turn's whole trajectory again samples: the same ids (same seeds), the
+    same log-probs up to float rounding."""
+    reused = 0
+    for cached, again in zip(runs[layout]["ok"], runs[layout]["uncached"]):
+        (cache,) = cached["cache"]
+        assert again["cache"] == [] and cache["capacity"] == 40
+        reused += cache["reused"]
+        assert [e["tokens"] for e in cached["episodes"]] == [e["tokens"] for e in again["episodes"]]
+        for key in ("tokens", "lengths", "policy_mask", "env_reward"):
+            assert torch.equal(cached["rollout"][key], again["rollout"][key]), key
+        torch.testing.assert_close(cached["rollout"]["logprobs"], again["rollout"]["logprobs"], atol=1e-5, rtol=0)
+    assert reused > 20  # later turns started from the cache (an observation chunk after cached keys)
 
 
 def test_a_replica_steps_its_environments_once_and_shares_the_episodes(runs):

@@ -89,8 +89,18 @@ def rollouts(tmp_path_factory):
 def test_expert_parallel_decoding_of_unequal_shares_equals_one_process(rollouts):
     """Each rank decodes different prompts over a different span; the expert all-to-all pairs
     every step (no hang) and every row is what one process decodes."""
-    assert rollouts["ep2dp2"] == rollouts["init"]
-    assert len({len(row) for row in rollouts["init"]}) > 1
+    assert rollouts["ep2dp2"]["rows"] == rollouts["init"]["rows"]
+    assert len({len(row) for row in rollouts["init"]["rows"]}) > 1
+
+
+def test_expert_parallel_turns_continue_from_the_turn_cache(rollouts):
+    """A multi-turn continuation (rollout/megatron_engine.py TurnCache) with each rank's cache
+    holding a different span: the ranks agree on where to start feeding, and every row is what
+    generating from the whole row gives."""
+    for name in ("init", "ep2dp2"):
+        for cached, again in rollouts[name]["second_turn"]:
+            assert cached == again and len(cached) > 7
+        assert all(reused > 0 for reused in rollouts[name]["reused"])
 
 
 # ----------------------------------------------------------------------------- routing replay

@@ -1,7 +1,8 @@
 """The in-place Megatron rollout engine: KV-cached decoding equals full recomputation,
 TP2 / PP2 / TP2-PP2 generate exactly what TP1-PP1 does (decoding without the sequence
 parallelism TP2 scores with), rollout log-probs equal the
-actor's recomputed ones, EOS stops a row and the rest is padding."""
+actor's recomputed ones, EOS stops a row and the rest is padding, and multi-turn continuation
+from the turn cache equals generating each turn from the whole sequence."""
 
 import pytest
 import torch
@@ -34,6 +35,26 @@ def test_kv_cached_greedy_equals_full_recomputation(runs):
         length = int(greedy["lengths"][row])
         assert length == len(want)
         assert greedy["tokens"][row, :length].tolist() == want
+
+
+@pytest.mark.parametrize("layout", ["tp1pp1", *LAYOUTS])
+def test_the_turn_cache_continues_rows_as_recomputing_them_does(runs, layout):
+    """Multi-turn continuation (rollout/megatron_engine.py TurnCache): rows that grew by an
+    observation of their own length, some dropped and reordered, some ended early and fed
+    padding, continue from the cache (the observation as one chunk after the cached keys) and
+    sample what a generate from their whole sequences samples (same seed); so do rows of one
+    length whose last sampled tokens were never fed ("even")."""
+    for turns in runs[layout]["turns"].values():
+        for cached, again, _ in turns:
+            for key in ("tokens", "prompt_lengths", "lengths", "finished"):
+                assert torch.equal(cached[key], again[key]), key
+            torch.testing.assert_close(cached["logprobs"], again["logprobs"], atol=1e-5, rtol=0)
+        assert turns[-1][2] > 2 * 10  # later turns started from the cache
+    first = runs[layout]["turns"]["ragged"][0][0]
+    assert first["finished"].any() and not first["finished"].all()  # some rows ended early (a stop id)
+    assert (first["lengths"] - first["prompt_lengths"]).min() < NEW
+    even = runs[layout]["turns"]["even"][0][0]
+    assert (even["lengths"] - even["prompt_lengths"]).tolist() == [NEW] * len(PROMPTS)
 
 
 @pytest.mark.parametrize("layout", ["tp1pp1", *LAYOUTS])

@@ -121,3 +121,22 @@ def test_kv_cached_greedy_decode_equals_recomputation_and_local_spec(runs):
 def test_query_chunk_after_cached_keys_equals_full_recomputation(runs):
     d = runs["tp1pp1"]["decoding"]
     torch.testing.assert_close(d["chunk_logits"], d["full_logits"], atol=ATOL, rtol=0)
+
+
+def test_a_chunk_of_queries_after_cached_keys_gets_the_causal_mask_bottom_right_on_the_te_path():
+    """models/attention.py inference_chunk_mask_type, which the GPU spec's TE core attention
+    applies (make gpu-check's long-context part compares turns from the turn cache there):
+    megatron's static inference passes no_mask after its first forward; a causal layer turns it
+    into causal_bottom_right for a chunk of queries, and changes nothing else."""
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from megatron_rlhf.models.attention import inference_chunk_mask_type
+
+    causal, none, right = AttnMaskType.causal, AttnMaskType.no_mask, AttnMaskType.causal_bottom_right
+    assert inference_chunk_mask_type(causal, none, queries=5) == right
+    assert inference_chunk_mask_type(right, none, queries=2) == right
+    assert inference_chunk_mask_type(causal, none, queries=1) == none      # one query sees every cached key
+    assert inference_chunk_mask_type(causal, causal, queries=5) == causal  # the prompt's forward, training
+    assert inference_chunk_mask_type(none, none, queries=5) == none        # a layer without causality
+    assert inference_chunk_mask_type(AttnMaskType.padding_causal, AttnMaskType.padding_causal, 7) == \
+        AttnMaskType.padding_causal                                        # packed THD

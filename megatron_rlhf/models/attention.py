@@ -46,6 +46,7 @@ already.)
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -169,3 +170,39 @@ def packed_visible_keys(cu_seqlens: torch.Tensor, tokens: int) -> torch.Tensor:
     index = torch.arange(tokens, device=cu_seqlens.device)
     sequence = torch.searchsorted(cu_seqlens[1:].to(index.dtype), index, right=True)  # which sequence each token is in
     return (sequence[:, None] == sequence[None, :]) & (index[None, :] <= index[:, None])
+
+
+def inference_chunk_mask_type(layer_mask_type: AttnMaskType, call_mask_type: AttnMaskType | None,
+                              queries: int) -> AttnMaskType | None:
+    """The mask type a core-attention call should use. megatron's static inference passes
+    `no_mask` for every forward after its first (the keys before the queries are cached), which
+    is right for one query only: a chunk of queries after cached keys (a multi-turn episode's
+    observation, rollout/megatron_engine.py TurnCache) of a causal layer needs the causal mask
+    aligned to the bottom right (query i sees the cached keys and the chunk's keys up to i).
+    That alignment is also right for one query and for queries == keys, so it is applied
+    whenever a causal layer is called with no_mask and more than one query."""
+    if call_mask_type == AttnMaskType.no_mask and layer_mask_type in _CAUSAL_TYPES and queries > 1:
+        return AttnMaskType.causal_bottom_right
+    return call_mask_type
+
+
+@functools.cache
+def te_chunked_inference_attention():
+    """megatron's TEDotProductAttention (GPU spec) whose calls go through
+    inference_chunk_mask_type: the class, built here because importing it imports Transformer
+    Engine (GPU nodes only). What SDPADotProductAttention does on CPU by ignoring the per-call
+    type; `make gpu-check` compares multi-turn episodes with and without the turn cache."""
+    from megatron.core.extensions.transformer_engine import TEDotProductAttention
+
+    class TEChunkedInferenceAttention(TEDotProductAttention):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            # megatron builds core attention with keywords (transformer/attention.py)
+            self.layer_mask_type = kwargs["attn_mask_type"] if "attn_mask_type" in kwargs else args[2]
+
+        def forward(self, query, key, value, attention_mask, attn_mask_type=None, *args, **kwargs):
+            # static inference: [sq, b, heads, dim] (sbhd); packed THD never comes with no_mask
+            attn_mask_type = inference_chunk_mask_type(self.layer_mask_type, attn_mask_type, query.size(0))
+            return super().forward(query, key, value, attention_mask, attn_mask_type, *args, **kwargs)
+
+    return TEChunkedInferenceAttention

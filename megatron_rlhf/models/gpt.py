@@ -56,7 +56,10 @@ def layer_spec(m: ModelConfig, config: TransformerConfig):
                           "nodes with Transformer Engine installed")
     block = gpt_layer_specs.get_gpt_decoder_block_spec(config, use_transformer_engine=te, normalization="RMSNorm")
     if te:
-        return block
+        from megatron_rlhf.models.attention import te_chunked_inference_attention
+
+        return dataclasses.replace(block, layer_specs=[with_core_attention(spec, te_chunked_inference_attention())
+                                                       for spec in block.layer_specs])
     return dataclasses.replace(block, layer_specs=[cpu_modules(spec, cp_attention) for spec in block.layer_specs],
                                layer_norm=RMSNorm)
 
@@ -82,6 +85,14 @@ class RMSNorm(torch.nn.RMSNorm):
     def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **_):
         super().__init__(hidden_size, eps=eps)
         self.weight.sequence_parallel = config.sequence_parallel
+
+
+def with_core_attention(spec, core_attention):
+    """A transformer layer spec with `core_attention` as its self-attention's core attention."""
+    attention = spec.submodules.self_attention
+    attention = dataclasses.replace(attention, submodules=dataclasses.replace(attention.submodules,
+                                                                              core_attention=core_attention))
+    return dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, self_attention=attention))
 
 
 def cpu_modules(spec, core_attention=None):

@@ -9,8 +9,11 @@ EOS, at the tool-call end marker (SamplingParams.stop_token_ids) or at the turn'
 then the environment answers every turn (envs/episode.py: EpisodeRunner) and its observation ids
 are appended. Nothing is decoded and encoded again: the ids trained on are the ids sampled.
 
-The in-place engine keeps no KV cache from one turn to the next: each turn prefills the
-trajectory in one forward (the cost of a prompt) and decodes from there.
+The in-place engine keeps its KV cache from one turn to the next (its `turn_cache`, sized for
+rl.max_total_tokens): a turn feeds each row only what it has not cached (the last turn's final
+token and the observation), as one chunk after the cached keys, and decodes from there; rows of
+episodes that ended are dropped from the cache. vLLM gets each turn's whole trajectory as prompt
+token ids and computes it again (its prefix cache is off: see rollout/vllm_engine.py).
 
 Process discipline: the engine's generate is collective over the replica (model-parallel and
 context-parallel ranks hold the same rows). The environments run on the replica's first rank
@@ -85,14 +88,19 @@ def generate_episodes(engine, runner: EpisodeRunner | None, prompts: list[list[i
     episodes = share_episodes(episodes)
     logprobs: list[list[float]] = [[0.0] * len(e.tokens) for e in episodes]  # per trajectory token
     turn_sampling = dataclasses.replace(sampling, stop_token_ids=tuple(runner.stop_ids[1:]) if mine else ())
-    turn_sampling = _same_on_replica(turn_sampling)
+    turn_sampling, capacity = _same_on_replica(turn_sampling, runner.max_total_tokens if mine else 0)
+    cache = engine.turn_cache(capacity) if hasattr(engine, "turn_cache") else None
     turn = 0
     while any_rank(any(not e.ended for e in episodes)):
         active = [i for i, e in enumerate(episodes) if not e.ended]
-        rows = active or [0]  # a stand-in row keeps this rank in the collective turns of the others
-        sequences = [episodes[i].prompt_ids + episodes[i].tokens for i in rows]
+        # a stand-in row (one token, key None) keeps a rank whose episodes ended in the collective
+        # turns of the others
+        keys = active or [None]
+        sequences = [episodes[i].prompt_ids + episodes[i].tokens for i in active] or [episodes[0].prompt_ids[:1]]
         # every running episode has room for a whole turn (the runner's turn_tokens): one budget for all
-        out = engine.generate(sequences, turn_sampling, seed + _TURN_SEED_STRIDE * turn)
+        turn_seed = seed + _TURN_SEED_STRIDE * turn
+        out = (engine.generate(sequences, turn_sampling, turn_seed, cache=cache, keys=keys) if cache is not None
+               else engine.generate(sequences, turn_sampling, turn_seed))
         new_ids, new_logprobs = _new_tokens(out, [len(s) for s in sequences])
         with _stops_every_rank():
             for i, ids in zip(active, new_ids):
@@ -119,12 +127,14 @@ def _stops_every_rank():
                                                     "stage (see that rank's error)"), catch=EnvironmentFailure)
 
 
-def _same_on_replica(sampling: SamplingParams) -> SamplingParams:
-    """The first rank's stop ids on every rank of the replica (only it has the runner)."""
-    box = [sampling.stop_token_ids]
+def _same_on_replica(sampling: SamplingParams, capacity: int) -> tuple[SamplingParams, int]:
+    """The first rank's stop ids and episode capacity (max_total_tokens) on every rank of the
+    replica (only it has the runner)."""
+    box = [(sampling.stop_token_ids, capacity)]
     for group in replica_groups():
         dist.broadcast_object_list(box, src=dist.get_process_group_ranks(group)[0], group=group)
-    return dataclasses.replace(sampling, stop_token_ids=tuple(box[0]))
+    stops, capacity = box[0]
+    return dataclasses.replace(sampling, stop_token_ids=tuple(stops)), capacity
 
 
 def _policy_end(episode: Episode) -> int:

@@ -18,6 +18,15 @@ Everything stays on the actor's device. Per decoded token, at any TP x PP:
 - a mixture-of-experts actor's routers record their choices in every forward (models/routing.py)
   and each step's are copied into the rollout's routes [B, S, layers, k] on the device: each
   stage keeps its own layers' (what it replays in training), nothing crosses ranks.
+
+Multi-turn episodes (rollout/episodes.py) keep one KV cache from a turn to the next (`TurnCache`,
+sized for the episodes' whole trajectories): a turn feeds only what its rows have not cached
+(the last turn's final token and the observation after it) as one chunk after the cached keys,
+then decodes. Core attention sees a chunk of queries after cached keys, which must be causal
+aligned to the bottom right: megatron's static inference passes `no_mask` for every call after
+the first, right for one-token steps only; the CPU spec's SDPA attention and the GPU spec's
+Transformer Engine attention (models/attention.py: te_chunked_inference_attention, chosen in
+models/gpt.py) apply the layer's own causal mask, bottom-right aligned, instead.
 """
 
 from __future__ import annotations
@@ -113,6 +122,48 @@ class Decoding:
         self.done |= is_eos | (generating & (self.prompt_lengths <= pos + 1 - max_new_tokens))  # budget used
 
 
+class TurnCache:
+    """The KV cache of a batch of episodes, carried from one turn's generate to the next.
+
+    One static inference context, sized for `capacity` tokens (rl.max_total_tokens: prompt and
+    every turn); its batch rows hold the episodes `rows` (keys the caller chooses). `cached[key]`
+    is how many leading positions of that episode's sequence have their keys and values in the
+    cache: everything fed so far but the last sampled token (which was never fed; rows that
+    ended early were fed padding after it, overwritten when the row is fed again). A turn whose
+    rows are a subset of the cached ones (episodes that ended are dropped) selects theirs first;
+    a key not in the cache starts from nothing (cached 0)."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.context: StaticInferenceContext | None = None
+        self.rows: list = []
+        self.cached: dict = {}
+        self.reused_tokens = 0   # positions taken from the cache instead of being fed again
+        self.fed_tokens = 0      # positions fed to the model (prompt chunks and decoding steps)
+
+    def take(self, keys: list, lengths: list[int]) -> tuple[StaticInferenceContext, int]:
+        """The context for a generate over `keys` (sequences of `lengths`), its batch rows
+        selected in that order, and the first position to feed (every row's cache holds at
+        least that many, and less than its length)."""
+        cached = [min(self.cached.get(k, 0), n - 1) for k, n in zip(keys, lengths)]
+        start = min(cached)
+        if self.context is None or any(k not in self.cached for k in keys):
+            start = 0  # a new row: fed from its first token (the others' rows are rewritten the same)
+            self.context = StaticInferenceContext(len(keys), self.capacity)
+        elif keys != self.rows:
+            index = torch.tensor([self.rows.index(k) for k in keys], device=device())
+            memory = self.context.key_value_memory_dict
+            for layer, (k, v) in memory.items():  # [positions, batch, ...]: this turn's rows only
+                memory[layer] = (k.index_select(1, index), v.index_select(1, index))
+            self.context.max_batch_size = len(keys)
+        self.rows = list(keys)
+        return self.context, start
+
+    def keep(self, lengths: list[int]) -> None:
+        """After the generate: each row's sequence of `lengths` is cached but its last token."""
+        self.cached = {k: n - 1 for k, n in zip(self.rows, lengths)}
+
+
 def _last_position_logits(*, hidden_states, output_layer, output_weight, **_) -> torch.Tensor:
     """[B, V/TP] logits of the chunk's last position only: a prefill of a long prompt would
     otherwise project every position ([B, L, V/TP]) to keep one (megatron slices the same way
@@ -161,9 +212,9 @@ class MegatronRolloutEngine(RolloutEngine):
         return bool(self.actor.module.config.num_moe_experts) and ps.get_expert_model_parallel_world_size() > 1
 
     @staticmethod
-    def _agree_on_span(shortest: int, total: int) -> tuple[int, int]:
-        span = dp_max(torch.tensor([-shortest, total], device=device()))
-        return -int(span[0]), int(span[1])
+    def _agree_on_span(start: int, shortest: int, total: int) -> tuple[int, int, int]:
+        span = dp_max(torch.tensor([-start, -shortest, total], device=device()))
+        return -int(span[0]), -int(span[1]), int(span[2])
 
     @staticmethod
     def _all_done(done: torch.Tensor, across_ranks: bool) -> bool:
@@ -173,36 +224,55 @@ class MegatronRolloutEngine(RolloutEngine):
             return bool(done.all())
         return not bool(dp_max((~done).any().to(torch.int32).reshape(1)))
 
+    def turn_cache(self, capacity: int) -> TurnCache:
+        """A KV cache for the turns of a batch of episodes of up to `capacity` tokens each."""
+        if capacity > self.model.max_seq_length:
+            raise ValueError(f"a turn cache of {capacity} tokens exceeds model.max_seq_length={self.model.max_seq_length}")
+        return TurnCache(capacity)
+
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], sampling: SamplingParams, seed: int) -> Rollout:
-        """Rollout tensors on the actor's device. Collective over the model-parallel group."""
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams, seed: int,
+                 cache: TurnCache | None = None, keys: list | None = None) -> Rollout:
+        """Rollout tensors on the actor's device. Collective over the model-parallel group.
+        With `cache` (a turn of multi-turn episodes): `prompts` continue the sequences that
+        `cache` holds for `keys` (one key per prompt), fed from where the cache ends."""
         self.actor.model.eval()
         batch, shortest = len(prompts), min(len(p) for p in prompts)
         total = max(len(p) for p in prompts) + sampling.max_new_tokens
-        if total > self.model.max_seq_length:
-            raise ValueError(f"longest prompt + max_new_tokens = {total} exceeds model.max_seq_length="
-                             f"{self.model.max_seq_length}")
+        limit = cache.capacity if cache is not None else self.model.max_seq_length
+        if total > limit:
+            field = "rl.max_total_tokens" if cache is not None else "model.max_seq_length"
+            raise ValueError(f"longest prompt + max_new_tokens = {total} exceeds {field}={limit}")
         layout = StageLayout.current()
+        context, start = cache.take(keys, [len(p) for p in prompts]) if cache is not None else (None, 0)
         # With expert parallelism the ranks of a data-parallel group exchange tokens in every
         # forward (megatron's all-to-all), so they run the same decoding steps: from the shortest
-        # prompt of any of them to the longest end, until every one is done.
+        # prompt of any of them to the longest end, until every one is done (a rank whose cache
+        # holds more starts where the others do: what it feeds again is its rows' own tokens).
         across_ranks = self._experts_across_ranks()
         if across_ranks:
-            shortest, total = self._agree_on_span(shortest, total)
+            start, shortest, total = self._agree_on_span(start, shortest, total)
+        if context is None:
+            context = StaticInferenceContext(batch, total)
+        context.sequence_len_offset = start
+        if cache is not None:
+            cache.reused_tokens += start * batch
         state = Decoding.start(prompts, total, self.pad_id, device())
         generator = torch.Generator(device=device()).manual_seed(seed)
-        context = StaticInferenceContext(batch, total)
         positions = torch.arange(total, device=state.tokens.device).expand(batch, -1)
         routers = self.actor.routes  # an MoE actor's: the rollout's routes are recorded for replay
         routes = routers.new_routes(batch, total, device()) if routers is not None else None
         if routers is not None:
             routers.record()
         try:
-            self._decode(state, context, positions, shortest, total, generator, sampling, layout, across_ranks,
-                         routers, routes)
+            fed = self._decode(state, context, positions, start, shortest, total, generator, sampling, layout,
+                               across_ranks, routers, routes)
         finally:
             if routers is not None:
                 routers.release()
+        if cache is not None:
+            cache.keep(state.lengths.tolist())
+            cache.fed_tokens += fed * batch
 
         width = int(state.lengths.max())
         logprobs = state.logprobs[:, :width].contiguous() if layout.last else None
@@ -212,9 +282,11 @@ class MegatronRolloutEngine(RolloutEngine):
             routes.masked_fill_(padding_positions(state.lengths, width)[:, :, None, None], routers.unrouted)
         return Rollout(state.tokens[:, :width], state.prompt_lengths, state.lengths, logprobs, state.finished, routes)
 
-    def _decode(self, state: Decoding, context, positions, shortest: int, total: int, generator, sampling,
-                layout: StageLayout, across_ranks: bool, routers, routes) -> None:
-        batch, prev, pos = state.tokens.size(0), 0, shortest
+    def _decode(self, state: Decoding, context, positions, start: int, shortest: int, total: int, generator,
+                sampling, layout: StageLayout, across_ranks: bool, routers, routes) -> int:
+        """Feeds positions [start, shortest) in one chunk, then one token a step; returns how
+        many positions were fed."""
+        batch, prev, pos = state.tokens.size(0), start, shortest
         stops = (torch.tensor([self.eos_id, *sampling.stop_token_ids], device=state.tokens.device)
                  if sampling.stop_token_ids else self.eos_id)
         # The whole loop runs outside the CPU device-rewriting mode (a no-op on GPU): besides the
@@ -234,3 +306,4 @@ class MegatronRolloutEngine(RolloutEngine):
                 ids = from_last_stage_tp0(ids, [batch], torch.long, layout)
                 state.record(pos, ids, logprob, stops, self.pad_id, sampling.max_new_tokens)
                 prev, pos = pos, pos + 1
+        return prev - start

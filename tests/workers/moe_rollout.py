@@ -27,12 +27,24 @@ def check_layout(args, cfg, layout: str) -> None:
         load_role(actor, args.root / "moe_actor", with_optimizer=False)
     dp, rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     share = PROMPTS[rank * len(PROMPTS) // dp:(rank + 1) * len(PROMPTS) // dp]
-    out = MegatronRolloutEngine(cfg.model, actor, eos_id=EOS, pad_id=0).generate(share, GREEDY, seed=0)
+    engine = MegatronRolloutEngine(cfg.model, actor, eos_id=EOS, pad_id=0)
+    out = engine.generate(share, GREEDY, seed=0)
     rows = [out.tokens[i, : int(out.lengths[i])].tolist() for i in range(len(share))]
+    # a second turn from the turn cache: each rank's rows grew by observations of their own
+    # lengths, so the ranks' cached spans differ and must still be paired step by step
+    keys = list(range(len(share)))
+    cache = engine.turn_cache(cfg.model.max_seq_length)
+    first = engine.generate(share, GREEDY, seed=0, cache=cache, keys=keys)
+    grown = [first.tokens[i, :n].tolist() + [22 + i] * (i + 1 + rank) for i, n in enumerate(first.lengths.tolist())]
+    cached, again = (engine.generate(grown, GREEDY, seed=1, **kw) for kw in ({"cache": cache, "keys": keys}, {}))
+    second = [(cached.tokens[i, :n].tolist(), again.tokens[i, :m].tolist())
+              for i, (n, m) in enumerate(zip(cached.lengths.tolist(), again.lengths.tolist()))]
     gathered = [None] * dp
-    torch.distributed.all_gather_object(gathered, rows, group=ps.get_data_parallel_group())
+    torch.distributed.all_gather_object(gathered, (rows, second, cache.reused_tokens), group=ps.get_data_parallel_group())
     if torch.distributed.get_rank() == 0:
-        torch.save([row for part in gathered for row in part], args.root / f"moe_rollout_{layout}.pt")
+        torch.save({"rows": [row for part, _, _ in gathered for row in part],
+                    "second_turn": [pair for _, part, _ in gathered for pair in part],
+                    "reused": [reused for _, _, reused in gathered]}, args.root / f"moe_rollout_{layout}.pt")
 
 
 if __name__ == "__main__":

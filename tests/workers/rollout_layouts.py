@@ -5,7 +5,8 @@ Loads the actor weights saved by the role-layout init (or saves them with --init
 greedy and sampled generation of ragged prompts; the actor's recomputed log-probs of the
 sampled sequences; at TP1-PP1 also greedy decoding by full recomputation (no KV cache); and
 an EOS run where EOS is set to a token the greedy run produced, so where rows must stop is
-known. Results go to --out (global rank 0).
+known; and multi-turn continuation with the engine's turn cache against recomputing each
+turn's sequences. Results go to --out (global rank 0).
 """
 
 import torch
@@ -28,6 +29,30 @@ def no_cache_greedy(actor: Actor, prompt: list[int]) -> list[int]:
         logits = actor.module(t, torch.arange(len(tokens))[None], None)[0, -1, : actor.model_config.vocab_size]
         tokens.append(int(logits.argmax()))
     return tokens
+
+
+def turns_with_and_without_cache(engine, capacity: int) -> dict[str, list]:
+    """Turns as multi-turn episodes run them, each generated with the engine's turn cache and,
+    from the same sequences and seed, without it. "ragged": three turns whose rows continue the
+    last turn's output plus an "observation" of a different length per row, some rows dropped
+    and reordered, some ended early by a stop id (then fed padding). "even": rows of one length
+    that all use their whole budget, so no row's last sampled token was ever fed."""
+    scenarios = {"ragged": (PROMPTS, (range(30, 50)), [[0, 1, 2, 3], [0, 1, 3], [3, 1]], lambda k: k + 1),
+                 "even": ([p[:2] for p in PROMPTS], (), [[0, 1, 2, 3]] * 2, lambda k: 2)}
+    out = {}
+    for name, (prompts, stops, turn_keys, observed) in scenarios.items():
+        sampling = SamplingParams(temperature=0.8, max_new_tokens=NEW, stop_token_ids=tuple(stops))
+        cache = engine.turn_cache(capacity)
+        sequences = {k: list(p) for k, p in enumerate(prompts)}
+        out[name] = []
+        for turn, keys in enumerate(turn_keys):
+            rows = [sequences[k] for k in keys]
+            cached = engine.generate(rows, sampling, seed=40 + turn, cache=cache, keys=keys)
+            again = engine.generate(rows, sampling, seed=40 + turn)
+            out[name].append((vars(cached.to("cpu")), vars(again.to("cpu")), cache.reused_tokens))
+            for k, row, n in zip(keys, cached.tokens.tolist(), cached.lengths.tolist()):
+                sequences[k] = row[:n] + [20 + k] * observed(k)
+    return out
 
 
 def sequence_parallel_switches(model) -> list:
@@ -62,6 +87,7 @@ def check_layout(args, cfg, layout: str) -> None:
     stop = MegatronRolloutEngine(cfg.model, actor, eos_id=eos, pad_id=PAD).generate(
         PROMPTS, SamplingParams(temperature=0.8, max_new_tokens=NEW, greedy=True), seed=0)
     res["eos_id"], res["eos_run"] = eos, vars(stop.to("cpu"))
+    res["turns"] = turns_with_and_without_cache(engine, cfg.model.max_seq_length)
     if layout == "tp1pp1":
         res["no_cache_greedy"] = [no_cache_greedy(actor, p) for p in PROMPTS]
     if torch.distributed.get_rank() == 0:
