@@ -29,6 +29,11 @@ QUICK = dict(layers=2, hidden=64, heads=4, groups=2, ffn=128, vocab=100, batch=4
              observation=16, repeats=1)
 
 
+def capacity_of(s: dict) -> int:
+    """Tokens of a whole episode: the prompt, every turn, the observations between them."""
+    return s["prompt"] + s["turns"] * s["new"] + (s["turns"] - 1) * s["observation"]
+
+
 def episodes(engine, s: dict, cached: bool, seed: int) -> tuple[float, int, list[list[int]]]:
     """T turns of B rows: (process CPU seconds of the generate calls, positions fed, final rows)."""
     from megatron_rlhf.rollout import SamplingParams
@@ -36,8 +41,7 @@ def episodes(engine, s: dict, cached: bool, seed: int) -> tuple[float, int, list
     g = torch.Generator().manual_seed(seed)
     rows = [torch.randint(2, s["vocab"], (s["prompt"],), generator=g).tolist() for _ in range(s["batch"])]
     sampling = SamplingParams(temperature=1.0, max_new_tokens=s["new"])
-    capacity = s["prompt"] + s["turns"] * s["new"] + (s["turns"] - 1) * s["observation"]
-    cache = engine.turn_cache(capacity) if cached else None
+    cache = engine.turn_cache(capacity_of(s)) if cached else None
     keys = list(range(s["batch"]))
     seconds, fed = 0.0, 0
     for turn in range(s["turns"]):
@@ -65,7 +69,7 @@ def main() -> None:
     from megatron_rlhf.trainers.runner import start_distributed
 
     s = QUICK if args.quick else FULL
-    capacity = s["prompt"] + s["turns"] * s["new"] + (s["turns"] - 1) * s["observation"]
+    capacity = capacity_of(s)
     cfg = load_config(None, [
         f"model.num_layers={s['layers']}", f"model.hidden_size={s['hidden']}", f"model.num_attention_heads={s['heads']}",
         f"model.num_query_groups={s['groups']}", f"model.ffn_hidden_size={s['ffn']}", f"model.vocab_size={s['vocab']}",
