@@ -251,6 +251,13 @@ RULES = {  # the start of the message -> the ModelConfig fields that break the r
         family="llama", qk_layernorm=False, num_experts=None, moe_dense_layers=[0]),
     "model.moe_ffn_hidden_size=32 with model.num_experts=null": dict(
         family="llama", qk_layernorm=False, num_experts=None, moe_ffn_hidden_size=32),
+    "model.moe_load_balancing_type=seq_aux_loss with model.num_experts=null": dict(
+        family="llama", qk_layernorm=False, num_experts=None, moe_load_balancing_type="seq_aux_loss"),
+    "model.moe_load_balancing_type=global_aux_loss: megatron-core 0.19.2 divides": dict(
+        moe_load_balancing_type="global_aux_loss", moe_aux_loss_coef=0.01),
+    "model.moe_load_balancing_type='sinkhorn': choose one of": dict(moe_load_balancing_type="sinkhorn"),
+    "model.moe_load_balancing_type=seq_aux_loss with model.moe_aux_loss_coef=0": dict(
+        moe_load_balancing_type="seq_aux_loss"),
 }
 
 
@@ -267,6 +274,7 @@ def test_valid_moe_models_and_their_layer_pattern():
     assert model.moe_layer_pattern == [0, 1, 0, 1] and model.expert_ffn_hidden_size == 32
     assert moe_model().expert_ffn_hidden_size == ModelConfig().ffn_hidden_size  # null: ffn_hidden_size
     moe_model(family="mixtral", qk_layernorm=False, moe_router_score_function="sigmoid", moe_router_topk=4).check()
+    moe_model(moe_load_balancing_type="seq_aux_loss", moe_aux_loss_coef=1e-4).check()  # DeepSeek-V3's sequence-wise loss
     assert ModelConfig().moe_layer_pattern is None  # dense
     ModelConfig(moe_router_topk=8).check()  # routing details of a dense model are not checked
 

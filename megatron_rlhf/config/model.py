@@ -20,6 +20,8 @@ MOE_FAMILIES = ("qwen3_moe", "mixtral")
 ROPE_SCALING_TYPES = ("llama3", "linear")
 # How a router scores experts (megatron's moe_router_score_function).
 MOE_SCORE_FUNCTIONS = ("softmax", "sigmoid")
+# megatron's load-balancing losses that model.moe_load_balancing_type offers (models/moe_fixes.py)
+MOE_LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss")
 # The mixture-of-experts fields an HF config.json fixes (moe_aux_loss_coef and moe_z_loss_coef
 # are training choices, not among them).
 MOE_ARCHITECTURE_FIELDS = ("num_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_router_score_function",
@@ -103,6 +105,12 @@ class ModelConfig:
     # router_aux_loss_coef, which from_hf_config / init_from_hf take unless the recipe sets this)
     # and the router z-loss coefficient (HF configs have none: off).
     moe_aux_loss_coef: float = 0.0
+    # Which load-balancing loss moe_aux_loss_coef weighs, megatron's definitions: aux_loss (the
+    # Switch loss over each micro batch's tokens: Qwen3-MoE, Mixtral) | seq_aux_loss (the same
+    # over each sequence, averaged over the micro batch's sequences: DeepSeek-V3's sequence-wise
+    # balance loss). Both are per micro batch, so their gradient depends on how the batch is split
+    # into micro batches (docs/moe.md). megatron's global_aux_loss is refused (see _check_experts).
+    moe_load_balancing_type: str = "aux_loss"
     moe_z_loss_coef: float = 0.0     # the router z-loss coefficient (0: off)
     init_method_std: float = 0.02    # std of the normal initialisation of fresh weights
     params_dtype: str = "float32"    # float32 | bfloat16 | float16: the dtype of the weights and of the compute
@@ -250,6 +258,14 @@ class ModelConfig:
         for name in ("moe_aux_loss_coef", "moe_z_loss_coef"):
             if not getattr(m, name) >= 0:
                 raise ConfigError(f"model.{name}={getattr(m, name)}: must be >= 0 (0: off)")
+        if m.moe_load_balancing_type == "global_aux_loss":
+            raise ConfigError("model.moe_load_balancing_type=global_aux_loss: megatron-core 0.19.2 divides the expert "
+                              "counts it accumulates over micro batches by the current micro batch's token count "
+                              "(NVIDIA/Megatron-LM#7197), which is wrong when micro batches hold different numbers of "
+                              "tokens, as RL's always do; choose aux_loss or seq_aux_loss")
+        if m.moe_load_balancing_type not in MOE_LOAD_BALANCING_TYPES:
+            raise ConfigError(f"model.moe_load_balancing_type={m.moe_load_balancing_type!r}: choose one of "
+                              f"{MOE_LOAD_BALANCING_TYPES}")
         if m.moe_router_score_function not in MOE_SCORE_FUNCTIONS:
             raise ConfigError(f"model.moe_router_score_function={m.moe_router_score_function!r}: choose one of "
                               f"{MOE_SCORE_FUNCTIONS}")
@@ -260,7 +276,8 @@ class ModelConfig:
                 raise ConfigError(f"model.num_experts=null with model.family={m.family!r}: a mixture-of-experts family "
                                   "needs its expert count; set model.num_experts (or model.from_hf_config=<HF directory>)")
             # a dense model has no experts to size or skip: a value here is a mistake, not a no-op
-            for name, value in (("moe_ffn_hidden_size", m.moe_ffn_hidden_size), ("moe_dense_layers", m.moe_dense_layers)):
+            for name, value in (("moe_ffn_hidden_size", m.moe_ffn_hidden_size), ("moe_dense_layers", m.moe_dense_layers),
+                                ("moe_load_balancing_type", m.moe_load_balancing_type != "aux_loss" and m.moe_load_balancing_type)):
                 if value:
                     raise ConfigError(f"model.{name}={value} with model.num_experts=null: only for a mixture-of-experts "
                                       f"model (model.family qwen3_moe or mixtral with model.num_experts); unset it")
@@ -270,6 +287,10 @@ class ModelConfig:
                               f"{MOE_FAMILIES} families only; set model.family to one of them, or model.num_experts=null")
         if m.num_experts < 2:
             raise ConfigError(f"model.num_experts={m.num_experts}: must be >= 2 (null: a dense model)")
+        if m.moe_load_balancing_type != "aux_loss" and not m.moe_aux_loss_coef:
+            raise ConfigError(f"model.moe_load_balancing_type={m.moe_load_balancing_type} with model.moe_aux_loss_coef=0: "
+                              "there is no load-balancing loss for it to choose; set model.moe_aux_loss_coef > 0, or "
+                              "remove model.moe_load_balancing_type")
         if not 1 <= m.moe_router_topk <= m.num_experts:
             raise ConfigError(f"model.moe_router_topk={m.moe_router_topk}: must be between 1 and model.num_experts="
                               f"{m.num_experts}")

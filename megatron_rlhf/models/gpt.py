@@ -21,6 +21,7 @@ from megatron.core.transformer import TransformerConfig
 
 from megatron_rlhf import parallel
 from megatron_rlhf.config import ConfigError, ModelConfig
+from megatron_rlhf.models import moe_fixes
 
 
 def transformer_engine_available() -> bool:
@@ -192,7 +193,9 @@ def expert_settings(m: ModelConfig, routes: bool = False) -> dict:
         moe_router_score_function=m.moe_router_score_function,
         # HF's norm_topk_prob: top-k probabilities renormalised = a softmax over the top-k logits
         moe_router_pre_softmax=not m.moe_norm_topk_prob,
-        moe_router_load_balancing_type="aux_loss" if aux > 0 else "none",
+        # aux_loss (per micro batch) or seq_aux_loss (per sequence); the count both read is fixed
+        # for TP > 1 in models/moe_fixes.py
+        moe_router_load_balancing_type=m.moe_load_balancing_type if aux > 0 else "none",
         moe_aux_loss_coeff=aux,
         moe_z_loss_coeff=m.moe_z_loss_coef or None,
         moe_router_dtype="fp32",  # HF routes in fp32 too (softmax over float32 logits)
@@ -296,6 +299,8 @@ def build_model(m: ModelConfig, value_head: bool = False, spec=None, per_token_l
     at the layout parallel.initialize started. `spec`: the transformer layer or block spec
     (default: layer_spec). `routes`: see transformer_config."""
     cls = GPTValueModel if value_head else GPTModel
+    if m.num_experts is not None:
+        moe_fixes.apply()  # megatron's router token count at TP > 1, before any router is built
     config = transformer_config(m, per_token_loss, routes)
     model = cls(
         config=config,

@@ -16,6 +16,10 @@ from megatron_rlhf.parallel import device
 from megatron_rlhf.parallel.collectives import dp_sum
 
 
+# the name megatron's MoE metrics tracker records each load-balancing type under (router.py)
+BALANCING_LOSS_NAMES = {"aux_loss": "load_balancing_loss", "seq_aux_loss": "seq_load_balancing_loss"}
+
+
 class ExpertRouting:
     """Mixed into Role: reads its module, optimizer, output_shapes, routes (a RoutingReplay or
     None) and the per-call state Role keeps (_compare_routes, _microbatches, _replayed)."""
@@ -42,7 +46,11 @@ class ExpertRouting:
         times the microbatch's real tokens, assuming finalize_model_grads divides by the global
         count of real tokens T; ours divides by the loss's units U (response tokens, sequences,
         pairs). Scaling by U / T makes the auxiliary gradient the token-weighted mean of the
-        microbatches' losses, times the coefficient, for any split, DP size or aggregation.
+        microbatches' losses, times the coefficient, whatever the aggregation, the prompt/response
+        ratio or the DP size. megatron defines the losses per microbatch, so they (not this scale)
+        change with the split into microbatches. Both load-balancing types attach the micro batch's
+        valid-token count (seq_aux_loss: its per-sequence mean times the sequences), and TP > 1
+        attaches it only with models/moe_fixes.py's count: one scale for both types.
         U comes from the loss function itself on zero outputs: a LossFn's units depend on the
         batch alone (its masks), never on the outputs."""
         units = loss_units(loss_fn, batch, self.output_shapes(*batch["tokens"].shape))
@@ -89,7 +97,8 @@ class ExpertRouting:
         config = self.module.config
         if not config.num_moe_experts:
             return []
-        return [name for name, coef in (("load_balancing_loss", config.moe_aux_loss_coeff),
+        balancing = BALANCING_LOSS_NAMES.get(config.moe_router_load_balancing_type, "load_balancing_loss")
+        return [name for name, coef in ((balancing, config.moe_aux_loss_coeff),
                                          ("z_loss", config.moe_z_loss_coeff)) if coef]
 
     def _replay_overrides(self) -> dict[str, float]:

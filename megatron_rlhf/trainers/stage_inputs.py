@@ -52,7 +52,7 @@ MODEL_NOT_INPUTS = ("recompute_granularity", "recompute_method", "recompute_num_
                     "init_from_hf", "from_hf_config")  # the weights are `start`, the architecture the fields
 # The expert fields of a dense model (num_experts null) change nothing it trains; left out, a dense
 # stage finished before they existed is still reused.
-DENSE_NOT_INPUTS = (*MOE_ARCHITECTURE_FIELDS, "moe_aux_loss_coef", "moe_z_loss_coef")
+DENSE_NOT_INPUTS = (*MOE_ARCHITECTURE_FIELDS, "moe_aux_loss_coef", "moe_z_loss_coef", "moe_load_balancing_type")
 # Splits a stage reads when they have a source (rm.py: normalisation over SFT responses).
 OPTIONAL_SPLITS = {"rm": ("sft_eval",)}
 _TASK_SIZE = {"prompts_train": "ppo_prompts", "prompts_eval": "eval_prompts"}
@@ -68,6 +68,8 @@ def stage_inputs(cfg: Config, stage: str) -> dict[str, Any]:
     inputs: dict[str, Any] = {"seed": cfg.seed}
     model = dataclasses.asdict(cfg.model)
     left_out = MODEL_NOT_INPUTS + (DENSE_NOT_INPUTS if cfg.model.num_experts is None else ())
+    if cfg.model.moe_load_balancing_type == "aux_loss":  # the default: MoE stages from before it are still reused
+        left_out += ("moe_load_balancing_type",)
     inputs.update(_flat({k: v for k, v in model.items() if k not in left_out}, "model."))
     inputs["data.overflow"] = cfg.data.overflow
     # How records are read and templated; only when not the defaults, so runs from before these
