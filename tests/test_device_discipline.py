@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorDeviceMismatchError, FakeTensorMode
 
-from megatron_rlhf.algorithms.advantages import ESTIMATORS
+from megatron_rlhf.algorithms.advantages import ESTIMATORS, valid_rows
 from megatron_rlhf.config import LOSS_AGGREGATIONS, RLConfig
 from megatron_rlhf.parallel.collectives import check_backend_device, masked_moments, stack_values
 from megatron_rlhf.rewards import weighted_sum
@@ -134,7 +134,7 @@ def test_response_layout_helpers_follow_their_inputs(fake):
 
 def test_dynamic_sampling_selection_stays_on_the_device(fake):
     scores = torch.randn(B, device=CUDA)
-    informative = rl_stage.group_informative(scores, 2)
+    informative = rl_stage.group_informative(scores, 2, valid_rows(rollout().response_mask()))
     on_cuda(informative=informative)
     joined = Rollout.cat([rollout(), rollout()], pad_id=1).select(torch.tensor([0, 1, 6, 7], device=CUDA))
     on_cuda(**{k: v for k, v in vars(joined).items() if v is not None})  # routes: none recorded

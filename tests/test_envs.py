@@ -310,6 +310,52 @@ def test_failed_fraction_above_the_limit_stops_with_the_field_named():
     assert isinstance(caught.value, RewardSourceError)
 
 
+def test_the_failure_limit_counts_every_sampling_round_and_the_metrics_describe_the_kept_rows():
+    """rl.dynamic_sampling generates once per sampling round: EpisodeEngine.episode_metrics
+    counts the episodes of every round for rl.max_failed_episodes (a round of failures must not
+    hide behind a clean later one) and describes the rows the iteration kept. Without a process
+    group its sum over data-parallel ranks is this rank's own."""
+    import torch
+
+    from megatron_rlhf.config import ModelConfig
+    from megatron_rlhf.rollout.episodes import EpisodeEngine
+    from megatron_rlhf.rollout.megatron_engine import MegatronRolloutEngine
+
+    def failing_round():
+        return [play(runner(lambda: Scripted([RuntimeError("the sandbox is gone")])), ["<calc> 1 </calc>"])
+                for _ in range(4)]
+
+    def clean_round():  # a tool call then the answer (2 turns, 1 call), or the answer at once
+        return [play(runner(CalculatorEnv), turns) for turns in
+                (["<calc> 3 4 7 * 2 1 </calc>", "answer 7 2 8 7"], ["answer 1"]) * 2]
+
+    def engine(max_failed):  # the in-place engine is never asked to generate: the test feeds the
+        # episodes each generate (sampling round) leaves in iteration_episodes
+        return EpisodeEngine(MegatronRolloutEngine(ModelConfig(), None, TOKENIZER.eos_id, TOKENIZER.pad_id), None,
+                             max_failed)
+
+    two_rounds = engine(max_failed=0.25)
+    two_rounds.iteration_episodes += failing_round() + clean_round()
+    with pytest.raises(TooManyFailedEpisodes) as caught:  # the kept (clean) round alone would pass
+        two_rounds.episode_metrics(kept=torch.tensor([4, 5, 6, 7]))
+    assert "50% of the episodes generated this iteration (every sampling round) failed" in str(caught.value)
+    assert "rl.max_failed_episodes=0.25; here, e.g. raised" in str(caught.value)
+
+    tolerant = engine(max_failed=0.5)
+    tolerant.iteration_episodes += clean_round()  # an evaluation's, generated after the last report
+    tolerant.new_iteration()  # forgets them
+    tolerant.iteration_episodes += failing_round() + clean_round()
+    metrics = tolerant.episode_metrics(kept=torch.tensor([7, 5, 0, 1]))  # two failed rows and two answers at once
+    assert metrics["env_failed_fraction"] == 0.5 and metrics["env_failed_fraction_all_rounds"] == 0.5
+    assert metrics["env_tool_call_rate"] == 0.0 and metrics["env_turns_per_episode"] == 1.0
+    tolerant.iteration_episodes += clean_round()  # the next iteration: the last one's are forgotten
+    metrics = tolerant.episode_metrics(kept=torch.tensor([0, 1]))
+    assert metrics["env_failed_fraction_all_rounds"] == 0.0 and metrics["env_tool_call_rate"] == 0.5
+    assert metrics["env_turns_per_episode"] == 1.5
+    tolerant.iteration_episodes += clean_round()
+    assert tolerant.episode_metrics()["env_tool_calls_per_episode"] == 0.5  # no dynamic sampling: every row kept
+
+
 # ----------------------------------------------------------------------------- loading a class from a file
 
 

@@ -103,11 +103,24 @@ def test_dynamic_sampling_keeps_informative_groups_first_and_fills_a_shortfall()
     from megatron_rlhf.trainers.rl import group_informative, select_groups
 
     scores = torch.tensor([1.0, 1.0, -1.0, -1.0, 0.5, 0.2, 3.0, 3.0, 0.0, 1.0])
-    informative = group_informative(scores, 2)
+    informative = group_informative(scores, 2, torch.ones(10, dtype=torch.bool))
     assert informative.tolist() == [False, False, True, False, True]
     assert select_groups(informative, 2, 2).tolist() == [4, 5, 8, 9]  # groups 2 and 4
     # three groups wanted, two informative: group 0 (uninformative) fills the shortfall
     assert select_groups(informative, 3, 2).tolist() == [4, 5, 8, 9, 0, 1]
+
+
+def test_a_failed_episodes_reward_does_not_make_its_group_informative():
+    """A failed episode's row (no policy token) is no sample to the estimators, so dynamic
+    sampling must not keep its group for the reward it got (0, or rl.missing_eos_penalty)."""
+    from megatron_rlhf.trainers.rl import group_informative
+
+    # group 0: equal valid rewards + a failed row scored differently; group 1: the valid rewards
+    # differ (the failed row's equal one changes nothing); group 2: one valid row; group 3: none
+    scores = torch.tensor([1.0, 1.0, 0.0, 1.0, 2.0, 0.0, 2.0, 3.0, 5.0, 0.0, 0.0, 0.0, 0.0, 1.0, 2.0, 3.0])
+    valid = torch.tensor([1, 1, 0, 1, 1, 1, 0, 1, 1, 0, 0, 0, 0, 0, 0, 0], dtype=torch.bool)
+    assert group_informative(scores, 4, valid).tolist() == [False, True, False, False]
+    assert group_informative(scores, 4, torch.ones(16, dtype=torch.bool)).tolist() == [True, True, True, True]
 
 
 def test_the_phase_table_follows_the_roles_an_algorithm_builds():

@@ -289,6 +289,79 @@ def test_rloo_equal_non_dyadic_rewards_near_zero():
     assert torch.isfinite(adv).all() and adv.abs().max() < 1e-6
 
 
+# ----------------------------------------------------------------------------- failed episodes
+# A failed multi-turn episode keeps its row with no policy token (mask row all 0) and a score of
+# 0 (or rl.missing_eos_penalty): it is no sample of its group (advantages.py's docstring).
+GROUP_ESTIMATORS = [(grpo, {"group_std": True}), (grpo, {"group_std": False}), (rloo, {}),
+                    (reinforce_pp_baseline, {})]
+
+
+@pytest.mark.parametrize("failed_score", [0.0, -1.0])
+@pytest.mark.parametrize("estimator, settings", GROUP_ESTIMATORS)
+def test_a_failed_row_does_not_move_its_siblings_advantages(estimator, settings, failed_score):
+    # Group 0: three siblings all scored 1 and a failed row (row 2): its valid rewards are equal,
+    # so every advantage is 0. Counting the failed row (score 0) would give the siblings
+    # grpo: mean 0.75, deviations 0.25, unbiased std sqrt((3 * 0.0625 + 0.5625) / 3) = 0.5 -> +0.5;
+    # Dr.GRPO +0.25; rloo 1 - (1 + 0 + 1) / 3 = +0.33; REINFORCE++-baseline a baselined +0.25.
+    # Group 1 (scores [0, 2, 0, 2], two tokens each: its returns average 0) keeps REINFORCE++'s
+    # whitening from hiding that shift, which it would in a batch of group 0 alone.
+    mask = t([[1, 1, 1], [1, 1, 0], [0, 0, 0], [1, 0, 0]] + [[1, 1, 0]] * 4)
+    scores = t([1.0, 1.0, failed_score, 1.0, 0.0, 2.0, 0.0, 2.0])
+    adv, _ = estimator(scores, junk_on_pads(mask), mask, None, Settings(group_size=4, **settings))
+    assert torch.isfinite(adv).all() and (adv[:4] == 0).all(), adv
+    assert (adv[4:] != 0).any()
+
+
+# Group 0: row 1 failed (score 9, kl junk everywhere), the other three are the group: with a -0.25
+# penalty per token, R = [3 - 0.75, 1 - 0.5, 2 - 0.25] = [2.25, 0.5, 1.75]. Group 1: all valid.
+MIXED_MASK = t([[1, 1, 1, 0], [0, 0, 0, 0], [1, 1, 0, 0], [1, 0, 0, 0]] + [[1, 1, 0, 0]] * 4)
+MIXED_SCORES = t([3.0, 9.0, 1.0, 2.0, 0.0, 2.0, 0.0, 2.0])
+MIXED_KL = junk_on_pads(MIXED_MASK, penalty=-0.25)
+
+
+@pytest.mark.parametrize("estimator, settings", GROUP_ESTIMATORS[:3])
+def test_a_group_with_a_failed_row_is_the_group_of_its_valid_rows(estimator, settings):
+    adv, _ = estimator(MIXED_SCORES, MIXED_KL, MIXED_MASK, None, Settings(group_size=4, **settings))
+    for rows in ([0, 2, 3], [4, 5, 6, 7]):  # each group's valid rows, as a group of their own
+        alone, _ = estimator(MIXED_SCORES[rows], MIXED_KL[rows], MIXED_MASK[rows], None,
+                             Settings(group_size=len(rows), **settings))
+        close(adv[rows], alone, tol=1e-6)
+    assert (adv[1] == 0).all() and (adv[[0, 2, 3]] != 0).any()
+    if estimator is rloo:  # R_i - mean of the two other valid rows, by hand
+        # 2.25 - (0.5 + 1.75) / 2 = 1.125;  0.5 - (2.25 + 1.75) / 2 = -1.5;  1.75 - (2.25 + 0.5) / 2 = 0.375
+        close(adv[:4], on_valid([1.125, 0.0, -1.5, 0.375], MIXED_MASK[:4]))
+
+
+def test_reinforce_pp_baseline_subtracts_the_mean_of_the_valid_rows():
+    # group 0's valid scores [3, 1, 2]: mean 2 -> [1, -1, 0] (with the failed row's 9 the mean would
+    # be 3.75); group 1 [0, 2, 0, 2]: mean 1 -> [-1, 1, -1, 1]; then exactly reinforce_pp of those.
+    adv, _ = reinforce_pp_baseline(MIXED_SCORES, MIXED_KL, MIXED_MASK, None, Settings(group_size=4))
+    expected, _ = reinforce_pp(t([1, 0, -1, 0, -1, 1, -1, 1]), MIXED_KL, MIXED_MASK, None, Settings(group_size=4))
+    close(adv, expected)
+    assert (adv[1] == 0).all()
+
+
+@pytest.mark.parametrize("estimator, settings", GROUP_ESTIMATORS)
+def test_groups_of_fewer_than_two_valid_rows_get_zero_advantages_not_nan(estimator, settings):
+    # group 0: one valid row (score 5) and two failed ones; group 1: every row failed;
+    # group 2: valid, R = [1, 2, 3] (it still learns).
+    mask = t([[1, 1, 0], [0, 0, 0], [0, 0, 0], [0, 0, 0], [0, 0, 0], [0, 0, 0], [1, 1, 1], [1, 0, 0], [1, 1, 0]])
+    scores = t([5.0, 0.0, -1.0, 0.0, 2.0, -1.0, 1.0, 2.0, 3.0])
+    s = Settings(group_size=3, **settings)
+    adv, _ = estimator(scores, junk_on_pads(mask), mask, None, s)
+    assert torch.isfinite(adv).all(), adv
+    if estimator is reinforce_pp_baseline:  # whitening over the batch shifts every row: compare
+        # with reinforce_pp of the baselined scores by hand: groups 0 and 1 have no baseline (0),
+        # group 2: [1, 2, 3] - 2 = [-1, 0, 1]
+        expected, _ = reinforce_pp(t([0, 0, 0, 0, 0, 0, -1, 0, 1]), junk_on_pads(mask), mask, None, s)
+        close(adv, expected)
+        alone, _ = estimator(scores[:3], junk_on_pads(mask[:3]), mask[:3], None, s)  # group 0 alone
+        assert torch.isfinite(alone).all() and (alone == 0).all(), alone
+    else:
+        assert (adv[:6] == 0).all(), adv
+    assert (adv[6:] != 0).any()
+
+
 # reinforce_pp hand case: 2 rows, T = 3, lengths 3 and 2, gamma 0.5.
 RPP_MASK = t([[1, 1, 1], [1, 1, 0]])
 RPP_KL_PENALTY = t([[-0.1, -0.1, -0.1], [-0.2, -0.2, 9.0]])

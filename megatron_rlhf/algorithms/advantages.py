@@ -17,6 +17,13 @@ one data-parallel rank; statistics over the whole batch use `s.reduce` (the data
   batch_mean              R - mean of R over the global batch
 with R = score + sum_t kl_penalty_t, the sequence's return (gamma ignored for sequence-level R).
 
+A row without policy tokens (mask row sum 0: a failed multi-turn episode, which keeps its row so
+its group keeps its size) is no sample: it is absent from every statistic (the group mean, GRPO's
+std, RLOO's count of others, the batch mean), so its score (0, or rl.missing_eos_penalty) cannot
+move its siblings' advantages, and its own advantage is 0. A group with fewer than two valid rows
+has nothing to compare with: advantage 0 for all its rows, never NaN. A group whose rows are all
+valid (every single-turn group) gets exactly the numbers it got before rows could be invalid.
+
 References: Schulman et al. 2016 (GAE); Shao et al. 2024 (GRPO); Liu et al. 2025 (Dr.GRPO);
 Ahmadian et al. 2024 (RLOO); Hu 2025 (REINFORCE++).
 """
@@ -98,6 +105,28 @@ def group_view(x: Tensor, group_size: int) -> Tensor:
     return x.view(-1, group_size)
 
 
+def valid_rows(mask: Tensor) -> Tensor:
+    """[B, T] -> [B] bool: the rows with at least one policy token; the others (a failed
+    episode's, an empty response) are no sample of their group or batch."""
+    return mask.sum(dim=1) > 0
+
+
+def group_moments(x: Tensor, valid: Tensor, group_size: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Each group's statistics over its valid rows only. x [B], valid [B] bool ->
+    (deviation of each row from its group's mean [B/n, n], the group's unbiased std [B/n, 1],
+    its count of valid rows [B/n, 1]). An invalid row's deviation is 0, and so is every row's in
+    a group of fewer than two valid rows (its std 0, not NaN). A group with every row valid gets
+    torch's own mean and std, bit for bit what the estimators computed before rows could be invalid."""
+    groups, ok = group_view(x, group_size), group_view(valid, group_size)
+    count = ok.sum(dim=1, keepdim=True)
+    full = count == group_size
+    mean = torch.where(full, groups.mean(dim=1, keepdim=True),
+                       masked(groups, ok).sum(dim=1, keepdim=True) / count.clamp(min=1))
+    centred = torch.where(ok & (count > 1), groups - mean, torch.zeros_like(groups))
+    var = (centred * centred).sum(dim=1, keepdim=True) / (count - 1).clamp(min=1)
+    return centred, torch.where(full, groups.std(dim=1, keepdim=True), var.sqrt()), count
+
+
 def broadcast(per_sequence: Tensor, mask: Tensor) -> Tensor:
     """A per-sequence advantage on every valid token of its row. [B] -> [B, T]."""
     return masked(per_sequence[:, None].to(mask.dtype).expand_as(mask), mask)
@@ -115,18 +144,17 @@ def ppo(scores, kl_penalty, mask, values, s: Settings):
 
 
 def grpo(scores, kl_penalty, mask, values, s: Settings):
-    groups = group_view(sequence_returns(scores, kl_penalty, mask), s.group_size)
-    centred = groups - groups.mean(dim=1, keepdim=True)
+    centred, std, _ = group_moments(sequence_returns(scores, kl_penalty, mask), valid_rows(mask), s.group_size)
     if s.group_std:  # unbiased std, as GRPO's reference implementations; 0 for equal rewards
-        centred = centred / (groups.std(dim=1, keepdim=True) + s.eps)
+        centred = centred / (std + s.eps)
     return broadcast(centred.flatten(), mask), None
 
 
 def rloo(scores, kl_penalty, mask, values, s: Settings):
-    groups = group_view(sequence_returns(scores, kl_penalty, mask), s.group_size)
-    n = s.group_size
-    # R_i - mean of the others = n / (n - 1) * (R_i - group mean): exactly 0 for equal rewards
-    leave_one_out = n / (n - 1) * (groups - groups.mean(dim=1, keepdim=True))
+    centred, _, count = group_moments(sequence_returns(scores, kl_penalty, mask), valid_rows(mask), s.group_size)
+    # R_i - mean of the m - 1 others = m / (m - 1) * (R_i - group mean), m the group's valid
+    # rows: exactly 0 for equal rewards
+    leave_one_out = count / (count - 1).clamp(min=1) * centred
     return broadcast(leave_one_out.flatten(), mask), None
 
 
@@ -137,14 +165,13 @@ def reinforce_pp(scores, kl_penalty, mask, values, s: Settings):
 
 
 def reinforce_pp_baseline(scores, kl_penalty, mask, values, s: Settings):
-    groups = group_view(scores.float(), s.group_size)
-    baselined = (groups - groups.mean(dim=1, keepdim=True)).flatten()
+    baselined = group_moments(scores.float(), valid_rows(mask), s.group_size)[0].flatten()
     return reinforce_pp(baselined, kl_penalty, mask, values, s)
 
 
 def batch_mean(scores, kl_penalty, mask, values, s: Settings):
     returns = sequence_returns(scores, kl_penalty, mask)
-    has_tokens = (mask.sum(dim=1, keepdim=True) > 0).to(mask.dtype)  # an empty response is no sample
+    has_tokens = valid_rows(mask)[:, None].to(mask.dtype)
     _, mean, _ = masked_moments(returns[:, None], has_tokens, s.reduce)
     return broadcast((returns - mean).float(), mask), None
 

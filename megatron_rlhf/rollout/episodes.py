@@ -183,8 +183,12 @@ def episode_reward(episode: Episode) -> float:
 class EpisodeEngine:
     """A rollout engine whose generate runs multi-turn episodes (generate_episodes) with
     `engine`; `runner` steps the environments (None on ranks that do not: runs_environments).
-    What a generate's episodes were like: `episode_metrics()` (global means), and the stage
-    stops (TooManyFailedEpisodes) when more than `max_failed` of a batch's episodes failed."""
+
+    An iteration may generate several times (rl.dynamic_sampling: one generate per sampling
+    round), so the engine keeps the episodes of every generate since `new_iteration()` (or the
+    last `episode_metrics`), in order; `episode_metrics(kept)` reports those the iteration trains
+    on (global means) and stops the stage (TooManyFailedEpisodes) when more than `max_failed` of
+    all of them failed: a round of failures must not hide behind a clean later round."""
 
     runs_episodes = True
 
@@ -193,30 +197,46 @@ class EpisodeEngine:
         self.max_failed = max_failed
         self.needs_refit, self.pad_id = engine.needs_refit, engine.pad_id
         self.episodes: list[Episode] = []  # this rank's, of the last generate
+        self.iteration_episodes: list[Episode] = []  # this rank's, of every generate not yet reported
 
     def generate(self, prompts: list[list[int]], sampling: SamplingParams, seed: int,
                  records: list[dict[str, Any]] | None = None) -> Rollout:
         records = records if records is not None else [{} for _ in prompts]
         rollout, self.episodes = generate_episodes(self.engine, self.runner, prompts, records, sampling, seed)
+        self.iteration_episodes.extend(self.episodes)
         return rollout
 
-    def episode_metrics(self) -> dict[str, float]:
-        """The last generate's episode statistics over every data-parallel rank (envs/base.py:
-        episode_metrics); raises TooManyFailedEpisodes on every rank when too many failed."""
+    def new_iteration(self) -> None:
+        """Forget the episodes generated since the last report (an evaluation's): the next
+        `episode_metrics` counts the generates from here on."""
+        self.iteration_episodes = []
+
+    def episode_metrics(self, kept: torch.Tensor | None = None) -> dict[str, float]:
+        """Statistics of the episodes generated since `new_iteration` (or the last call), over
+        every data-parallel rank, which it then forgets. Collective: every rank calls it once per
+        iteration. The env_* means (envs/base.py: episode_metrics) describe the episodes trained
+        on: `kept`, the indices of the kept rows among every row generated (Generation.kept;
+        None: all). The failure limit counts every episode generated (its fraction is
+        env_failed_fraction_all_rounds): above rl.max_failed_episodes, TooManyFailedEpisodes is
+        raised on every rank."""
         from megatron_rlhf.envs.base import TooManyFailedEpisodes, episode_metrics
         from megatron_rlhf.parallel.collectives import dp_sum
 
-        local, n = episode_metrics(self.episodes), len(self.episodes)
-        totals = dp_sum(torch.tensor([v * n for v in local.values()] + [n], dtype=torch.float64, device=device()))
-        totals = totals.tolist()
-        metrics = {k: v / max(totals[-1], 1) for k, v in zip(local, totals)}
-        if metrics["env_failed_fraction"] > self.max_failed:
-            failed = [e for e in self.episodes if e.failure is not None]
+        generated, self.iteration_episodes = self.iteration_episodes, []
+        trained = generated if kept is None else [generated[i] for i in kept.tolist()]
+        local, n = episode_metrics(trained), len(trained)
+        failed = [e for e in generated if e.failure is not None]
+        counts = [n, len(failed), len(generated)]
+        totals = dp_sum(torch.tensor([v * n for v in local.values()] + counts, dtype=torch.float64, device=device()))
+        *sums, n_trained, n_failed, n_generated = totals.tolist()
+        metrics = {k: v / max(n_trained, 1) for k, v in zip(local, sums)}
+        metrics["env_failed_fraction_all_rounds"] = n_failed / max(n_generated, 1)
+        if metrics["env_failed_fraction_all_rounds"] > self.max_failed:
             first = f"; here, e.g. {failed[0].failure}: {failed[0].failure_detail}" if failed else ""
             raise TooManyFailedEpisodes(
-                f"{metrics['env_failed_fraction']:.0%} of the batch's episodes failed, more than "
-                f"rl.max_failed_episodes={self.max_failed}{first}. Fix the environment, or raise "
-                "rl.max_failed_episodes to train on the episodes that succeed")
+                f"{metrics['env_failed_fraction_all_rounds']:.0%} of the episodes generated this iteration (every "
+                f"sampling round) failed, more than rl.max_failed_episodes={self.max_failed}{first}. Fix the "
+                "environment, or raise rl.max_failed_episodes to train on the episodes that succeed")
         return metrics
 
     def update_weights(self) -> None:

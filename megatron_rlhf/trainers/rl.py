@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from megatron_rlhf.algorithms.advantages import ESTIMATORS, Settings, group_view
+from megatron_rlhf.algorithms.advantages import ESTIMATORS, Settings, group_view, valid_rows
 from megatron_rlhf.algorithms.kl import kl_estimate, kl_loss_estimate, make_kl_controller
 from megatron_rlhf.algorithms.losses import aggregate, log_importance_ratio, policy_loss, rollout_correction, value_loss
 from megatron_rlhf.algorithms.stats import explained_variance, token_sums
@@ -114,16 +114,19 @@ def generate(engine, score_fn, draw_prompts, rl: RLConfig, sampling, seed: int) 
     consecutive rows). With dynamic sampling, groups whose rewards (`score_fn(rollout, rows)`)
     are all equal are dropped and new prompts drawn, at most rl.max_sampling_rounds rounds
     (every rank runs as many, so the global sampler stays in step); a shortfall is filled with
-    dropped groups: then the Generation has the rewards, the rounds and the shortfall
-    (uninformative groups this rank had to keep to fill its quota)."""
+    dropped groups: then the Generation has the rewards, the rounds, the shortfall
+    (uninformative groups this rank had to keep to fill its quota) and which of the rows of
+    every round it kept (an EpisodeEngine's episode_metrics reads them)."""
     n = rl.n_samples_per_prompt
+    if isinstance(engine, EpisodeEngine):
+        engine.new_iteration()  # the episodes counted from here on are this iteration's rounds
     prompts = draw_prompts()
     rows = [p for p in prompts for _ in range(n)]
     rollout = sample_rows(engine, rows, sampling, seed)
     if not rl.dynamic_sampling:
         return Generation(rollout, rows)
     quota, parts, part_rows, scored = len(prompts), [rollout], [rows], [score_fn(rollout, rows)]
-    informative = [group_informative(scored[0].total, n)]
+    informative = [group_informative(scored[0].total, n, valid_rows(rollout.response_mask()))]
     for extra in range(1, rl.max_sampling_rounds):
         if not any_rank(int(sum(int(i.sum()) for i in informative)) < quota):
             break
@@ -132,7 +135,7 @@ def generate(engine, score_fn, draw_prompts, rl: RLConfig, sampling, seed: int) 
         parts.append(more)
         part_rows.append(more_rows)
         scored.append(score_fn(more, more_rows))
-        informative.append(group_informative(scored[-1].total, n))
+        informative.append(group_informative(scored[-1].total, n, valid_rows(more.response_mask())))
     keep = torch.cat(informative)
     chosen = select_groups(keep, quota, n)
     rollout = Rollout.cat(parts, engine.pad_id).select(chosen)
@@ -140,7 +143,7 @@ def generate(engine, score_fn, draw_prompts, rl: RLConfig, sampling, seed: int) 
     rewards = Rewards(torch.cat([r.total for r in scored])[chosen],
                       {k: torch.cat([r.per_source[k] for r in scored])[chosen] for k in scored[0].per_source})
     return Generation(rollout, [all_rows[i] for i in chosen.tolist()], rewards, {
-        "sampling_rounds": len(parts), "sampling_shortfall": max(quota - int(keep.sum()), 0)})
+        "sampling_rounds": len(parts), "sampling_shortfall": max(quota - int(keep.sum()), 0)}, kept=chosen)
 
 
 def select_groups(informative: torch.Tensor, quota: int, n: int) -> torch.Tensor:
@@ -150,10 +153,15 @@ def select_groups(informative: torch.Tensor, quota: int, n: int) -> torch.Tensor
     return (order[:, None] * n + torch.arange(n, device=order.device)).flatten()
 
 
-def group_informative(scores: torch.Tensor, n: int) -> torch.Tensor:
-    """[B] -> [B / n] bool: the group's rewards are not all equal (it carries a learning signal)."""
-    groups = group_view(scores, n)
-    return groups.max(dim=1).values != groups.min(dim=1).values
+def group_informative(scores: torch.Tensor, n: int, valid: torch.Tensor) -> torch.Tensor:
+    """[B] scores, [B] bool -> [B / n] bool: the rewards of the group's valid rows are not all
+    equal (it carries a learning signal). A row with valid False (no policy token: a failed
+    episode) is no sample to the estimators (algorithms/advantages.py), so its reward cannot
+    make its group informative; nor can a group of fewer than two valid rows be."""
+    groups, ok = group_view(scores, n), group_view(valid, n)
+    highest = torch.where(ok, groups, torch.full_like(groups, float("-inf"))).amax(dim=1)
+    lowest = torch.where(ok, groups, torch.full_like(groups, float("inf"))).amin(dim=1)
+    return highest > lowest
 
 
 # ----------------------------------------------------------------------------- score
@@ -275,7 +283,7 @@ def train_on_rollout(trained: dict, batch: RolloutBatch, rl: RLConfig, kl_coef: 
 
 
 # a train step's statistics that each trained role reports: logged as <role>_<name>
-ROLE_STATISTICS = ("loss", "grad_norm", "lr", "load_balancing_loss", "z_loss")
+ROLE_STATISTICS = ("loss", "grad_norm", "lr", "load_balancing_loss", "seq_load_balancing_loss", "z_loss")
 
 
 def step_means(steps: list[dict[str, float]]) -> dict[str, float]:
@@ -416,7 +424,7 @@ def run_iterations(cfg: Config, runner: StageRunner, data, roles: dict, engine, 
                 else:
                     generation = generate(engine, scoring, draw_prompts, rl, sampling, seed)
                 # rl.max_failed_episodes: too many failed episodes stop the stage here, checkpointed
-                env_metrics = engine.episode_metrics() if isinstance(engine, EpisodeEngine) else {}
+                env_metrics = engine.episode_metrics(generation.kept) if isinstance(engine, EpisodeEngine) else {}
                 phase.tokens = int(generation.rollout.response_lengths().sum())
             runner.heartbeat.beat()
             with sched.phase("score") as phase:

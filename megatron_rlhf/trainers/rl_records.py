@@ -37,11 +37,14 @@ class Rewards(NamedTuple):
 class Generation:
     """The generate phase's result: this rank's rollout and each row's prompt; with dynamic
     sampling also their rewards (scored while choosing the groups; None: the score phase scores
-    them) and {"sampling_rounds", "sampling_shortfall"} ({}: dynamic sampling off)."""
+    them), {"sampling_rounds", "sampling_shortfall"} ({}: dynamic sampling off) and `kept`: the
+    indices of the rows kept among all the rows its rounds generated, in order ([quota * n] long
+    on the rollout's device; None: one round, every row kept)."""
     rollout: Rollout
     rows: list[EncodedPrompt]
     rewards: Rewards | None = None
     sampling: dict = field(default_factory=dict)
+    kept: torch.Tensor | None = None
 
 
 @dataclass
