@@ -164,6 +164,11 @@ def check_turn_cache(res: dict) -> None:
         positive(row, "cpu_s_min", "cpu_s_median", "positions_fed")
     assert rows["cache"]["positions_fed"] < rows["recompute"]["positions_fed"]
     positive(res, "speedup_min", "speedup_median")
+    ep2 = res["ep2"]  # the expert all-to-all pairs the two ranks' forwards; rank 1's episodes end first
+    assert [r["rank"] for r in ep2] == [0, 1] and ep2[0]["forwards"] == ep2[1]["forwards"]
+    for row in ep2:
+        positive(row, "forwards", "positions_fed", "cpu_s")
+    assert ep2[1]["positions_fed"] < ep2[0]["positions_fed"]
 
 
 BENCHMARKS = {

@@ -12,7 +12,11 @@ from megatron_rlhf.data.tokenizers import WordTokenizer
 from workers import layout_args
 
 VOCAB = WordTokenizer(get_task("calculator").words()).vocab_size
-LAYOUTS = {"dp2": (1, 1), "tp2": (2, 1), "pp2": (1, 2)}
+# moe_ep2: an MoE actor with its experts over the two data-parallel ranks (routing replay of
+# episodes; each rank's own decoding span, paired forward for forward)
+MOE_EP2 = ["model.family=mixtral", "model.num_experts=4", "model.moe_router_topk=2", "model.moe_ffn_hidden_size=96",
+           "parallel.expert_parallel=2"]
+LAYOUTS = {"dp2": (1, 1), "tp2": (2, 1), "pp2": (1, 2), "moe_ep2": (1, 1, MOE_EP2)}
 
 
 @pytest.fixture(scope="module")
@@ -133,6 +137,46 @@ def test_failed_episodes_train_on_nothing_and_too_many_stop_the_stage(runs, layo
         assert "rl.max_failed_episodes=0.2" in r["too_many"]
     assert failed >= 2
     assert all(r["too_many"] is None and r["metrics"]["env_failed_fraction"] == 0 for r in runs[layout]["ok"])
+
+
+def test_an_moe_actors_episodes_carry_the_routes_a_fresh_prefill_takes(runs):
+    """Routing replay of multi-turn episodes: each position's experts are the ones recorded by
+    the turn that fed it (the turn cache's positions keep the routes of the turn they were fed
+    in), so every position but perhaps a trajectory's last is routed, a forward over the whole
+    trajectories at the same weights chooses the same top-k set for each of them, replaying them
+    is the identity, and the stage's routing metrics are there."""
+    for run in ("ok", "uncached"):
+        for r in runs["moe_ep2"][run]:
+            rollout, routing = r["rollout"], r["routing"]
+            routes, lengths = rollout["routes"], rollout["lengths"]
+            assert routes is not None and routing is not None, "the episodes' rollout has no routes"
+            assert routes.dtype == torch.uint8
+            assert routes.shape == (*rollout["tokens"].shape, routing["stage_layers"], 2)
+            unrouted = (routes == 255).flatten(2).any(-1)  # [B, S]
+            positions = torch.arange(routes.size(1))
+            assert not unrouted[positions < lengths[:, None] - 1].any()
+            assert unrouted[positions >= lengths[:, None]].all()  # the last token: routed if a later step fed it
+            assert routing["differing"] == 0 and routing["compared"] > 0
+            torch.testing.assert_close(routing["replayed"], r["recomputed"], atol=1e-6, rtol=0)
+            metrics = routing["metrics"]
+            assert metrics["routing_replay"] == 1.0 and metrics["routing_disagreement_max"] == 0
+            assert metrics["expert_load_imbalance_mean"] >= 1.0
+
+
+def test_with_experts_across_ranks_each_rank_feeds_its_own_span(runs):
+    """The expert all-to-all pairs the ranks' forwards, not their positions: every turn starts
+    feeding where this rank's own cache ends (not at another rank's shorter prefix, nor from
+    position 0 once the other rank's episodes are all over), both ranks run as many forwards, and
+    a rank whose episodes have ended takes part without rows."""
+    ranks = runs["moe_ep2"]["ok"]
+    calls = [r["calls"] for r in ranks]
+    assert len(calls[0]) == len(calls[1]) > 2
+    assert any(len(a["prompts"]) != len(b["prompts"]) for a, b in zip(*calls))  # the ranks' episodes ended apart
+    assert all(c["start"] == c["own_start"] for rank_calls in calls for c in rank_calls)
+    assert any(c["start"] > 0 for rank_calls in calls for c in rank_calls)  # later turns fed from the cache
+    for a, b in zip(*calls):
+        assert a["forward_steps"] == b["forward_steps"] > 0
+    assert any(not c["prompts"] for rank_calls in calls for c in rank_calls)  # no stand-in row
 
 
 # ------------------------------------------------------------------------------ units

@@ -20,13 +20,15 @@ context-parallel ranks hold the same rows). The environments run on the replica'
 only (a service must see each step once), which hands every turn's episodes to the others
 (`broadcast_object_list`: host objects, once per turn). Every data-parallel rank runs as many
 turns as the one with the most (an expert-parallel engine's forward is collective over them);
-a rank whose episodes have all ended generates for a stand-in row and drops it.
+a rank whose episodes have all ended takes part without rows (the in-place engine idles in the
+others' forwards: generates_without_rows) or generates for a stand-in row and drops it.
 
 The rollout built at the end is a Rollout (right-padded, sequence layout) whose policy_mask
 marks the tokens the policy sampled and env_reward holds each episode's reward (the sum of its
 turns' rewards); `finished` is True for episodes the environment ended (done), not truncated
 or failed. A failed episode keeps its row, with a policy_mask of zeros: a group keeps its size
-and the episode trains on nothing.
+and the episode trains on nothing. An MoE actor's routes (routing replay) are each position's
+experts as the turn that fed it recorded them (EpisodeRoutes).
 """
 
 from __future__ import annotations
@@ -90,17 +92,21 @@ def generate_episodes(engine, runner: EpisodeRunner | None, prompts: list[list[i
     turn_sampling = dataclasses.replace(sampling, stop_token_ids=tuple(runner.stop_ids[1:]) if mine else ())
     turn_sampling, capacity = _same_on_replica(turn_sampling, runner.max_total_tokens if mine else 0)
     cache = engine.turn_cache(capacity) if hasattr(engine, "turn_cache") else None
+    routes = EpisodeRoutes(len(episodes), capacity)
     turn = 0
     while any_rank(any(not e.ended for e in episodes)):
         active = [i for i, e in enumerate(episodes) if not e.ended]
-        # a stand-in row (one token, key None) keeps a rank whose episodes ended in the collective
-        # turns of the others
-        keys = active or [None]
-        sequences = [episodes[i].prompt_ids + episodes[i].tokens for i in active] or [episodes[0].prompt_ids[:1]]
+        keys, sequences = active, [episodes[i].prompt_ids + episodes[i].tokens for i in active]
+        if not active and not getattr(engine, "generates_without_rows", False):
+            # a stand-in row (one token, key None) keeps a rank whose episodes ended in the
+            # collective turns of the others (the in-place engine takes part without one)
+            keys, sequences = [None], [episodes[0].prompt_ids[:1]]
         # every running episode has room for a whole turn (the runner's turn_tokens): one budget for all
         turn_seed = seed + _TURN_SEED_STRIDE * turn
         out = (engine.generate(sequences, turn_sampling, turn_seed, cache=cache, keys=keys) if cache is not None
                else engine.generate(sequences, turn_sampling, turn_seed))
+        if active:
+            routes.add_turn(out.routes, active)
         new_ids, new_logprobs = _new_tokens(out, [len(s) for s in sequences])
         with _stops_every_rank():
             for i, ids in zip(active, new_ids):
@@ -114,7 +120,35 @@ def generate_episodes(engine, runner: EpisodeRunner | None, prompts: list[list[i
                 logprobs[i] = logprobs[i][:_policy_end(episodes[i])]
                 logprobs[i].extend([0.0] * (len(episodes[i].tokens) - len(logprobs[i])))
         turn += 1
-    return build_rollout(episodes, logprobs, engine.pad_id), episodes
+    return build_rollout(episodes, logprobs, engine.pad_id, routes.tensor), episodes
+
+
+class EpisodeRoutes:
+    """The experts an MoE actor's routers chose for every position of each episode (routing
+    replay: models/routing.py), put together from the turns' rollouts: a turn's routes cover
+    the positions it fed, and only those (with the in-place engine's turn cache: the last turn's
+    final token, the observation and the new tokens; positions cached from earlier turns keep
+    the routes recorded when they were fed; vLLM, which computes every turn's trajectory again,
+    covers the whole trajectory but its last token). A position no turn fed (a trajectory's last
+    token) stays unrouted, as in a single-turn rollout. `tensor`: [episodes, width, layers, k] on
+    the device, or None when the engine returns no routes."""
+
+    def __init__(self, episodes: int, capacity: int):
+        self.episodes, self.capacity = episodes, capacity
+        self.tensor: torch.Tensor | None = None
+
+    def add_turn(self, turn: torch.Tensor | None, rows: list[int]) -> None:
+        """`turn`: a generate's routes [len(rows), w, layers, k] for the episodes `rows`."""
+        if turn is None:
+            return
+        unrouted = torch.iinfo(turn.dtype).max
+        if self.tensor is None:
+            self.tensor = torch.full((self.episodes, self.capacity, *turn.shape[2:]), unrouted, dtype=turn.dtype,
+                                     device=turn.device)
+        index = torch.tensor(rows, device=turn.device)
+        width = turn.size(1)
+        known = self.tensor[index, :width]
+        self.tensor[index, :width] = torch.where(turn == unrouted, known, turn)
 
 
 def _stops_every_rank():
@@ -150,8 +184,10 @@ def _new_tokens(out: Rollout, starts: list[int]) -> tuple[list[list[int]], list[
             [lp[s - 1:n - 1] for lp, s, n in zip(logprobs, starts, lengths)])
 
 
-def build_rollout(episodes: list[Episode], logprobs: list[list[float]], pad_id: int) -> Rollout:
-    """The episodes as a Rollout (see the module docstring), on this rank's device."""
+def build_rollout(episodes: list[Episode], logprobs: list[list[float]], pad_id: int,
+                  routes: torch.Tensor | None = None) -> Rollout:
+    """The episodes as a Rollout (see the module docstring), on this rank's device; `routes`
+    (EpisodeRoutes.tensor): each episode's routes, cut to the rollout's width."""
     width = max(len(e.prompt_ids) + len(e.tokens) for e in episodes)
     batch = len(episodes)
     tokens = torch.full((batch, width), pad_id, dtype=torch.long)
@@ -170,6 +206,7 @@ def build_rollout(episodes: list[Episode], logprobs: list[list[float]], pad_id: 
     reward = torch.tensor([episode_reward(e) for e in episodes], dtype=torch.float32)
     dev = device()
     return Rollout(tokens.to(dev), prompt_lengths.to(dev), lengths.to(dev), (logprob * policy).to(dev), finished.to(dev),
+                   routes=routes[:, :width].contiguous() if routes is not None else None,
                    policy_mask=policy.to(dev), env_reward=reward.to(dev))
 
 

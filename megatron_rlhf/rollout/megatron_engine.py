@@ -17,7 +17,11 @@ Everything stays on the actor's device. Per decoded token, at any TP x PP:
   [B, S] block crosses the same two groups once;
 - a mixture-of-experts actor's routers record their choices in every forward (models/routing.py)
   and each step's are copied into the rollout's routes [B, S, layers, k] on the device: each
-  stage keeps its own layers' (what it replays in training), nothing crosses ranks.
+  stage keeps its own layers' (what it replays in training), nothing crosses ranks;
+- with experts across ranks (EP > 1) the ranks of a data-parallel group hold different rows but
+  megatron's expert all-to-all pairs their forwards: each rank feeds its own span (its own
+  uncached chunk, its own decoding steps) and they agree only on the number of forwards, a rank
+  whose rows are done (or that has none) running idle one-token forwards meanwhile.
 
 Multi-turn episodes (rollout/episodes.py) keep one KV cache from a turn to the next (`TurnCache`,
 sized for the episodes' whole trajectories): a turn feeds only what its rows have not cached
@@ -140,6 +144,7 @@ class TurnCache:
         self.cached: dict = {}
         self.reused_tokens = 0   # positions taken from the cache instead of being fed again
         self.fed_tokens = 0      # positions fed to the model (prompt chunks and decoding steps)
+        self.forward_steps = 0   # forwards run for these turns (with experts across ranks: idle ones too)
 
     def take(self, keys: list, lengths: list[int]) -> tuple[StaticInferenceContext, int]:
         """The context for a generate over `keys` (sequences of `lengths`), its batch rows
@@ -175,6 +180,10 @@ def _last_position_logits(*, hidden_states, output_layer, output_weight, **_) ->
 class MegatronRolloutEngine(RolloutEngine):
     """Samples with `actor`, a model of section `model` (its vocabulary and length)."""
 
+    # generate([]) takes part in the collective steps of the others without a stand-in row
+    # (rollout/episodes.py: a rank whose episodes have all ended)
+    generates_without_rows = True
+
     def __init__(self, model: ModelConfig, actor, eos_id: int, pad_id: int):
         if ps.model_parallel_is_initialized() and ps.get_context_parallel_world_size() > 1:
             raise ConfigError(f"parallel.context_parallel={ps.get_context_parallel_world_size()} with "
@@ -182,6 +191,8 @@ class MegatronRolloutEngine(RolloutEngine):
                               "megatron's inference has no context parallelism; set rollout.engine=vllm (its own "
                               "layout, rollout.tensor_parallel) for context-parallel training")
         self.model, self.actor, self.eos_id, self.pad_id = model, actor, eos_id, pad_id
+        self._idle_context = self._idle_token = None
+        self.forward_steps = 0  # every forward generate ran (idle ones included), since the engine was made
 
     def _next_token_logits(self, chunk: torch.Tensor, positions: torch.Tensor, context,
                            layout: StageLayout) -> torch.Tensor | None:
@@ -212,17 +223,28 @@ class MegatronRolloutEngine(RolloutEngine):
         return bool(self.actor.module.config.num_moe_experts) and ps.get_expert_model_parallel_world_size() > 1
 
     @staticmethod
-    def _agree_on_span(start: int, shortest: int, total: int) -> tuple[int, int, int]:
-        span = dp_max(torch.tensor([-start, -shortest, total], device=device()))
-        return -int(span[0]), -int(span[1]), int(span[2])
-
-    @staticmethod
-    def _all_done(done: torch.Tensor, across_ranks: bool) -> bool:
-        """Whether decoding can stop: every row here is done (and on every rank of the
-        data-parallel group, with experts across ranks). The one host read per token."""
+    def _next_step(decoding: bool | torch.Tensor, across_ranks: bool) -> tuple[bool, bool]:
+        """(this rank feeds its rows in the next forward, some rank of the data-parallel group
+        does): `decoding` is this rank's "a row is still generating" flag (a device bool, or False
+        for a rank without rows). With experts across ranks every rank runs a forward while any
+        does (megatron's all-to-all pairs them); each feeds its own rows, or idles. The one host
+        read per token."""
+        flag = torch.as_tensor(decoding, device=device()).to(torch.int32).reshape(1)
         if not across_ranks:
-            return bool(done.all())
-        return not bool(dp_max((~done).any().to(torch.int32).reshape(1)))
+            mine = bool(flag)
+            return mine, mine
+        mine, anyone = torch.cat([flag, dp_max(flag)]).tolist()
+        return bool(mine), bool(anyone)
+
+    def _idle_step(self, layout: StageLayout) -> None:
+        """A forward with one pad token of a throwaway one-row context: this rank's part of the
+        expert all-to-all of a step in which it has no rows to feed (its rows are done, or it has
+        none), whatever the others feed. Nothing it computes is kept."""
+        if self._idle_context is None:
+            self._idle_context = StaticInferenceContext(1, 1)
+            self._idle_token = torch.full((1, 1), self.pad_id, dtype=torch.long, device=device())
+        self._idle_context.sequence_len_offset = 0
+        self._next_token_logits(self._idle_token, torch.zeros_like(self._idle_token), self._idle_context, layout)
 
     def turn_cache(self, capacity: int) -> TurnCache:
         """A KV cache for the turns of a batch of episodes of up to `capacity` tokens each."""
@@ -233,25 +255,27 @@ class MegatronRolloutEngine(RolloutEngine):
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], sampling: SamplingParams, seed: int,
                  cache: TurnCache | None = None, keys: list | None = None) -> Rollout:
-        """Rollout tensors on the actor's device. Collective over the model-parallel group.
-        With `cache` (a turn of multi-turn episodes): `prompts` continue the sequences that
-        `cache` holds for `keys` (one key per prompt), fed from where the cache ends."""
+        """Rollout tensors on the actor's device. Collective over the model-parallel group (and,
+        with experts across ranks, over the data-parallel group: a rank with no `prompts` then
+        still takes part in the others' forwards). With `cache` (a turn of multi-turn episodes):
+        `prompts` continue the sequences that `cache` holds for `keys` (one key per prompt), fed
+        from where the cache ends."""
         self.actor.model.eval()
+        layout = StageLayout.current()
+        across_ranks = self._experts_across_ranks()
+        if not prompts:
+            return self._no_rows(layout, across_ranks)
         batch, shortest = len(prompts), min(len(p) for p in prompts)
         total = max(len(p) for p in prompts) + sampling.max_new_tokens
         limit = cache.capacity if cache is not None else self.model.max_seq_length
         if total > limit:
             field = "rl.max_total_tokens" if cache is not None else "model.max_seq_length"
             raise ValueError(f"longest prompt + max_new_tokens = {total} exceeds {field}={limit}")
-        layout = StageLayout.current()
+        # Each rank feeds its own span: its uncached chunk [start, shortest) in one forward, then
+        # one token a step. With experts across ranks the ranks of a data-parallel group run
+        # as many forwards as the one that needs most (megatron's all-to-all pairs them step by
+        # step, whatever each feeds), a rank done early idling (_idle_step).
         context, start = cache.take(keys, [len(p) for p in prompts]) if cache is not None else (None, 0)
-        # With expert parallelism the ranks of a data-parallel group exchange tokens in every
-        # forward (megatron's all-to-all), so they run the same decoding steps: from the shortest
-        # prompt of any of them to the longest end, until every one is done (a rank whose cache
-        # holds more starts where the others do: what it feeds again is its rows' own tokens).
-        across_ranks = self._experts_across_ranks()
-        if across_ranks:
-            start, shortest, total = self._agree_on_span(start, shortest, total)
         if context is None:
             context = StaticInferenceContext(batch, total)
         context.sequence_len_offset = start
@@ -264,6 +288,7 @@ class MegatronRolloutEngine(RolloutEngine):
         routes = routers.new_routes(batch, total, device()) if routers is not None else None
         if routers is not None:
             routers.record()
+        steps_before = self.forward_steps
         try:
             fed = self._decode(state, context, positions, start, shortest, total, generator, sampling, layout,
                                across_ranks, routers, routes)
@@ -273,6 +298,7 @@ class MegatronRolloutEngine(RolloutEngine):
         if cache is not None:
             cache.keep(state.lengths.tolist())
             cache.fed_tokens += fed * batch
+            cache.forward_steps += self.forward_steps - steps_before
 
         width = int(state.lengths.max())
         logprobs = state.logprobs[:, :width].contiguous() if layout.last else None
@@ -282,10 +308,24 @@ class MegatronRolloutEngine(RolloutEngine):
             routes.masked_fill_(padding_positions(state.lengths, width)[:, :, None, None], routers.unrouted)
         return Rollout(state.tokens[:, :width], state.prompt_lengths, state.lengths, logprobs, state.finished, routes)
 
+    def _no_rows(self, layout: StageLayout, across_ranks: bool) -> Rollout:
+        """generate() of no prompts (a rank whose episodes have all ended): with experts across
+        ranks, idle forwards for as long as another rank of the data-parallel group decodes; an
+        empty rollout."""
+        if across_ranks:
+            with cpu.hot_path(), sequence_parallel_disabled(self.actor.module):
+                while self._next_step(False, across_ranks)[1]:
+                    self._idle_step(layout)
+                    self.forward_steps += 1
+        empty = torch.zeros(0, 0, dtype=torch.long, device=device())
+        lengths = torch.zeros(0, dtype=torch.long, device=device())
+        return Rollout(empty, lengths, lengths.clone(), empty.float(), lengths.bool())
+
     def _decode(self, state: Decoding, context, positions, start: int, shortest: int, total: int, generator,
                 sampling, layout: StageLayout, across_ranks: bool, routers, routes) -> int:
-        """Feeds positions [start, shortest) in one chunk, then one token a step; returns how
-        many positions were fed."""
+        """Feeds positions [start, shortest) in one chunk, then one token a step (with experts
+        across ranks: idle steps once this rank's rows are done, while another rank's are not);
+        returns how many positions were fed."""
         batch, prev, pos = state.tokens.size(0), start, shortest
         stops = (torch.tensor([self.eos_id, *sampling.stop_token_ids], device=state.tokens.device)
                  if sampling.stop_token_ids else self.eos_id)
@@ -294,11 +334,18 @@ class MegatronRolloutEngine(RolloutEngine):
         # megatron's inference p2p / TP helpers, which name the device only through
         # torch.cuda.current_device() (patched on CPU). The mode costs ~2 us per op: ~30 ops a token.
         with cpu.hot_path(), sequence_parallel_disabled(self.actor.module):
-            # `done.all()` is the one host sync per token, kept so a batch that has finished stops
+            # the flag read is the one host sync per token, kept so a batch that has finished stops
             # at once: at PP > 1 megatron's p2p helpers synchronise every step anyway, and at PP = 1
             # decoding is launch-bound, so the sync costs about a kernel launch, far less than the
             # extra forward steps that checking only every k tokens could run.
-            while pos < total and not self._all_done(state.done, across_ranks):
+            while True:
+                mine, anyone = self._next_step(~state.done.all() if pos < total else False, across_ranks)
+                if not anyone:
+                    break
+                self.forward_steps += 1
+                if not mine:
+                    self._idle_step(layout)
+                    continue
                 logits = self._next_token_logits(state.tokens[:, prev:pos], positions[:, prev:pos], context, layout)
                 if routes is not None:
                     routers.write_step(routes, prev, pos)

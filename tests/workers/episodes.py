@@ -52,6 +52,7 @@ class RecordingEngine:
 
     def __init__(self, engine, turn_cache: bool):
         self.engine, self.pad_id, self.needs_refit, self.calls, self.caches = engine, engine.pad_id, False, [], []
+        self.generates_without_rows = engine.generates_without_rows
         if turn_cache:
             self.turn_cache = self._turn_cache
 
@@ -59,10 +60,19 @@ class RecordingEngine:
         self.caches.append(self.engine.turn_cache(capacity))
         return self.caches[-1]
 
-    def generate(self, prompts, sampling, seed, **cache):
-        out = self.engine.generate(prompts, sampling, seed, **cache)
+    def generate(self, prompts, sampling, seed, cache=None, keys=None):
+        # where this rank's own cache ends for these rows (TurnCache.take's rule): the turn must
+        # start feeding there, whatever the other ranks' caches hold
+        own_start = (min(min(cache.cached[k], len(p) - 1) for k, p in zip(keys, prompts))
+                     if cache is not None and prompts and cache.context is not None and all(k in cache.cached for k in keys)
+                     else 0)
+        before = (cache.reused_tokens if cache is not None else 0, self.engine.forward_steps)
+        out = self.engine.generate(prompts, sampling, seed, **({"cache": cache, "keys": keys} if cache else {}))
         new = [row[len(p):n] for row, p, n in zip(out.tokens.tolist(), prompts, out.lengths.tolist())]
-        self.calls.append({"prompts": [list(p) for p in prompts], "new": new, "stops": list(sampling.stop_token_ids)})
+        self.calls.append({"prompts": [list(p) for p in prompts], "new": new, "stops": list(sampling.stop_token_ids),
+                           "own_start": own_start,
+                           "start": (cache.reused_tokens - before[0]) // max(len(prompts), 1) if cache else 0,
+                           "forward_steps": self.engine.forward_steps - before[1]})
         return out
 
 
@@ -100,6 +110,7 @@ def run(cfg, actor, tokenizer, prompts, env_cls, seed: int, turn_cache: bool = T
     rollout = engine.generate([p.ids for p in mine], SamplingParams(temperature=1.0, max_new_tokens=10), seed,
                               records=records_of(mine))
     recomputed = actor.forward({"tokens": rollout.tokens, "lengths": rollout.lengths}, micro_batch_size=1)["logprobs"]
+    routing = replayed_routes(actor, rollout) if actor.routes is not None and rollout.routes is not None else None
     try:
         metrics, too_many = engine.episode_metrics(), None
     except Exception as err:  # noqa: BLE001  (the test reads which)
@@ -110,8 +121,24 @@ def run(cfg, actor, tokenizer, prompts, env_cls, seed: int, turn_cache: bool = T
                           "turns": len(e.turns), "failure": e.failure, "done": e.done, "truncated": e.truncated,
                           "rewards": e.rewards, "observations": [t.observation_ids for t in e.turns]}
                          for e in engine.episodes],
-            "metrics": metrics, "too_many": too_many, "runs_environments": runs_environments(),
+            "metrics": metrics, "too_many": too_many, "runs_environments": runs_environments(), "routing": routing,
             "cache": [{"capacity": c.capacity, "reused": c.reused_tokens, "fed": c.fed_tokens} for c in recording.caches]}
+
+
+def replayed_routes(actor: Actor, rollout) -> dict:
+    """An MoE actor's episodes (routing replay): how a fresh prefill of the whole trajectories
+    at the same weights routes against the episode's routes (differing / compared tokens, every
+    data-parallel rank), the log-probs replaying them, and the stage's routing metrics."""
+    from megatron_rlhf.config import RLConfig
+    from megatron_rlhf.trainers.rl_metrics import measure_routing, routing_metrics
+    from megatron_rlhf.trainers.rl_records import Iteration
+
+    batch = {"tokens": rollout.tokens, "lengths": rollout.lengths, "routes": rollout.routes}
+    replayed = actor.forward(batch, micro_batch_size=1)["logprobs"]
+    measured = measure_routing(rollout, actor, RLConfig(), replayed=True)  # a forward that routes freely, compared
+    metrics = routing_metrics(Iteration(rollout, None, routing=measured))
+    return {"differing": float(measured["differing"].sum()), "compared": float(measured["compared"].sum()),
+            "replayed": replayed.cpu(), "metrics": metrics, "stage_layers": actor.routes.layers}
 
 
 def check_layout(args, cfg, layout: str) -> None:
