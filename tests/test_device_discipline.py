@@ -255,6 +255,17 @@ def test_routing_replay_glue_stays_on_the_device(fake):
     on_cuda(selected=r.select(torch.tensor([2, 3], device=CUDA)).routes, concatenated=both.routes)
 
 
+def test_episode_routes_stay_on_the_device(fake):
+    """A multi-turn rollout's routes (rollout/episodes.py: EpisodeRoutes), put together from the
+    turns' routes on the device, stay there."""
+    from megatron_rlhf.rollout.episodes import EpisodeRoutes
+
+    routes = EpisodeRoutes(episodes=B, capacity=S)
+    routes.add_turn(torch.zeros(2, 5, 3, 2, dtype=torch.uint8, device=CUDA), [1, 3])
+    routes.add_turn(torch.ones(1, 7, 3, 2, dtype=torch.uint8, device=CUDA), [3])
+    on_cuda(routes=routes.tensor)
+
+
 def test_vllm_routes_land_on_the_device(fake):
     """The vLLM engine's rollout (rollout/vllm_engine.py: `_to_rollout`) with each request's routed
     experts (numpy, as vLLM returns them): the routes land on the actor's device with the rest,

@@ -180,6 +180,25 @@ def test_with_experts_across_ranks_each_rank_feeds_its_own_span(runs):
 
 
 # ------------------------------------------------------------------------------ units
+def test_episode_routes_keep_each_positions_routes_from_the_turn_that_fed_it():
+    """EpisodeRoutes: a turn's routes overwrite only the positions it routed, so the turn cache's
+    positions (unrouted in a later turn's rollout) keep the routes of the turn that fed them,
+    and a later turn that feeds a position again (vLLM's whole trajectory) replaces them."""
+    from megatron_rlhf.rollout.episodes import EpisodeRoutes
+
+    U = 255
+    routes = EpisodeRoutes(episodes=3, capacity=6)
+    first = torch.tensor([[1, 2, U], [3, U, U]], dtype=torch.uint8)[..., None, None]  # episodes 0 and 2, [2, 3, 1, 1]
+    routes.add_turn(first, [0, 2])
+    second = torch.tensor([[U, U, 4, 5, U]], dtype=torch.uint8)[..., None, None]  # episode 2, from the cache on
+    routes.add_turn(second, [2])
+    routes.add_turn(None, [1])  # an engine without routes changes nothing
+    again = torch.tensor([[6, 7, 8, U]], dtype=torch.uint8)[..., None, None]  # episode 0, recomputed whole
+    routes.add_turn(again, [0])
+    assert routes.tensor[..., 0, 0].tolist() == [[6, 7, 8, U, U, U], [U] * 6, [3, U, 4, 5, U, U]]
+
+
+
 def test_the_sequence_score_goes_on_the_policys_last_token_past_the_observations():
     from megatron_rlhf.algorithms.advantages import gae, token_rewards
 
