@@ -9,7 +9,8 @@ be split-invariant (tests/test_moe_aux_loss.py checks its gradient scale).
 Rollout routing replay at every layout (tests/workers/routing_checks.py): the in-place engine's
 recorded routes are what the trainer's full-sequence forward chooses at the same weights; after
 the routers move, replay routes every token as the rollout did (hooks on megatron's routers), the
-gradient reaches only the replayed experts, and activation recomputation replays in schedule order."""
+gradient reaches only the replayed experts, and activation recomputation replays in schedule order
+(replay targets are held for it alone: none in the score forward or training without it)."""
 
 import pytest
 import torch
@@ -164,3 +165,19 @@ def test_replay_under_activation_recomputation(runs, layout):
     calls = r["recompute_router_calls"]
     assert calls["with"] == 2 * calls["without"] > 0
     assert r["recompute_max_grad_diff"] <= 1e-6
+
+
+@pytest.mark.parametrize("layout", [BASE, *LAYOUTS])
+def test_replay_holds_targets_for_a_recomputation_only(runs, layout):
+    """The routers keep a microbatch's replay targets past its forward only when activation
+    recomputation will run the router again: the score forward and a training pass without
+    recomputation hold none (megatron's RouterReplay held every microbatch's, as int64, until
+    the pass ended). One process, no pipeline: one microbatch's uint8 targets at a time, the
+    longest row's positions x this stage's MoE layers x top-k bytes."""
+    r = routing(runs, layout)
+    held = r["replay_queue_bytes"]
+    assert held["score"] == 0 and held["train"] == 0
+    assert held["train_recompute"] > 0
+    if layout == BASE:
+        rollout = r["rollout"]
+        assert held["train_recompute"] == int(rollout["lengths"].max()) * rollout["stage_layers"] * 2

@@ -1,8 +1,9 @@
 """Rollout routing replay's own pieces (models/routing.py) without a model: the routes' dtype and
 unrouted mark, replay targets in megatron's token order (sequence-major; a TP rank's sequence
-slice under sequence parallelism; unrouted positions sent to distinct experts), the top-k set
-comparison, expert loads, the recompute path's queue, the routers kept out of megatron's
-process-wide list, and the rl.routing_replay rules. The replay itself runs on megatron's MoE
+slice under sequence parallelism; unrouted positions sent to distinct experts; the routes' dtype),
+the top-k set comparison, expert loads, the recompute path's queue (filled by checkpointed
+training forwards only, read in schedule order), the routers kept out of megatron's process-wide
+list, and the rl.routing_replay rules. The replay itself runs on megatron's MoE
 layers in tests/test_moe_layouts.py (every layout) and tests/test_moe_rl_stage.py (the stage)."""
 
 import pytest
@@ -40,11 +41,23 @@ def test_targets_are_sequence_major_as_megatron_flattens_s_b():
     lengths = torch.tensor([5, 5, 5])
     targets, routed = r.targets(routes, lengths, None)
     assert routed.shape == (15, 2) and routed.all()
-    assert len(targets) == 2 and targets[0].shape == (15, K) and targets[0].dtype == torch.int64
+    assert len(targets) == 2 and targets[0].shape == (15, K) and targets[0].dtype == torch.uint8  # the routes'
     for pos in range(5):
         for row in range(3):
             for layer in range(2):  # token (pos, row) is row pos * b + row of [s * b, k]
-                assert torch.equal(targets[layer][pos * 3 + row], routes[row, pos, layer].long())
+                assert torch.equal(targets[layer][pos * 3 + row], routes[row, pos, layer])
+    # each layer's own tensor: one queued for recomputation keeps no other layer's alive
+    assert targets[0].untyped_storage().nbytes() == 15 * K
+
+
+def test_targets_in_a_wider_routes_dtype_spread_in_that_dtype():
+    """More than 254 experts: int16 routes, and the round-robin experts of unrouted positions
+    reach past 255 in the same dtype."""
+    r = RoutingReplay([RoleRouterReplay(1)], num_experts=300, topk=K)
+    routes = torch.full((1, 200, 1, K), unrouted_mark(torch.int16), dtype=torch.int16)
+    targets = r.targets(routes, torch.tensor([200]), None)[0][0]
+    assert targets.dtype == torch.int16
+    assert torch.equal(targets.long(), (torch.arange(200 * K) % 300).view(200, K))
 
 
 def test_targets_under_sequence_parallelism_are_the_ranks_sequence_slice():
@@ -67,7 +80,7 @@ def test_unrouted_positions_get_distinct_experts_spread_over_all():
     filled = torch.cat([targets[4:, 0], targets[3:, 1]])
     assert (filled.sort(-1).values[:, 0] != filled.sort(-1).values[:, 1]).all()  # k distinct experts each
     assert set(filled.flatten().tolist()) == set(range(E))
-    assert torch.equal(targets[:4, 0], routes[0, :4, 0].long())  # routed positions untouched
+    assert torch.equal(targets[:4, 0], routes[0, :4, 0])  # routed positions untouched
 
 
 def test_compare_counts_differing_sets_not_orders():
@@ -133,31 +146,133 @@ def test_expert_load_counts_routed_tokens_per_layer():
     assert expert_load(routes, E).tolist() == [[1.0, 2.0, 1.0, 0.0]]
 
 
-def test_recomputation_inside_backward_takes_the_queue_in_schedule_order():
-    """A replayed router that runs again inside backward (activation recomputation) reads
-    megatron's backward queue, first microbatch first, not the last target set."""
-    router = RoleRouterReplay(1)
-    first, second = torch.tensor([[0, 1]]), torch.tensor([[2, 3]])
-    for target in (first, second):  # two forwards (1F1B warm-up), then the first one's backward
-        router.set_target_indices(target)
-        router.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
-    scores = torch.rand(1, E, requires_grad=True)
-    seen = []
+def own_topk(s, k, num_groups=None, group_topk=None):
+    return torch.topk(s, k, dim=1)
 
-    class Recompute(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x):
-            return x.clone()
 
-        @staticmethod
-        def backward(ctx, grad):
-            seen.append(router.get_replay_topk(scores.detach(), K)[1])
-            return grad
+class ReplayedLayer:
+    """A layer whose router replays (as megatron's MoE layer does): scores from its input, the
+    replayed experts' inputs weighted by their probabilities, so the gradient depends on which
+    targets it replayed. `calls`: the indices each run used, with whether it ran inside backward."""
 
-    Recompute.apply(scores).sum().backward()
-    assert torch.equal(router.get_replay_topk(scores.detach(), K)[1], second)  # outside backward: the last target
-    assert torch.equal(seen[0], first)
+    def __init__(self, router: RoleRouterReplay, seed: int = 0):
+        self.router = router
+        self.weight = torch.randn(E, E, generator=torch.Generator().manual_seed(seed), requires_grad=True)
+        self.calls: list[tuple[bool, torch.Tensor]] = []
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        probs, indices = self.router.get_replay_topk((x @ self.weight).softmax(-1), K, default_compute_topk=own_topk)
+        self.calls.append((torch._C._current_graph_task_id() != -1, indices))
+        return (probs * x.gather(1, indices)).sum(-1)
+
+
+def microbatch_inputs(n: int = 2, tokens: int = 3) -> list[torch.Tensor]:
+    """Hidden states that require grad (a reentrant checkpoint backpropagates through its inputs)."""
+    g = torch.Generator().manual_seed(1)
+    return [torch.rand(tokens, E, generator=g).requires_grad_() for _ in range(n)]
+
+
+def microbatch_targets(n: int = 2, tokens: int = 3) -> list[torch.Tensor]:
+    """Distinct uint8 [tokens, k] targets per microbatch (what RoutingReplay.targets gives)."""
+    return [routes_of(1, tokens, layers=1, seed=10 + i)[0, :, 0] for i in range(n)]
+
+
+def run_microbatches(layer: ReplayedLayer, inputs, targets, forward) -> list[torch.Tensor]:
+    """Every forward first (set its targets, then run it, as Role._forward_step does: 1F1B's
+    warm-up), then the backwards in schedule order, each of a microbatch's own output."""
+    r = RoutingReplay([layer.router], num_experts=E, topk=K)
+    outputs = []
+    for x, t in zip(inputs, targets):
+        r.replay([t])
+        outputs.append(forward(x))
+    for out in outputs:
+        out.sum().backward()
+    return outputs
+
+
+def test_a_checkpointed_training_forward_queues_its_targets_for_the_recomputation_in_schedule_order():
+    """A reentrant activation checkpoint (torch's, as megatron's tensor_parallel.checkpoint and
+    Transformer Engine's run) runs the forward under no_grad and again inside backward: the
+    recomputation replays each microbatch's own targets, first microbatch first, not the last
+    ones set, and the gradient is the one without checkpointing."""
+    inputs, targets = microbatch_inputs(), microbatch_targets()
+    assert not torch.equal(targets[0], targets[1])
+    plain = ReplayedLayer(RoleRouterReplay(1))
+    run_microbatches(plain, inputs, targets, plain)
+    checkpointed = ReplayedLayer(RoleRouterReplay(1))
+    run_microbatches(checkpointed, inputs, targets,
+                     lambda x: torch.utils.checkpoint.checkpoint(checkpointed, x, use_reentrant=True))
+    recomputed = [indices for in_backward, indices in checkpointed.calls if in_backward]
+    assert len(recomputed) == 2 and all(torch.equal(i, t.long()) for i, t in zip(recomputed, targets))
+    torch.testing.assert_close(checkpointed.weight.grad, plain.weight.grad, rtol=0, atol=0)
+    router = checkpointed.router
+    assert router.replay_backward_list == [] and router.queued_bytes == 0
+    assert router.queue_peak_bytes == 2 * 3 * K  # both microbatches' uint8 targets, before the first backward
     assert router.router_replay_action == RouterReplayAction.REPLAY_FORWARD
+
+
+def test_a_training_forward_without_checkpointing_queues_nothing():
+    """Grad enabled in the router: no recomputation will run, nothing is held for one."""
+    layer = ReplayedLayer(RoleRouterReplay(1))
+    run_microbatches(layer, microbatch_inputs(), microbatch_targets(), layer)
+    assert layer.weight.grad is not None
+    assert layer.router.replay_backward_list == [] and layer.router.queue_peak_bytes == 0
+
+
+def test_a_forward_only_pass_queues_nothing():
+    """The score phase: targets set and routers run under no_grad (Role.forward); megatron's own
+    set_target_indices queued every microbatch's targets there until the pass ended."""
+    layer = ReplayedLayer(RoleRouterReplay(1))
+    r = RoutingReplay([layer.router], num_experts=E, topk=K)
+    with torch.no_grad():
+        for x, t in zip(microbatch_inputs(), microbatch_targets()):
+            r.replay([t])
+            layer(x)
+    assert layer.router.replay_backward_list == [] and r.take_queue_peak_bytes() == 0
+
+
+def test_the_queue_peak_is_summed_over_the_routers_and_survives_the_release():
+    """Read after the pass (Role._run releases the routes when it ends); reset by the read."""
+    routers = [RoleRouterReplay(1), RoleRouterReplay(2)]
+    layers = [ReplayedLayer(router, seed=i) for i, router in enumerate(routers)]
+    r = RoutingReplay(routers, num_experts=E, topk=K)
+    x, outputs = microbatch_inputs(1)[0], []
+    r.replay(microbatch_targets(2, tokens=3))  # one microbatch: a target per layer
+    for layer in layers:
+        outputs.append(torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=True))
+    sum(outputs).sum().backward()
+    r.release()
+    assert r.take_queue_peak_bytes() == 2 * 3 * K
+    assert r.take_queue_peak_bytes() == 0
+
+
+def test_a_recomputation_without_queued_targets_is_refused():
+    """A non-reentrant checkpoint (torch.utils.checkpoint(use_reentrant=False); megatron-core
+    0.19.2 uses none around a router) runs its forward with grad enabled: nothing was queued, and
+    the recomputation says so instead of replaying another microbatch's targets."""
+    layer = ReplayedLayer(RoleRouterReplay(3))
+    with pytest.raises(RuntimeError, match="layer 3 is recomputed in backward"):
+        run_microbatches(layer, microbatch_inputs(1), microbatch_targets(1),
+                         lambda x: torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False))
+
+
+def test_uint8_targets_gather_what_int64_targets_gather():
+    """The router makes the int64 indices itself: the probabilities, indices and overridden
+    counts are those of int64 targets."""
+    scores = torch.rand(6, E, generator=torch.Generator().manual_seed(2))
+    targets = microbatch_targets(1, tokens=6)[0]
+    routed = torch.tensor([True, True, True, False, True, True])[:, None]
+    got = {}
+    for dtype in (torch.uint8, torch.int64):
+        r = replay(layers=1)
+        r.replay([targets.to(dtype)], routed)
+        probs, indices = r.routers[0].get_replay_topk(scores, K, default_compute_topk=own_topk)
+        got[dtype] = probs, indices, r.take_overridden(sequence_parallel=False)
+    (p8, i8, o8), (p64, i64, o64) = got[torch.uint8], got[torch.int64]
+    assert i8.dtype == torch.int64 and torch.equal(i8, i64) and torch.equal(p8, p64)
+    assert torch.equal(p64, scores.gather(1, targets.long()))
+    assert o8["compared"].tolist() == o64["compared"].tolist() == [5.0]
+    assert o8["differing"].tolist() == o64["differing"].tolist()
 
 
 def test_each_roles_routers_stay_out_of_megatrons_process_wide_list():

@@ -53,8 +53,24 @@ def _in_backward() -> bool:
 class RoleRouterReplay(RouterReplay):
     """megatron's record/replay for one router, owned by one role: it leaves the process-wide
     list, and a replayed layer that activation recomputation runs again inside backward takes
-    its targets from megatron's backward queue (filled in schedule order, one per forward)
-    instead of the last microbatch's.
+    its targets from the backward queue (filled in schedule order) instead of the last
+    microbatch's.
+
+    Only a recomputation reads the queue, so only a forward that will be recomputed fills it.
+    megatron's `set_target_indices` queues every microbatch's targets until the pass ends: the
+    score phase (no backward at all) and training without recomputation held them all for
+    nothing. Which forward will be recomputed is known exactly when the router runs: every
+    megatron-core 0.19.2 checkpoint around a router (full recomputation, recompute.py; selective
+    "moe", moe_layer.py) is tensor_parallel.checkpoint's CheckpointFunction, or Transformer
+    Engine's reentrant checkpoint under FP8/FP4: both run the checkpointed forward under no_grad
+    and the recomputation inside backward with grad on. So a router that finds grad disabled in
+    a forward whose targets were set with grad enabled (a training forward) is inside a
+    checkpoint, and queues them; nothing else does. (A non-reentrant checkpoint, which keeps
+    grad on, would find the queue empty in backward: refused, never replayed out of order.)
+
+    Targets stay in the routes' dtype (uint8 below 255 experts) until the router gathers with
+    them: 8x fewer bytes held than int64. `queue_peak_bytes`: the most the queue held since
+    `RoutingReplay.take_queue_peak_bytes` (plain int arithmetic at each append: no device work).
 
     A replayed forward also counts the tokens whose own top-k set (from the same scores) differs
     from the replayed one: what replay overrode. `routed` ([tokens] bool, set with the targets)
@@ -66,18 +82,50 @@ class RoleRouterReplay(RouterReplay):
         self.layer_number = layer_number
         self.routed: torch.Tensor | None = None
         self.overridden: torch.Tensor | None = None  # [2] float64: overridden, replayed tokens
+        self.training_forward = False  # the targets were set with grad enabled: a backward follows
+        self.queued_bytes = 0
+        self.queue_peak_bytes = 0
+
+    def set_target_indices(self, topk_indices: torch.Tensor) -> None:
+        """The next forward's targets, [tokens, k] of any integer dtype; unlike megatron's, not
+        queued here (get_replay_topk queues them if that forward is checkpointed)."""
+        self.target_topk_idx = topk_indices
+        self.training_forward = torch.is_grad_enabled()
 
     def get_replay_topk(self, scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
-        if self.router_replay_action == RouterReplayAction.REPLAY_FORWARD and _in_backward():
-            self.router_replay_action = RouterReplayAction.REPLAY_BACKWARD
-            try:  # counted in the forward already
-                return super().get_replay_topk(scores, topk, num_groups, group_topk, default_compute_topk)
-            finally:
-                self.router_replay_action = RouterReplayAction.REPLAY_FORWARD
-        probs, indices = super().get_replay_topk(scores, topk, num_groups, group_topk, default_compute_topk)
-        if self.router_replay_action == RouterReplayAction.REPLAY_FORWARD and self.routed is not None:
+        action = self.router_replay_action
+        if action not in (RouterReplayAction.REPLAY_FORWARD, RouterReplayAction.REPLAY_BACKWARD):
+            return super().get_replay_topk(scores, topk, num_groups, group_topk, default_compute_topk)  # record, free
+        if action == RouterReplayAction.REPLAY_BACKWARD or _in_backward():  # a recomputation
+            return self._gather(scores, self._dequeue())  # counted in the forward already
+        if self.training_forward and not torch.is_grad_enabled():  # inside a checkpoint: recomputed in backward
+            self._enqueue(self.target_topk_idx)
+        probs, indices = self._gather(scores, self.target_topk_idx)
+        if self.routed is not None:
             self._count_overridden(scores, topk, num_groups, group_topk, default_compute_topk, indices)
         return probs, indices
+
+    @staticmethod
+    def _gather(scores: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The probabilities at the targets, and the targets as the int64 indices megatron's
+        dispatch and gather need (made here, per use, from the compact routes' dtype)."""
+        indices = targets.to(device=scores.device, dtype=torch.long)
+        return scores.gather(1, indices), indices
+
+    def _enqueue(self, targets: torch.Tensor) -> None:
+        self.replay_backward_list.append(targets)
+        self.queued_bytes += targets.numel() * targets.element_size()
+        self.queue_peak_bytes = max(self.queue_peak_bytes, self.queued_bytes)
+
+    def _dequeue(self) -> torch.Tensor:
+        if not self.replay_backward_list:
+            raise RuntimeError(
+                f"routing replay: layer {self.layer_number} is recomputed in backward, but none of its forwards "
+                "ran under an activation checkpoint that disables grad (megatron's and Transformer Engine's "
+                "reentrant checkpoints do); a non-reentrant checkpoint would need its forwards' targets queued")
+        targets = self.replay_backward_list.pop(0)
+        self.queued_bytes -= targets.numel() * targets.element_size()
+        return targets
 
     def _count_overridden(self, scores, topk, num_groups, group_topk, compute_topk, replayed) -> None:
         with torch.no_grad():
@@ -87,8 +135,10 @@ class RoleRouterReplay(RouterReplay):
         self.overridden = counts if self.overridden is None else self.overridden + counts
 
     def clear_indices(self):
+        """Targets, recordings and the queue dropped; the queue's peak is kept for
+        `RoutingReplay.take_queue_peak_bytes` (the pass that made it has just released)."""
         super().clear_indices()
-        self.routed = None
+        self.routed, self.training_forward, self.queued_bytes = None, False, 0
 
 
 class RoutingReplay:
@@ -133,8 +183,10 @@ class RoutingReplay:
             r.set_router_replay_action(RouterReplayAction.RECORD)
 
     def replay(self, targets: list[torch.Tensor], routed: torch.Tensor | None = None) -> None:
-        """Route the next forward through `targets` (per layer [tokens, k] int64, sequence-major);
-        `routed` ([tokens, layers] bool): the tokens the rollout routed, whose overrides are counted."""
+        """Route the next forward through `targets` (per layer [tokens, k], sequence-major, any
+        integer dtype: `targets` gives the routes'); `routed` ([tokens, layers] bool): the tokens
+        the rollout routed, whose overrides are counted. Call it right before the forward: whether
+        grad is enabled now tells the routers if a backward (and so a recomputation) may follow."""
         for i, (r, t) in enumerate(zip(self.routers, targets, strict=True)):
             r.set_target_indices(t)
             r.routed = routed[:, i] if routed is not None else None
@@ -145,6 +197,14 @@ class RoutingReplay:
         for r in self.routers:
             r.clear_router_replay_action()
             r.clear_indices()
+
+    def take_queue_peak_bytes(self) -> int:
+        """The sum over this stage's routers of the most bytes of replay targets each held for
+        recomputation since the last call (what activation checkpointing costs replay), reset."""
+        peak = sum(r.queue_peak_bytes for r in self.routers)
+        for r in self.routers:
+            r.queue_peak_bytes = r.queued_bytes
+        return peak
 
     def recorded(self) -> torch.Tensor:
         """The last forward's choices, [tokens, layers, k] (sequence-major tokens)."""
@@ -169,22 +229,25 @@ class RoutingReplay:
     def targets(self, routes: torch.Tensor, lengths: torch.Tensor,
                 sequence_shard: tuple[int, int] | None) -> tuple[list[torch.Tensor], torch.Tensor]:
         """Replay targets for a microbatch's routes [b, w, layers, k] as megatron's routers see
-        the microbatch: per layer [w' * b, k] int64, sequence-major, w' = this rank's part of the
-        sequence (`sequence_shard` = (rank, size) under sequence parallelism); and [w' * b, layers]
-        bool, the tokens the rollout routed. Positions it did not route (padding past `lengths`,
-        an unfed last token) go to experts spread round-robin: their outputs are masked, and
-        spread they load no expert more than another."""
-        w = routes.size(1)
-        positions = torch.arange(w, device=routes.device)
+        the microbatch: per layer [w' * b, k] in the routes' dtype (the router makes the int64
+        indices when it gathers), sequence-major, w' = this rank's part of the sequence
+        (`sequence_shard` = (rank, size) under sequence parallelism); and [w' * b, layers] bool,
+        the tokens the rollout routed. Each layer's targets are a tensor of their own, so the ones
+        queued for a recomputation keep no other layer's alive. Positions the rollout did not
+        route (padding past `lengths`, an unfed last token) go to experts spread round-robin:
+        their outputs are masked, and spread they load no expert more than another."""
+        positions = torch.arange(routes.size(1), device=routes.device)
         unrouted = self._unrouted(routes, lengths)
-        spread = ((positions[:, None] * self.topk + torch.arange(self.topk, device=routes.device)) % self.num_experts)
-        filled = torch.where(unrouted[..., None], spread[None, :, None, :], routes.long())
         if sequence_shard is not None:
             rank, size = sequence_shard
-            part = w // size
-            filled, unrouted = filled[:, rank * part:(rank + 1) * part], unrouted[:, rank * part:(rank + 1) * part]
-        tokens = filled.transpose(0, 1).flatten(0, 1)  # [w' * b, layers, k]
-        return list(tokens.unbind(1)), ~unrouted.transpose(0, 1).flatten(0, 1)
+            part = routes.size(1) // size
+            shard = slice(rank * part, (rank + 1) * part)
+            routes, unrouted, positions = routes[:, shard], unrouted[:, shard], positions[shard]
+        spread = (positions[:, None] * self.topk + torch.arange(self.topk, device=routes.device)) % self.num_experts
+        filled = torch.where(unrouted[..., None], spread.to(routes.dtype)[None, :, None, :], routes)
+        by_token = filled.transpose(0, 1)  # [w', b, layers, k]
+        targets = [by_token[:, :, layer].flatten(0, 1).contiguous() for layer in range(filled.size(2))]
+        return targets, ~unrouted.transpose(0, 1).flatten(0, 1)
 
     def _unrouted(self, routes: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         """[b, w, layers] True where the rollout routed nothing: marked so, or past the row's end

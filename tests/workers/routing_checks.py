@@ -8,7 +8,9 @@ so each layout's rollout is the one-process rollout and results compare across l
 3. with the routers perturbed, its own routing differs for many tokens, and replay routes them as
    the rollout did (the top-k sets megatron's routers use, captured by forward hooks);
 4. replaying routes that use experts 0 and 1 only: the other experts get no gradient, the routers do;
-5. replay under full activation recomputation gives the gradient it gives without;
+5. replay under full activation recomputation gives the gradient it gives without; the routers
+   hold replay targets for the recomputation then only: the score forward and a training pass
+   without recomputation queue none (the most bytes each pass queued, over every rank);
 6. a replayed train step reports how many tokens replay overrode (the perturbed routers' own choice).
 """
 
@@ -106,6 +108,14 @@ class RouterCalls:
             h.remove()
 
 
+def queued_bytes(actor) -> int:
+    """The most bytes of replay targets the actor's routers held for a recomputation since the
+    last call, summed over every rank (each holds its own stage's layers)."""
+    held = torch.tensor([actor.routes.take_queue_peak_bytes()], dtype=torch.float64)
+    torch.distributed.all_reduce(held)
+    return int(held.item())
+
+
 def disagreement(actor, batch, mbs: int) -> dict:
     out = actor.forward(batch, mbs, compare_routes=True)
     counts = actor.routes.take_disagreement(actor.module.config.sequence_parallel)
@@ -131,14 +141,18 @@ def routing_checks(args, cfg, layout: str) -> dict:
     }
     batch = {"tokens": rollout.tokens, "lengths": rollout.lengths, "routes": routes}
     results["same_weights"] = disagreement(actor, batch, mbs=2)
+    queued_bytes(actor)
     results["replayed_same_weights"] = actor.forward(batch, 2)["logprobs"]
+    queued = {"score": queued_bytes(actor)}  # the score phase's forward: no backward follows
 
     perturb_routers(actor)
     results["perturbed"] = disagreement(actor, batch, mbs=2)
     capture = CapturedRouting(actor)
     results["replayed_logprobs"] = actor.forward(batch, 2)["logprobs"]
     capture.calls = 0  # the training forward's alone, against recomputation's below
+    queued_bytes(actor)
     actor.gradients(batch, 1, logprob_sum)
+    queued["train"] = queued_bytes(actor)
     capture.remove()
     totals = torch.tensor([capture.mismatches, capture.tokens], dtype=torch.float64)
     torch.distributed.all_reduce(totals)
@@ -149,8 +163,10 @@ def routing_checks(args, cfg, layout: str) -> dict:
     config.recompute_granularity, config.recompute_method, config.recompute_num_layers = "full", "uniform", 1
     calls = RouterCalls(actor)
     actor.gradients(batch, 1, logprob_sum)
+    queued["train_recompute"] = queued_bytes(actor)
     calls.remove()
     config.recompute_granularity = config.recompute_method = config.recompute_num_layers = None
+    results["replay_queue_bytes"] = queued
     results["recompute_router_calls"] = {"with": calls.count, "without": capture.calls}
     results["recompute_max_grad_diff"] = max(float((p.main_grad - g).abs().max())
                                              for p, g in zip(actor.module.parameters(), replay_grad))
