@@ -36,6 +36,13 @@ QUICK = dict(layers=2, hidden=64, heads=4, groups=2, ffn=128, vocab=100, batch=4
              observation=16, repeats=1)
 
 
+def model_shape(s: dict) -> list[str]:
+    """The model section's overrides for a shape dict (FULL, QUICK, EP2)."""
+    return [f"model.num_layers={s['layers']}", f"model.hidden_size={s['hidden']}",
+            f"model.num_attention_heads={s['heads']}", f"model.num_query_groups={s['groups']}",
+            f"model.ffn_hidden_size={s['ffn']}", f"model.vocab_size={s['vocab']}"]
+
+
 def capacity_of(s: dict) -> int:
     """Tokens of a whole episode: the prompt, every turn, the observations between them."""
     return s["prompt"] + s["turns"] * s["new"] + (s["turns"] - 1) * s["observation"]
@@ -86,9 +93,7 @@ def ep2_worker(out: Path) -> None:
     torch.set_num_threads(1)
     s = EP2
     cfg = load_config(None, [
-        f"model.num_layers={s['layers']}", f"model.hidden_size={s['hidden']}", f"model.num_attention_heads={s['heads']}",
-        f"model.num_query_groups={s['groups']}", f"model.ffn_hidden_size={s['ffn']}", f"model.vocab_size={s['vocab']}",
-        "model.family=mixtral", f"model.num_experts={s['experts']}", "model.moe_router_topk=2",
+        *model_shape(s), "model.family=mixtral", f"model.num_experts={s['experts']}", "model.moe_router_topk=2",
         f"model.max_seq_length={max(ep2_capacity(s), 64)}", "parallel.expert_parallel=2"])
     start_distributed(cfg)
     actor = Actor(cfg.model, trainable=False)
@@ -164,11 +169,8 @@ def main() -> None:
 
     s = QUICK if args.quick else FULL
     capacity = capacity_of(s)
-    cfg = load_config(None, [
-        f"model.num_layers={s['layers']}", f"model.hidden_size={s['hidden']}", f"model.num_attention_heads={s['heads']}",
-        f"model.num_query_groups={s['groups']}", f"model.ffn_hidden_size={s['ffn']}", f"model.vocab_size={s['vocab']}",
-        f"model.max_seq_length={max(capacity, 64)}",  # 64: the stages' default seq_length
-    ])
+    # 64: the stages' default seq_length
+    cfg = load_config(None, [*model_shape(s), f"model.max_seq_length={max(capacity, 64)}"])
     start_distributed(cfg)
     actor = Actor(cfg.model, trainable=False)
     engine = MegatronRolloutEngine(cfg.model, actor, eos_id=1, pad_id=0)

@@ -144,7 +144,6 @@ class TurnCache:
         self.cached: dict = {}
         self.reused_tokens = 0   # positions taken from the cache instead of being fed again
         self.fed_tokens = 0      # positions fed to the model (prompt chunks and decoding steps)
-        self.forward_steps = 0   # forwards run for these turns (with experts across ranks: idle ones too)
 
     def take(self, keys: list, lengths: list[int]) -> tuple[StaticInferenceContext, int]:
         """The context for a generate over `keys` (sequences of `lengths`), its batch rows
@@ -229,10 +228,10 @@ class MegatronRolloutEngine(RolloutEngine):
         for a rank without rows). With experts across ranks every rank runs a forward while any
         does (megatron's all-to-all pairs them); each feeds its own rows, or idles. The one host
         read per token."""
-        flag = torch.as_tensor(decoding, device=device()).to(torch.int32).reshape(1)
         if not across_ranks:
-            mine = bool(flag)
+            mine = bool(decoding)
             return mine, mine
+        flag = torch.as_tensor(decoding, device=device()).to(torch.int32).reshape(1)
         mine, anyone = torch.cat([flag, dp_max(flag)]).tolist()
         return bool(mine), bool(anyone)
 
@@ -288,7 +287,6 @@ class MegatronRolloutEngine(RolloutEngine):
         routes = routers.new_routes(batch, total, device()) if routers is not None else None
         if routers is not None:
             routers.record()
-        steps_before = self.forward_steps
         try:
             fed = self._decode(state, context, positions, start, shortest, total, generator, sampling, layout,
                                across_ranks, routers, routes)
@@ -298,7 +296,6 @@ class MegatronRolloutEngine(RolloutEngine):
         if cache is not None:
             cache.keep(state.lengths.tolist())
             cache.fed_tokens += fed * batch
-            cache.forward_steps += self.forward_steps - steps_before
 
         width = int(state.lengths.max())
         logprobs = state.logprobs[:, :width].contiguous() if layout.last else None
