@@ -35,3 +35,12 @@ class Preempted(SystemExit):
     def __init__(self, step: int):
         super().__init__(REQUEUE_EXIT_CODE)
         self.step = step
+
+
+class StageInterrupted(BaseException):
+    """Raised in the main thread by the signal handler when SIGTERM (or a second signal) arrives
+    while the stage is blocked in interruptible work (an environment step, a tool call, a
+    template render, an eval): the step is abandoned, the last complete checkpoint stands and the
+    process exits REQUEUE_EXIT_CODE. A BaseException, like KeyboardInterrupt, so that code
+    catching Exception (a template's errors, a failed episode) lets it through; code that turns
+    user code's BaseExceptions into failures must re-raise it."""
