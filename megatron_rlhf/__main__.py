@@ -24,6 +24,8 @@ from megatron_rlhf.logging import quiet
 # Set by megatron_rlhf/torchrun.py: a handled error goes to <dir>/rank_<RANK>.json instead of
 # the console, and the launcher prints it once for all ranks, last.
 ERROR_DIR_ENV = "MEGATRON_RLHF_ERROR_DIR"
+# Set by megatron_rlhf/torchrun.py to its own pid: its workers stop when it dies (follow_launcher).
+LAUNCHER_PID_ENV = "MEGATRON_RLHF_LAUNCHER_PID"
 
 @dataclass(frozen=True)
 class Verb:
@@ -288,6 +290,22 @@ def build_parser() -> CommandParser:
     return parser
 
 
+def follow_launcher() -> None:
+    """A worker of our launcher gets SIGTERM when the launcher dies, however it dies (torch's
+    launcher starts workers in their own session, so a kill of the launcher's process group
+    misses them): it stops as preempted (resilience/preemption.py) instead of training on alone."""
+    launcher = os.environ.get(LAUNCHER_PID_ENV)
+    if launcher is None or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGTERM), 0, 0, 0)
+    if os.getppid() != int(launcher):  # the launcher died before the prctl: nobody will send it
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
 def report_error(message: str, code: int) -> int:
     """Print a handled error; under our launcher, leave it for the launcher to print instead."""
     if directory := os.environ.get(ERROR_DIR_ENV):
@@ -328,12 +346,14 @@ def main(argv: list[str] | None = None) -> int:
     from megatron_rlhf.data.jsonl import DataError
     from megatron_rlhf.data.tokenizers import TokenizerError
     from megatron_rlhf.parallel import cpu
+    from megatron_rlhf.resilience import preemption
     from megatron_rlhf.resilience.nonfinite import NonFiniteError
-    from megatron_rlhf.resilience.preemption import Preempted
+    from megatron_rlhf.resilience.preemption import Preempted, StageInterrupted
     from megatron_rlhf.rewards.base import RewardSourceError
 
     if cpu.needed():
         quiet.install_cpu(verbose)
+    follow_launcher()
 
     try:
         if args.command in ("import-hf", "export-hf", "export-peft"):
@@ -359,6 +379,16 @@ def main(argv: list[str] | None = None) -> int:
             report_error(f"preempted: checkpoint at step {err.step} saved; exit {err.code}: rerun or requeue "
                          "to resume", err.code)
         raise
+    except StageInterrupted as err:  # nothing saved: the last complete checkpoint stands (resilience/preemption.py)
+        return report_error(f"preempted: {err} (abandoned, nothing saved); exit {err.code}: rerun or requeue to "
+                            "resume from the last complete checkpoint", err.code)
+    except Exception as err:
+        if not preemption.signalled():
+            raise
+        # A signalled rank whose peer stopped mid-collective fails here; the job is being stopped anyway.
+        return report_error(f"preempted: stopped by {preemption.install().last_signal}, then {type(err).__name__}: "
+                            f"{str(err)[:200]}; exit {preemption.REQUEUE_EXIT_CODE}: rerun or requeue to resume from "
+                            "the last complete checkpoint", preemption.REQUEUE_EXIT_CODE)
     finally:
         parallel = sys.modules.get("megatron_rlhf.parallel")  # not imported (e.g. `stages`): nothing to tear down
         if parallel is not None:

@@ -12,12 +12,13 @@ from __future__ import annotations
 import dataclasses
 import resource
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 import torch
 
+from megatron_rlhf.resilience.preemption import interruptible
 # phase -> roles whose parameters must be on the device; "+optimizer" marks roles that train.
 PHASES: dict[str, dict[str, str]] = {
     "generate": {"actor": "params"},
@@ -28,6 +29,9 @@ PHASES: dict[str, dict[str, str]] = {
     # a separate rollout engine (rollout.engine=vllm) reads the actor's weights here (refit)
     "sync": {"actor": "params"},
 }
+# Phases that change no weights and may wait long on environments, tools, reward services or
+# the asynchronous engine's batch in flight: interruptible (resilience/preemption.py).
+INTERRUPTIBLE_PHASES = ("generate", "score", "eval", "wait")
 
 
 def phases_for(roles, reward_in_generate: bool = False, engine: str = "megatron",
@@ -96,11 +100,14 @@ class ColocationScheduler:
 
     @contextmanager
     def phase(self, name: str):
-        """`with sched.phase("score") as p: ...; p.tokens = n`: enter, run, exit with the tokens."""
-        self.enter(name)
-        counter = SimpleNamespace(tokens=0)
-        yield counter
-        self.exit(tokens=counter.tokens)
+        """`with sched.phase("score") as p: ...; p.tokens = n`: enter, run, exit with the tokens.
+        Generating, scoring and eval change no weights and wait on environments, tools and
+        reward services: SIGTERM ends them at once (resilience/preemption.py)."""
+        with interruptible(f"the {name} phase") if name in INTERRUPTIBLE_PHASES else nullcontext():
+            self.enter(name)
+            counter = SimpleNamespace(tokens=0)
+            yield counter
+            self.exit(tokens=counter.tokens)
 
     def step_metrics(self) -> dict[str, float]:
         """The phases run since the last call (a step's): their seconds and tokens/s in that

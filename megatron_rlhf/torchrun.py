@@ -19,7 +19,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from megatron_rlhf.__main__ import COMMANDS, ERROR_DIR_ENV, build_parser, check_recipe_given
+from megatron_rlhf.__main__ import COMMANDS, ERROR_DIR_ENV, LAUNCHER_PID_ENV, build_parser, check_recipe_given
 from megatron_rlhf.config import ConfigError, load_config, validate
 from megatron_rlhf.logging import quiet
 
@@ -70,6 +70,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault("OMP_NUM_THREADS", "1")  # what torchrun does, without its banner
     quiet.quiet_launcher(verbose)
     os.environ[ERROR_DIR_ENV] = error_dir = tempfile.mkdtemp(prefix="megatron_rlhf_errors.")
+    os.environ[LAUNCHER_PID_ENV] = str(os.getpid())  # workers stop when this process dies (__main__.follow_launcher)
     try:
         run(targs)
         return 0
@@ -96,12 +97,27 @@ def check(cfg, command: str, world_size: int | None) -> str | None:
             print(f"[preflight] {note}", flush=True)
         if command == "pipeline":
             plan(cfg)  # a finished stage it may not reuse (changed inputs, damaged checkpoint) stops here
+        if message := live_writer(cfg, command):
+            return f"config error: {message}"
     except ConfigError as err:
         return f"config error: {err}"
     except (DataError, TokenizerError) as err:
         return f"data error: {err}"
     except CheckpointError as err:
         return f"checkpoint error: {err}"
+    return None
+
+
+def live_writer(cfg, command: str) -> str | None:
+    """Another run writing a stage directory this command writes (resilience/run_lock.py): the
+    error, before any worker starts (the workers' rank 0 takes the lock itself)."""
+    from megatron_rlhf.resilience.run_lock import busy_error, stage_directory_holder
+    from megatron_rlhf.trainers.stage_data import stage_dir
+
+    stages = validate(cfg).pipeline.stages if command == "pipeline" else ["rl" if command == "ppo" else command]
+    for stage in stages:
+        if stage != "smoke" and (holder := stage_directory_holder(stage_dir(cfg, stage))) is not None:
+            return str(busy_error(stage_dir(cfg, stage), cfg.checkpoint.run_name, holder))
     return None
 
 

@@ -4,8 +4,16 @@ GRPO at DP2 whose episodes call the tool; the episode metrics are logged; a rank
 middle of an iteration resumes bitwise (an interrupted iteration's episodes are restarted from
 the last checkpoint with the same seeds: a deterministic environment replays them exactly)."""
 
+import os
+import signal
+import subprocess
+import sys
+import time
+
 import pytest
 
+from distributed import REPO
+from stages import SIZES as BASE_SIZES
 from stages import assert_same_run, fault, latest, metrics, stage, summary
 
 RECIPE = "pipelines/tiny_cpu_agent.yaml"
@@ -73,3 +81,71 @@ def test_an_environment_service_that_is_down_stops_the_stage_cleanly(root):
     assert proc.returncode != 0 and out.count("failed (exitcode: 4)") + out.count("exited with code 4") >= 1, out[-3000:]
     assert "reward error: environment service POST http://127.0.0.1:9/reset" in out
     assert not (root / "agent_down" / "grpo" / "latest").exists()
+
+
+def our_launcher(root, run, *overrides, env=None) -> list[str]:
+    """`python -m megatron_rlhf.torchrun` at DP2 (as users launch), with the stage helper's arguments."""
+    return [sys.executable, "-m", "megatron_rlhf.torchrun", "--nproc-per-node=2", "rl", "--config", RECIPE,
+            *BASE_SIZES, f"checkpoint.root={root}", f"checkpoint.run_name={run}", *overrides]
+
+
+def launcher_env(**extra) -> dict:
+    pythonpath = os.pathsep.join(filter(None, [str(REPO / "tests"), os.environ.get("PYTHONPATH")]))
+    inherited = {k: v for k, v in os.environ.items() if k != "MEGATRON_RLHF_FAULT"}
+    return {**inherited, "PYTHONUNBUFFERED": "1", "PYTHONWARNINGS": "ignore", "PYTHONPATH": pythonpath, **extra}
+
+
+def wait_until(condition, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"gave up waiting for {what}"
+        time.sleep(0.1)
+
+
+SIGTERM_BOUND_S = 10  # SIGTERM to exit 42, in interruptible work (resilience/preemption.py)
+
+
+def test_sigterm_ends_a_hung_environment_step_and_an_eval_and_the_rerun_resumes_exactly(root, tmp_path):
+    """A preemption (SIGTERM, as Slurm sends) while an environment step hangs, then while an eval
+    runs: each time the stage exits 42 within SIGTERM_BOUND_S, abandoning the step with nothing
+    saved; the reruns resume from the last complete checkpoint and end equal to the
+    uninterrupted run. Before: SIGTERM only set a flag read at the step's end, which a hung step
+    never reaches (the launcher SIGKILLed the workers 30 s later: no exit 42)."""
+    from hanging_calculator import ARM
+
+    root, inputs = root
+    run, arm = "agent_sigterm", tmp_path / "arm"
+    args = [*inputs, "rl.environment.class_path=tests/hanging_calculator.py:HangingCalculatorEnv",
+            "rl.environment.step_timeout_s=600"]
+    stage_dir = root / run / "grpo"
+    log = tmp_path / "hung.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen(our_launcher(root, run, *args), cwd=REPO, env=launcher_env(**{ARM: str(arm)}),
+                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            wait_until(lambda: (stage_dir / "latest").exists(), 300, "checkpoint 1")
+            arm.touch()  # the next environment step hangs
+            wait_until(lambda: (tmp_path / "arm.hanging").exists(), 120, "a hung environment step")
+            time.sleep(0.5)
+            signalled = time.monotonic()
+            proc.send_signal(signal.SIGTERM)  # as srun passes Slurm's SIGTERM to the launcher
+            rc = proc.wait(timeout=60)
+            took = time.monotonic() - signalled
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+    text = log.read_text()
+    assert rc == 42 and took < SIGTERM_BOUND_S, (rc, took, text[-3000:])
+    assert "SIGTERM during the generate phase" in text, text[-3000:]
+    saved = int(latest(root, run, "grpo").split("_")[1])
+    assert saved in (1, 2) and not (stage_dir / f"iter_{saved + 1:07d}").exists()
+    assert max(x["step"] for x in metrics(root, run, "grpo")) <= saved  # the abandoned step logged nothing
+
+    # SIGTERM to every rank as step 3's eval starts: abandoned too, checkpoint 2 stands
+    proc = stage(2, "rl", root, run, *args, recipe=RECIPE, **fault("sigterm@eval:3"))
+    assert proc.returncode != 0 and "SIGTERM during the eval phase" in proc.stdout + proc.stderr, proc.stderr[-3000:]
+    assert "exitcode  : 42" in proc.stderr, proc.stderr[-3000:]
+    assert latest(root, run, "grpo") == "iter_0000002" and not (stage_dir / "iter_0000003").exists()
+
+    stage(2, "rl", root, run, *args, recipe=RECIPE)
+    assert_same_run(root, "agent", run, "grpo", STEPS, ["actor"])

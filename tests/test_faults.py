@@ -16,7 +16,7 @@ def test_parse_reads_kind_point_step_onwards_and_rank():
     assert parse("") == []
 
 
-@pytest.mark.parametrize("spec", ["kill", "kill@train", "kill@train:x", "explode@train:1", "kill@eval:1"])
+@pytest.mark.parametrize("spec", ["kill", "kill@train", "kill@train:x", "explode@train:1", "kill@nowhere:1"])
 def test_a_bad_spec_is_an_error_naming_the_variable(spec):
     with pytest.raises(ValueError, match="MEGATRON_RLHF_FAULT"):
         parse(spec)

@@ -7,6 +7,8 @@ SIGKILL). Configured by one environment variable so that launchers pass it throu
     MEGATRON_RLHF_FAULT="kill@save:4:1"      rank 1 dies while checkpoint 4 is being written
     MEGATRON_RLHF_FAULT="hang@train:5:1"     rank 1 stops responding in step 5
     MEGATRON_RLHF_FAULT="sigusr1@train:5:0"  rank 0 gets SIGUSR1 in step 5 (as from Slurm)
+    MEGATRON_RLHF_FAULT="sigterm@eval:4"     every rank gets SIGTERM as step 4's eval starts (a
+                                             preemption in interruptible work: resilience/preemption.py)
     MEGATRON_RLHF_FAULT="nan@train:5"        the loss of step 5 is NaN on every rank
     MEGATRON_RLHF_FAULT="nan@train:5+"       ... and of every later step
     MEGATRON_RLHF_FAULT="kill_engine@generate:3"  the rollout engine's processes (vLLM) are
@@ -30,9 +32,9 @@ import time
 from dataclasses import dataclass
 
 ENV = "MEGATRON_RLHF_FAULT"
-KINDS = ("kill", "hang", "sigusr1", "nan", "kill_engine", "hang_engine")
+KINDS = ("kill", "hang", "sigusr1", "sigterm", "nan", "kill_engine", "hang_engine")
 ENGINE_KINDS = ("kill_engine", "hang_engine")  # fired by the rollout engine on its own processes
-POINTS = ("train", "save", "generate", "refit", "serve")
+POINTS = ("train", "save", "generate", "refit", "serve", "eval")
 
 
 @dataclass
@@ -97,9 +99,9 @@ class FaultInjector:
             elif fault.kind == "hang":
                 while True:
                     time.sleep(3600)
-            elif fault.kind == "sigusr1":
-                os.kill(os.getpid(), signal.SIGUSR1)
-                self.faults.remove(fault)  # once; the handler only sets a flag
+            elif fault.kind in ("sigusr1", "sigterm"):
+                self.faults.remove(fault)  # once
+                os.kill(os.getpid(), signal.SIGUSR1 if fault.kind == "sigusr1" else signal.SIGTERM)
                 return
 
     def engine_fault_due(self, point: str) -> str | None:

@@ -34,6 +34,7 @@ from megatron_rlhf.logging.reward_hacking import RewardHackingAlarm
 from megatron_rlhf.models.batching import by_length, data_parallel, dp_slice, padded_forward
 from megatron_rlhf.models.roles import Actor, AdapterFreeReference, Critic, Reference, RewardModel, lora_base_warnings
 from megatron_rlhf.parallel.collectives import any_rank, dp_sum, masked_moments
+from megatron_rlhf.resilience.faults import FAULTS
 from megatron_rlhf.rewards import RewardInputs, RewardSourceError, RewardSources, rm_scores
 from megatron_rlhf.rollout import Rollout, SamplingParams, make_engine
 from megatron_rlhf.rollout.episodes import EpisodeEngine, sample_rows, with_episodes
@@ -451,6 +452,7 @@ def run_iterations(cfg: Config, runner: StageRunner, data, roles: dict, engine, 
                     ahead.wait_in_flight()
             synced = synced or sync_weights(engine, sched)
             with sched.phase("eval") as phase:
+                FAULTS.at("eval")
                 state.latest = evaluate(sft=state.before.get("per_prompt"))
                 phase.tokens = state.latest.response_tokens
             metrics.update(state.latest.metrics)

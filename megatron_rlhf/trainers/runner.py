@@ -33,9 +33,11 @@ from megatron_rlhf.config import Config, validate, write_resolved_config
 from megatron_rlhf.logging.memory import memory_account
 from megatron_rlhf.logging.metrics import MetricsLogger, nonfinite_to_null
 from megatron_rlhf.logging.trackers import Trackers
+from megatron_rlhf.resilience import preemption
 from megatron_rlhf.resilience.faults import FAULTS
 from megatron_rlhf.resilience.heartbeat import Heartbeat
-from megatron_rlhf.resilience.preemption import Preempted, PreemptionHandler
+from megatron_rlhf.resilience.preemption import Preempted
+from megatron_rlhf.resilience.run_lock import hold_stage_directory
 from megatron_rlhf.trainers.stage_data import stage_dir
 from megatron_rlhf.trainers.stage_inputs import stage_inputs
 
@@ -58,7 +60,10 @@ def periodic(step: int, interval: int, total: int) -> bool:
 class StageRunner:
     def __init__(self, cfg: Config, stage: str, total_steps: int, log_interval: int, save_interval: int):
         self.start_time = time.perf_counter()
-        self.preemption = PreemptionHandler()  # first: a signal during start-up is not lost
+        self.preemption = preemption.install()  # first: a signal during start-up is not lost
+        # Start-up writes nothing a rerun needs (config.yaml is replaced whole): SIGTERM ends it at once.
+        self._startup = self.preemption.interruptible(f"the {stage} stage's start-up")
+        self._startup.__enter__()
         start_distributed(cfg)
         reset_peak_memory()  # this stage's own peak, also after an earlier stage in the same process
         self.memory_at_start = current_memory_bytes()  # before any role is built
@@ -66,6 +71,7 @@ class StageRunner:
         self.cfg, self.stage, self.total = cfg, stage, total_steps
         self.log_interval, self.save_interval = log_interval, save_interval
         self.out = stage_dir(cfg, stage)
+        hold_stage_directory(self.out, cfg)  # one writer per stage directory, before anything is written
         if dist.get_rank() == 0:  # what this start of the stage was asked to do (a resume rewrites it)
             write_resolved_config(cfg, self.out)
         # At the start: what the stage trains on, for summary.json (pipeline reuses it only on the same).
@@ -98,8 +104,12 @@ class StageRunner:
 
     # ------------------------------------------------------------------ the loop
     def steps(self) -> Iterator[int]:
+        if self._startup is not None:  # from here a SIGTERM lets the step finish and save (resilience/preemption.py)
+            self._startup.__exit__(None, None, None)
+            self._startup = None
         while self.step < self.total:
             self.step += 1
+            self.preemption.step = self.step
             FAULTS.begin_step(self.step)
             yield self.step
 
@@ -140,9 +150,10 @@ class StageRunner:
                 self.sampler.load_state_dict(position)
                 set_rng_state(rng)
                 extra = before_save() if before_save is not None else {}
-                self.ckpt.save(previous, self.trained, trainer_state(
-                    previous, consumed_samples, self.sampler, self.trained, **state, **extra, **self.tracker_state()))
-                self.ckpt.wait()
+                with preemption.protected():
+                    self.ckpt.save(previous, self.trained, trainer_state(
+                        previous, consumed_samples, self.sampler, self.trained, **state, **extra, **self.tracker_state()))
+                    self.ckpt.wait()
                 self.log.info(f"checkpoint of step {previous} (the last complete one) saved before stopping")
             raise
 
@@ -239,10 +250,11 @@ def checkpoint_if_due(ckpt, log, preemption, step: int, total: int, save_interva
     # An interval save waits for a good step: a run that keeps producing NaN must stop with
     # its last checkpoint from before the trouble, not one taken in the middle of it.
     in_nonfinite_streak = any(role.guard.consecutive for role in roles.values())
-    if (periodic(step, save_interval, total) and not in_nonfinite_streak) or step == total or preempted:
-        ckpt.save(step, roles, state() if callable(state) else state)
-    ckpt.poll()
-    if preempted and step < total:
-        ckpt.wait()
-        log.info(f"signalled: checkpoint at step {step} saved, exiting for requeue")
-        raise Preempted(step)
+    with preemption.protected():  # the handler's: a signal meanwhile does not cut a checkpoint short
+        if (periodic(step, save_interval, total) and not in_nonfinite_streak) or step == total or preempted:
+            ckpt.save(step, roles, state() if callable(state) else state)
+        ckpt.poll()
+        if preempted and step < total:
+            ckpt.wait()
+            log.info(f"signalled: checkpoint at step {step} saved, exiting for requeue")
+            raise Preempted(step)

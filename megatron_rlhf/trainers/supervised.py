@@ -25,6 +25,7 @@ from megatron_rlhf import parallel
 from megatron_rlhf.data.sampler import EpochSampler
 from megatron_rlhf.models.batching import data_parallel, dp_slice
 from megatron_rlhf.parallel.collectives import dp_sums
+from megatron_rlhf.resilience.preemption import interruptible
 from megatron_rlhf.trainers.runner import StageRunner, skipped_steps
 
 
@@ -99,7 +100,8 @@ def run_steps(runner: StageRunner, steps: SupervisedSteps) -> dict:
                    "tokens_per_s": tokens / (time.perf_counter() - t0)}
         evaluated = runner.due(steps.eval_interval)
         if evaluated:
-            metrics.update(steps.evaluate())
+            with interruptible("the eval"):  # SIGTERM ends it at once (resilience/preemption.py)
+                metrics.update(steps.evaluate())
         if step == runner.total and steps.before_last_checkpoint is not None:
             steps.before_last_checkpoint()
         runner.end_step(metrics, step * steps.global_batch_size, evaluated, **steps.trainer_state())
