@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 from megatron_rlhf.__main__ import ALL_SECTIONS, FLAGS, VERBS, main
@@ -108,6 +109,18 @@ def test_print_config_says_where_each_value_came_from(tmp_path, capsys):
     assert leaves["model.params_dtype"] == ("float32", "default")  # a run's choice, not the architecture's
     assert "# note: model.num_layers=7 (recipe) replaced by 3" in text and "the ppo section is now rl" in text
     assert len(leaves) > 200
+
+
+@pytest.mark.parametrize("override, what", [
+    ("=5", "no key before '='"), (" =5", "no key before '='"),
+    ("model.=5", "the key 'model.' has an empty part"), (".seed=3", "the key '.seed' has an empty part"),
+    ("model..hidden_size=64", "the key 'model..hidden_size' has an empty part"),
+])
+def test_an_override_without_a_whole_key_says_what_is_missing(capsys, override, what):
+    """`print-config =5` said `config error: : unknown key; known keys: [...]`."""
+    code, text = run_main(capsys, "print-config", override)
+    assert code == 2 and text.startswith(f"config error: override '{override}': {what}") and "unknown key" not in text
+    assert "e.g. model.hidden_size=128" in text and text.count("\n") == 1
 
 
 def test_printed_config_reads_back_equal(tmp_path, capsys):

@@ -295,3 +295,24 @@ def test_lora_stages_write_beside_full_fine_tuning():
     assert [stage_dir(cfg, s).name for s in ("sft", "rm", "dpo", "rl")] == ["sft_lora", "rm", "dpo_lora", "ppo"]
     cfg = load_config(None, ["lora.rank=0", "lora.stages=[sft,dpo,rl]"])  # rank 0: LoRA off everywhere
     assert [stage_dir(cfg, s) for s in ("sft", "dpo", "rl")] == [run_dir(cfg) / n for n in ("sft", "dpo", "ppo")]
+
+
+def test_an_episode_budget_without_room_for_a_prompt_and_a_turn_is_a_config_error(capsys, monkeypatch):
+    """rl.max_total_tokens holds the prompt and the first policy turn (sampling.max_new_tokens):
+    less than 2 prompt tokens left was a ValueError from data/encode.py when the stage started."""
+    from megatron_rlhf.__main__ import ERROR_DIR_ENV, main
+
+    monkeypatch.delenv(ERROR_DIR_ENV, raising=False)
+    agent = PIPELINES / "tiny_cpu_agent.yaml"  # multi-turn: rl.max_total_tokens 56, sampling.max_new_tokens 12
+    for overrides in (["rl.max_total_tokens=13"], ["sampling.max_new_tokens=55"]):
+        with pytest.raises(ConfigError) as err:
+            validate(load_config(agent, overrides), world_size=1)
+        message = str(err.value)
+        assert message.startswith("rl.max_total_tokens=") and "sampling.max_new_tokens=" in message, message
+    assert message == ("rl.max_total_tokens=56 with sampling.max_new_tokens=55: an episode holds its prompt and a "
+                       "whole first policy turn, which leaves the prompt 1 of the 2 tokens it needs; raise "
+                       "rl.max_total_tokens to >= 57 or lower sampling.max_new_tokens to <= 54 (it is per policy turn)")
+    validate(load_config(agent, ["rl.max_total_tokens=14"]), world_size=1)  # 2 prompt tokens: enough
+    assert main(["stages", "--config", str(agent), "rl.max_total_tokens=12"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("config error: rl.max_total_tokens=12 with sampling.max_new_tokens=12: ") and err.count("\n") == 1

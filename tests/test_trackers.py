@@ -168,6 +168,33 @@ def test_wandb_offline_run_has_every_row_the_config_and_the_summary_and_a_resume
     assert summary["wall_seconds"] == 1.5 and summary["steps"] == 6
 
 
+def test_an_unreachable_mlflow_server_costs_seconds_at_start_not_minutes(tmp_path, capsys, monkeypatch):
+    """A real client against a port nothing listens on: with MLflow's defaults its retries held the
+    stage's start-up ~4 minutes; bounded, the stage starts without MLflow within seconds, saying so."""
+    import os
+    import socket
+    import threading
+
+    bounded = ("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "MLFLOW_HTTP_REQUEST_TIMEOUT")
+    for name in bounded:  # MLflow's defaults: 7 retries, doubling backoff
+        monkeypatch.delenv(name, raising=False)
+    with socket.socket() as free:  # a port on this machine that refuses connections
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    cfg = config(tmp_path, mlflow=MlflowConfig(enabled=True, tracking_uri=f"http://127.0.0.1:{port}"))
+    started: list[Trackers] = []
+    starting = threading.Thread(target=lambda: started.append(Trackers.start(cfg, "sft", tmp_path / "r1" / "sft")),
+                                daemon=True)
+    starting.start()
+    starting.join(timeout=30)  # bounded: about 2-4 s (STARTUP_REQUESTS); unbounded: minutes
+    assert not starting.is_alive(), "the stage's start-up still waits on the unreachable MLflow server"
+    assert started[0].ids() == {}
+    out = capsys.readouterr().out
+    assert out.count("WARNING: mlflow could not start") == 1 and f"127.0.0.1:{port}" in out
+    assert "training goes on without mlflow for this stage" in out
+    assert not any(name in os.environ for name in bounded)  # set only while the run starts
+
+
 def test_a_checkpoint_from_another_directory_starts_new_tracker_runs(tmp_path):
     ids = {"wandb": {"id": "abc"}}
     assert previous_runs({"checkpoint": str(tmp_path / "sft" / "iter_0000002"), "trackers": ids}, tmp_path / "sft") == ids

@@ -50,6 +50,7 @@ import json
 import logging
 import os
 import random
+import re
 import shutil
 from functools import partial
 from pathlib import Path
@@ -207,15 +208,39 @@ def _merge_requests(requests: list, commit) -> Any:
     return AsyncRequest(_run_in_order if calls else None, (calls,), [*finalize_fns, commit])
 
 
+_ITER_NAME = re.compile(r"^iter_(\d+)$")
+
+
 def _agreed_trainer_state(path: Path) -> dict[str, Any]:
     """Collective. This rank's trainer state (rank 0's when the checkpoint has fewer ranks),
-    or the refusal (safe_load.load_pt) raised on every rank: the ranks that could read
-    theirs would otherwise go on to train and wait for the refused one forever."""
+    or the refusal (safe_load.load_pt, check_trainer_state) raised on every rank: the ranks that
+    could read theirs would otherwise go on to train and wait for the refused one forever."""
     rank_file = path / "trainer_state" / f"rank_{dist.get_rank():05d}.pt"
     with errors_agreed(lambda: CheckpointError(f"{path}/trainer_state: a file was refused on another rank "
                                                "(see its error)"), catch=CheckpointError):
-        state = load_pt(rank_file if rank_file.exists() else path / "trainer_state" / "rank_00000.pt")
+        state_file = rank_file if rank_file.exists() else path / "trainer_state" / "rank_00000.pt"
+        state = check_trainer_state(load_pt(state_file), state_file)
     return state
+
+
+def check_trainer_state(state: Any, state_file: Path) -> dict[str, Any]:
+    """`state`, read from <iter_dir>/trainer_state/`state_file`, as a stage resumes from it: a
+    mapping whose `step` is an integer >= 0, that of its iter_N directory (a resume restarts the
+    step count, the data position and the schedules from it); a CheckpointError naming the file
+    and the fix otherwise."""
+    iter_dir = state_file.parent.parent
+    named = int(m.group(1)) if (m := _ITER_NAME.match(iter_dir.name)) else None  # None: a copy, renamed
+    if not isinstance(state, dict):
+        why = f"holds a {type(state).__name__}, not the mapping of a trainer state"
+    elif "step" not in state:
+        why = "has no step"
+    elif type(state["step"]) is not int or state["step"] < 0 or named not in (None, state["step"]):
+        why = f"step={state['step']!r}" + (f", in {iter_dir.name} (saved at step {named})" if named is not None
+                                           else ": expected an integer >= 0")
+    else:
+        return state
+    raise CheckpointError(f"{state_file}: {why}: the file was changed after its save; move {iter_dir} out of "
+                          f"{iter_dir.parent} to resume from the checkpoint before it")
 
 
 def _resume_choice(where: str | Path) -> tuple[Path, list[str]]:

@@ -111,6 +111,12 @@ def parse_overrides(overrides: list[str]) -> dict[str, Any]:
         if "=" not in item:
             raise ConfigError(f"override '{item}': expected key=value, e.g. model.hidden_size=128")
         key, raw = item.split("=", 1)
+        if not key.strip():
+            raise ConfigError(f"override '{item}': no key before '='; write the dotted key of the field to set, "
+                              "e.g. model.hidden_size=128 (print-config lists every key)")
+        if "" in [part.strip() for part in key.strip().split(".")]:
+            raise ConfigError(f"override '{item}': the key '{key.strip()}' has an empty part (a leading, trailing or "
+                              "doubled '.'); name the section and the field, e.g. model.hidden_size=128")
         try:
             value = yaml.safe_load(raw) if raw != "" else ""
         except yaml.YAMLError as err:

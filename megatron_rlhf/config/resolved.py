@@ -4,6 +4,7 @@ load_config reads back to an equal Config (no torch here: print-config must be q
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import shlex
@@ -13,6 +14,7 @@ from typing import Any
 
 import yaml
 
+from megatron_rlhf.config.errors import ConfigError
 from megatron_rlhf.config.run import Config
 
 RESOLVED_CONFIG = "config.yaml"
@@ -81,12 +83,30 @@ def write_resolved_config(cfg: Config, directory: Path) -> Path:
                                     f"  {command_line()}",
                                     "Every field, from defaults, recipe, base recipes, overrides and config.json;",
                                     "to run it again: a recipe with `base: <this file>` (docs/cli.md)", ""])
-    if path.is_file() and _body(path.read_text()) != body:
-        os.replace(path, directory / PREVIOUS_CONFIG)
+    for name in (RESOLVED_CONFIG, PREVIOUS_CONFIG):  # before anything is written: nothing is left behind
+        if (where := directory / name).is_dir() and not where.is_symlink():
+            raise ConfigError(f"{where}: a directory where the stage writes its resolved config (a file, "
+                              "rewritten at each start); move it away or delete it, then rerun")
     tmp = directory / f"{RESOLVED_CONFIG}.tmp{os.getpid()}"
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    try:
+        if path.is_file() and _read_body(path) != body:
+            os.replace(path, directory / PREVIOUS_CONFIG)
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        raise ConfigError(f"{path}: cannot write the stage's resolved config ({e.strerror or e}); fix that "
+                          f"(permissions, free space in {directory}), then rerun") from None
     return path
+
+
+def _read_body(path: Path) -> str | None:
+    """The body of a config.yaml written earlier; None: unreadable (kept as config.yaml.prev)."""
+    try:
+        return _body(path.read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def _body(text: str) -> str:

@@ -101,6 +101,8 @@ ENVIRONMENT_FIELDS = {"none": (), "class": ("class_path", "tool_parser", "observ
                                "max_backoff_s")}
 # rl fields only a multi-turn run reads: refused with rl.environment.type=none.
 MULTI_TURN_FIELDS = ("max_turns", "max_total_tokens", "max_failed_episodes")
+# The shortest prompt a rollout encodes (data/encode.py: one prompt token and one to generate).
+MIN_PROMPT_TOKENS = 2
 
 
 @dataclass(frozen=True)
@@ -333,8 +335,9 @@ class RLConfig:
     def samples_per_iteration(self) -> int:
         return self.rollout_batch_size * self.n_samples_per_prompt
 
-    def check(self, m: ModelConfig, dp: int, given: frozenset = frozenset()) -> None:
-        """The section's rules; `given`: the dotted keys the recipe and the overrides set."""
+    def check(self, m: ModelConfig, dp: int, given: frozenset = frozenset(), sampling=None) -> None:
+        """The section's rules; `given`: the dotted keys the recipe and the overrides set;
+        `sampling`: the sampling section (SamplingConfig), for the rules across the two."""
         p = self
         for key in ("steps", "rollout_batch_size", "mini_batch_size", "micro_batch_size", "epochs", "n_samples_per_prompt", "max_sampling_rounds",
                     "eval_interval", "log_interval"):
@@ -426,7 +429,7 @@ class RLConfig:
             raise ConfigError("rl.routing_replay=rollout: the model has no experts (model.num_experts is unset), so "
                               "there are no routes to replay; remove it or set rl.routing_replay=off")
         p.check_rewards()
-        p.check_environment(m, given)
+        p.check_environment(m, given, sampling)
         if p.dual_clip is not None and p.dual_clip <= 1:
             raise ConfigError(f"rl.dual_clip={p.dual_clip}: must be > 1 (the bound c * |A| on a negative "
                               "advantage's loss; typical 3), or null for none")
@@ -444,8 +447,8 @@ class RLConfig:
         whole trajectory (policy and environment turns within rl.max_total_tokens)."""
         return self.episode_token_budget(m) if self.multi_turn else sampling.max_new_tokens
 
-    def check_environment(self, m: ModelConfig, given: frozenset = frozenset()) -> None:
-        """rl.environment and the multi-turn limits."""
+    def check_environment(self, m: ModelConfig, given: frozenset = frozenset(), sampling=None) -> None:
+        """rl.environment and the multi-turn limits (with `sampling`: against sampling.max_new_tokens)."""
         p = self
         p.environment.check()
         if not p.multi_turn and any(src.type == "environment" for src in p.rewards):
@@ -461,6 +464,17 @@ class RLConfig:
         if not 0 <= p.max_total_tokens <= m.max_seq_length:
             raise ConfigError(f"rl.max_total_tokens={p.max_total_tokens}: must be in [0, model.max_seq_length="
                               f"{m.max_seq_length}] (0: model.max_seq_length); an episode is one sequence")
+        # An episode starts with its prompt and a whole first policy turn (trainers/rl.py: prompts
+        # are encoded to the budget less sampling.max_new_tokens, at least 2 tokens: data/encode.py).
+        if sampling is not None and p.episode_token_budget(m) - sampling.max_new_tokens < MIN_PROMPT_TOKENS:
+            budget = p.episode_token_budget(m)
+            raise ConfigError(
+                f"rl.max_total_tokens={p.max_total_tokens} with sampling.max_new_tokens={sampling.max_new_tokens}: "
+                f"an episode holds its prompt and a whole first policy turn, which leaves the prompt "
+                f"{max(budget - sampling.max_new_tokens, 0)} of the {MIN_PROMPT_TOKENS} tokens it needs; raise "
+                f"rl.max_total_tokens to "
+                f">= {sampling.max_new_tokens + MIN_PROMPT_TOKENS} or lower sampling.max_new_tokens to "
+                f"<= {budget - MIN_PROMPT_TOKENS} (it is per policy turn)")
         if not 0 <= p.max_failed_episodes <= 1:
             raise ConfigError(f"rl.max_failed_episodes={p.max_failed_episodes}: a fraction of a batch's episodes, "
                               "in [0, 1] (0: any failed episode stops the stage)")

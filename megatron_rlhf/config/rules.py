@@ -24,7 +24,7 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
                  "rl.critic_optimizer"):
         _get_dotted(cfg, name).check(name)
     cfg.sampling.check(m)
-    cfg.rl.check(m, dp, cfg.given)
+    cfg.rl.check(m, dp, cfg.given, cfg.sampling)
     cfg.rollout.check(m, cfg.parallel)
     cfg.lora.check()
     if cfg.lora.applies_to("sft") and not (cfg.sft.init_from or m.init_from_hf):

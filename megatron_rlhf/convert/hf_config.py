@@ -7,6 +7,9 @@ reads it while it loads. Its names are re-exported here, where the converters lo
 
 from __future__ import annotations
 
+import json
+import math
+from pathlib import Path
 from typing import Any
 
 from megatron_rlhf.config.hf_architecture import (  # noqa: F401  (re-exported for convert/ and its users)
@@ -21,6 +24,50 @@ from megatron_rlhf.config.model import ModelConfig
 # settings the run generates with, for generation_config.json.
 RECORDED_TOKENIZER = "tokenizer"
 RECORDED_SAMPLING = "sampling.json"
+# The keys record_run writes to sampling.json, each with its rule: generation_config.json takes
+# these and nothing else, so a damaged or edited file cannot put a `trust_remote_code` or a
+# temperature of "hot" into an export.
+_SAMPLING_KEYS = {
+    "do_sample": (lambda v: isinstance(v, bool), "true or false"),
+    "temperature": (lambda v: _number(v) and v > 0, "a number > 0"),
+    "top_p": (lambda v: _number(v) and 0 < v <= 1, "a number in (0, 1]"),
+    "top_k": (lambda v: _integer(v) and v >= 0, "an integer >= 0 (0: no top-k)"),
+    "max_new_tokens": (lambda v: _integer(v) and v >= 1, "an integer >= 1"),
+}
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _integer(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def read_recorded_sampling(path: Path) -> dict[str, Any]:
+    """The sampling settings a run recorded in `path` (its sampling.json, trainers/stage_data.py
+    record_run), checked before export-hf writes them to generation_config.json: a JSON object
+    of record_run's keys (any of them), each of its type and range. A ConvertError names the
+    file, the key and the fix."""
+    fix = (f"delete {path} (the export then carries no sampling settings; the run's next stage records them "
+           "again)")
+    try:
+        recorded = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
+        why = e.strerror if isinstance(e, OSError) and e.strerror else str(e) or type(e).__name__
+        raise ConvertError(f"{path}: unreadable ({why}); {fix}") from None
+    if not isinstance(recorded, dict):
+        raise ConvertError(f"{path}: holds {type(recorded).__name__} {json.dumps(recorded)[:40]}, not the JSON "
+                           f"object of sampling settings a run records; {fix}")
+    for key, value in recorded.items():
+        if key not in _SAMPLING_KEYS:
+            raise ConvertError(f"{path}: {key!r} is not a sampling setting (a run records only "
+                               f"{', '.join(_SAMPLING_KEYS)}); remove it, or {fix}")
+        valid, rule = _SAMPLING_KEYS[key]
+        if not valid(value):
+            what = "true (the stages sample)" if key == "do_sample" else f"the run's sampling.{key}"
+            raise ConvertError(f"{path}: {key}={json.dumps(value)}: must be {rule}; set it to {what}, or {fix}")
+    return recorded
 
 
 def _rope_json(m: ModelConfig) -> dict[str, Any] | None:

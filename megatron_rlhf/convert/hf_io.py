@@ -39,6 +39,7 @@ import torch
 from megatron_rlhf.checkpoint.safe_load import load_pt, restricted_dcp_unpickling
 from megatron_rlhf.convert.hf_config import (
     RECORDED_SAMPLING, RECORDED_TOKENIZER, ConvertError, check_model_matches_hf, hf_config_dict, read_hf_config,
+    read_recorded_sampling,
 )
 from megatron_rlhf.convert.checkpoint_roles import POLICY_ROLES, VALUE_ROLES, model_config_for, resolve_role_dir
 from megatron_rlhf.convert.hf_moe_weights import ExpertRanks, check_checkpoint_experts, fused_experts_hint
@@ -300,8 +301,8 @@ def _recorded_with_checkpoint(iter_dir: Path | None) -> tuple[Path | None, dict[
     for where in (iter_dir.parent, iter_dir.parent.parent):
         if tokenizer is None and read_tokenizer_record(where / RECORDED_TOKENIZER) is not None:
             tokenizer = where / RECORDED_TOKENIZER
-        if not sampling and (where / RECORDED_SAMPLING).is_file():
-            sampling = json.loads((where / RECORDED_SAMPLING).read_text())
+        if not sampling and (where / RECORDED_SAMPLING).exists():
+            sampling = read_recorded_sampling(where / RECORDED_SAMPLING)
     state_file = iter_dir / "trainer_state" / "rank_00000.pt"
     return tokenizer, sampling, load_pt(state_file) if state_file.is_file() else {}
 
@@ -398,6 +399,8 @@ def export_hf(checkpoint: str | os.PathLike, role: str, out_dir: str | os.PathLi
     check_export_dir(out_dir)
     role_dir, iter_dir = resolve_role_dir(checkpoint, role)
     m = model_config_for(model_cfg, iter_dir)
+    # what the run recorded, checked before any weight is read (hf_config.read_recorded_sampling)
+    recorded_tokenizer, sampling, state = _recorded_with_checkpoint(iter_dir)
     with restricted_dcp_unpickling(role_dir):
         ck = merged_view(TorchDistCheckpoint(role_dir), lora_base)
     value_model = role in VALUE_ROLES
@@ -417,7 +420,6 @@ def export_hf(checkpoint: str | os.PathLike, role: str, out_dir: str | os.PathLi
     if value_model:
         score, info = _value_head(ck, role, drop_score_bias)
         export_info.update(info)
-    recorded_tokenizer, sampling, state = _recorded_with_checkpoint(iter_dir)
     tokenizer_dir = Path(tokenizer_dir) if tokenizer_dir is not None else recorded_tokenizer
     token_ids = _token_ids(tokenizer_dir, d.vocab)
     token_ids.update({k: v for k, v in (state.get("hf_token_ids") or {}).items() if v is not None})

@@ -82,10 +82,12 @@ class MetricsLogger:
         kept = []
         for line in self.jsonl.read_text().splitlines():
             try:
-                if json.loads(line)["step"] <= step:
-                    kept.append(line)
-            except (json.JSONDecodeError, KeyError):
-                pass  # a line torn by a killed process
+                row = json.loads(line)
+            except (ValueError, RecursionError):
+                continue  # a line torn by a killed process
+            # a line that is not a row (an object with an integer step) is damage: dropped too
+            if isinstance(row, dict) and type(row.get("step")) is int and row["step"] <= step:
+                kept.append(line)
         self.jsonl.write_text("".join(line + "\n" for line in kept))
 
     def log(self, step: int, metrics: dict[str, float]) -> None:

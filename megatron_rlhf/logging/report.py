@@ -20,6 +20,8 @@ import json
 import textwrap
 from pathlib import Path
 
+from megatron_rlhf.config.errors import ConfigError
+
 CURVES = {
     "sft": ["loss", "eval_loss"],
     "rm": ["loss", "eval_accuracy"],
@@ -112,14 +114,53 @@ def _current_names(record: dict) -> dict:
     return {LEGACY_NAMES.get(k, k): v for k, v in record.items()}
 
 
+def _unreadable(path: Path, error: Exception) -> str:
+    why = error.strerror if isinstance(error, OSError) and error.strerror else str(error) or type(error).__name__
+    return f"{path}: unreadable ({why})"
+
+
+def read_summary(stage_dir: Path) -> dict | None:
+    """<stage_dir>/summary.json, None when there is none: the one reader of it, for the report and
+    the pipeline (trainers/stage_inputs.py). One that cannot be read or holds no JSON object is a
+    ConfigError naming the file and the fix."""
+    path = Path(stage_dir) / "summary.json"
+    fix = ("delete it: the stage then counts as unfinished (the report shows how far it got; the pipeline "
+           "resumes it from its checkpoints and writes summary.json again)")
+    try:
+        summary = json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, RecursionError) as e:  # ValueError: not JSON, not UTF-8
+        raise ConfigError(f"{_unreadable(path, e)}; {fix}") from None
+    if not isinstance(summary, dict):
+        raise ConfigError(f"{path}: holds a JSON {type(summary).__name__}, not the object a stage writes; {fix}")
+    return summary
+
+
 def _read_metrics(stage_dir: Path) -> list[dict]:
-    path = stage_dir / "metrics.jsonl"
+    """<stage_dir>/metrics.jsonl's rows by step ([] when there is none). A line that is not JSON is
+    skipped (torn by a killed process); one that is JSON but not a row (an object with an integer
+    step) is a ConfigError naming the file, the line and the fix."""
+    path = Path(stage_dir) / "metrics.jsonl"
+    try:
+        lines = path.read_text().splitlines()
+    except FileNotFoundError:
+        return []
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{_unreadable(path, e)}; delete it or move it away (the report then has no curves "
+                          "for the stage)") from None
     rows = []
-    for line in path.read_text().splitlines() if path.exists() else []:
+    for number, line in enumerate(lines, 1):
         try:
-            rows.append(_current_names(json.loads(line)))
-        except json.JSONDecodeError:
-            pass  # a line torn by a killed process
+            row = json.loads(line)
+        except (ValueError, RecursionError):
+            continue  # a line torn by a killed process
+        step = row.get("step") if isinstance(row, dict) else None
+        if not isinstance(step, int) or isinstance(step, bool):
+            what = "no integer step" if isinstance(row, dict) else f"a JSON {type(row).__name__}"
+            raise ConfigError(f"{path}:{number}: not a metrics row (a JSON object with an integer step): {what}; delete "
+                              "that line (the stage wrote every other one, and a resumed stage drops it too)")
+        rows.append(_current_names(row))
     return sorted(rows, key=lambda r: r["step"])
 
 
@@ -364,8 +405,8 @@ def memory_lines(account: dict) -> list[str]:
 
 def stage_section(run_dir: Path, stage: str) -> list[str]:
     stage_dir, lines = run_dir / stage, [f"## {stage}", ""]
-    rows, summary_path = _read_metrics(stage_dir), stage_dir / "summary.json"
-    summary = _current_names(json.loads(summary_path.read_text())) if summary_path.exists() else None
+    rows, summary = _read_metrics(stage_dir), read_summary(stage_dir)
+    summary = None if summary is None else _current_names(summary)
     if summary is None:
         lines += [progress_line(stage_dir, rows), ""]
     plots = [_save(curves_figure(rows, CURVES[_kind(stage)], stage), run_dir / f"report_{stage}.png")]
@@ -392,14 +433,14 @@ def overview_lines(run_dir: Path, stages: list[str]) -> list[str]:
     """One row per stage: finished or not, steps, wall time, peak memory."""
     lines = ["| stage | status | steps | wall time | peak memory |", "|---|---|---|---|---|"]
     for stage in stages:
-        path = run_dir / stage / "summary.json"
-        summary = json.loads(path.read_text()) if path.exists() else {}
-        if path.exists():
+        summary = read_summary(run_dir / stage)
+        if summary is not None:
             status = "finished"
         elif rows := _read_metrics(run_dir / stage):
             status = f"in progress or stopped at step {rows[-1]['step']}"
         else:
             status = "started, nothing logged yet" if (run_dir / stage).is_dir() else "not started"
+        summary = summary or {}
         cells = [summary.get("steps"), summary.get("wall_seconds"), summary.get("peak_memory_bytes")]
         cells = [MISSING if v is None else f(v) for v, f in zip(cells, (str, human_seconds, human_bytes))]
         lines.append(f"| {stage} | {status} | " + " | ".join(cells) + " |")
@@ -408,8 +449,8 @@ def overview_lines(run_dir: Path, stages: list[str]) -> list[str]:
 
 def phase_time_section(run_dir: Path, rl_stages: list[str]) -> list[str]:
     """Time per phase of each finished RL stage (from its summary's phase_seconds)."""
-    summaries = [(s, run_dir / s / "summary.json") for s in rl_stages]
-    summaries = [(s, json.loads(path.read_text())) for s, path in summaries if path.exists()]
+    summaries = [(s, read_summary(run_dir / s)) for s in rl_stages]
+    summaries = [(s, summary) for s, summary in summaries if summary is not None]
     seconds = {s: summary["phase_seconds"] for s, summary in summaries if summary.get("phase_seconds")}
     if not seconds:
         return []

@@ -14,7 +14,11 @@ A tracker that fails (network, server, login) must not stop training: its error 
 that tracker is switched off for the rest of the stage, and metrics.jsonl still has every row.
 MLflow's client already retries a request (MLFLOW_HTTP_REQUEST_MAX_RETRIES) before it raises,
 so an error that reaches us means the server is gone, and trying again every step would only
-stall training. A missing package is a config error instead (config/run.py, at validate time).
+stall training. Its defaults (7 retries with a doubling backoff, a 120 s timeout per attempt)
+would hold a stage's start-up ~4 minutes on a tracking server that is down, so the requests that
+start the run go out under STARTUP_REQUESTS (a few seconds when the connection is refused, about
+35 s when nothing answers) unless the user set those variables; later requests keep MLflow's own.
+A missing package is a config error instead (config/run.py, at validate time).
 The clients are imported only when enabled: `import megatron_rlhf` imports neither.
 """
 
@@ -23,6 +27,7 @@ from __future__ import annotations
 import math
 import os
 import time
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -36,6 +41,23 @@ if TYPE_CHECKING:
 # run already has (one tag in the same request as the metrics; read once, at the resume).
 LAST_STEP_TAG = "megatron_rlhf.last_step"
 MLFLOW_PARAM_MAX_CHARS = 6000  # MLflow refuses longer param values
+# MLflow's HTTP settings (mlflow/environment_variables.py, read at each request) while a stage's
+# run starts: 2 retries, 1 s backoff (0 s then 2 s; + up to 1 s jitter), 10 s to connect and answer.
+# A variable the user set wins.
+STARTUP_REQUESTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+                    "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
+
+
+@contextmanager
+def _startup_requests():
+    """STARTUP_REQUESTS in the environment for the block, where the user has not set them."""
+    added = [name for name in STARTUP_REQUESTS if name not in os.environ]
+    os.environ.update({name: STARTUP_REQUESTS[name] for name in added})
+    try:
+        yield
+    finally:
+        for name in added:
+            os.environ.pop(name, None)
 
 
 def flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -97,12 +119,19 @@ class MlflowTracker:
     name = "mlflow"
 
     def __init__(self, settings: MlflowConfig, cfg: Config, stage: str, stage_dir: Path, previous: dict | None):
-        from mlflow.entities import Param
         from mlflow.tracking import MlflowClient
 
         self.uri = settings.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or \
             f"sqlite:///{Path(stage_dir).resolve().parent / 'mlflow.db'}"
         self.client = MlflowClient(tracking_uri=self.uri)
+        with _startup_requests():  # a server that is down: a warning within seconds, not minutes
+            self._start(settings, cfg, stage, previous)
+
+    def _start(self, settings: MlflowConfig, cfg: Config, stage: str, previous: dict | None) -> None:
+        """The stage's run: the one `previous` names if the store has it, else a new one; the
+        config's params it lacks."""
+        from mlflow.entities import Param
+
         run = self._previous_run(previous["run_id"]) if previous else None
         if run is not None:
             self.last_step = int(run.data.tags.get(LAST_STEP_TAG, -1))

@@ -40,6 +40,7 @@ from typing import Any
 from megatron_rlhf.checkpoint.validate import CheckpointError, find_checkpoint
 from megatron_rlhf.config import MOE_ARCHITECTURE_FIELDS, Config, ConfigError, policy_start
 from megatron_rlhf.config.rl import MULTI_TURN_FIELDS
+from megatron_rlhf.logging.report import read_summary
 from megatron_rlhf.trainers.stage_data import (
     STAGE_SPLITS, resolve_run, run_dir, split_source, stage_dir,
 )
@@ -276,14 +277,8 @@ def _reuse(cfg: Config, stage: str, out: Path, summary: dict) -> StagePlan:
 
 
 def _read_summary(out: Path) -> dict | None:
-    try:
-        summary = json.loads((out / "summary.json").read_text())
-    except FileNotFoundError:
-        return None
-    except ValueError as e:
-        raise ConfigError(f"{out}/summary.json: unreadable ({e}); delete it to resume the stage from its "
-                          f"checkpoints, or use another checkpoint.run_name") from None
-    return summary if isinstance(summary, dict) else None
+    """The stage's summary.json as the report reads it (None: none); damaged: a ConfigError."""
+    return read_summary(out)
 
 
 def _has_content(directory: Path) -> bool:
