@@ -143,6 +143,7 @@ bench: setup
 	$(PY) benchmarks/memory.py
 	$(PY) benchmarks/lora_memory.py
 	$(PY) benchmarks/train_step.py
+	$(PY) benchmarks/env_steps.py
 
 # Every CPU benchmark's --quick: the same code at tiny sizes, a few steps, one layout (~20-60 s each
 # on 2 cores): does it still run? JSON under $(QUICK_OUT), apart from the full results.
@@ -159,6 +160,7 @@ bench-quick: setup
 	$(PY) benchmarks/memory.py --quick --out $(QUICK_OUT)/memory.json
 	$(PY) benchmarks/lora_memory.py --quick --out $(QUICK_OUT)/lora_memory.json
 	$(PY) benchmarks/train_step.py --quick --out $(QUICK_OUT)/train_step.json
+	$(PY) benchmarks/env_steps.py --quick --out $(QUICK_OUT)/env_steps.json
 
 bench-vllm: $(VLLM_STAMP)
 	$(VENV_VLLM)/bin/python benchmarks/rollout_engines.py

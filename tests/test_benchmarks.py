@@ -171,6 +171,19 @@ def check_turn_cache(res: dict) -> None:
     assert ep2[1]["positions_fed"] < ep2[0]["positions_fed"]
 
 
+def check_env_steps(res: dict) -> None:
+    assert res["quick"] and res["same_episodes"]  # the pool changes when steps run, not what they give
+    assert [r["variant"] for r in res["rows"]] == ["one at a time", "pool"], res["rows"]
+    for row in res["rows"]:
+        positive(row, "wall_s_min", "wall_s_median", "cpu_s_min", "cpu_s_median", "steps")
+        assert row["failed"] == 0 and row["steps"] == 2 * row["episodes"], row  # a tool call, then the answer
+    positive(res, "speedup_min", "speedup_median")
+    assert res["speedup_median"] > 1.5, res  # 8 steps of 20 ms at once, not one after another
+    serial, pool = res["hang"]  # every step hangs: one step timeout per turn with the pool, not one per episode
+    assert serial["failed"] == pool["failed"] == serial["episodes"], res["hang"]
+    assert pool["wall_s"] < serial["wall_s"] / 2, res["hang"]
+
+
 BENCHMARKS = {
     "bench_roles": check_bench_roles,
     "memory": check_memory,
@@ -184,6 +197,7 @@ BENCHMARKS = {
     "train_step": check_train_step,
     "rollout_engines": check_rollout_engines,
     "turn_cache": check_turn_cache,
+    "env_steps": check_env_steps,
 }
 NEEDS_VLLM = {"rollout_engines"}
 

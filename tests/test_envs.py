@@ -265,6 +265,11 @@ def test_the_start_context_is_appended_as_context():
     (StepResult(done="yes"), INVALID_OUTPUT, "done is 'yes'"),
     (StepResult(info=["a"]), INVALID_OUTPUT, "info is list, not a dict"),
     (EpisodeFailed(TIMED_OUT, "the sandbox timed out"), TIMED_OUT, "the sandbox timed out"),
+    # issue 53 item 8: values that raised in the runner (OverflowError, TypeError) fail the episode
+    (StepResult(reward=10 ** 400), INVALID_OUTPUT, "the reward: score 0 (int) is too large for a float"),
+    (StepResult(tool_calls=5), INVALID_OUTPUT, "tool_calls is int, not a list of ToolCall"),
+    (StepResult(tool_errors=None), INVALID_OUTPUT, "tool_errors is NoneType, not a list of str"),
+    (StepResult(tool_calls=[{"name": "calc"}]), INVALID_OUTPUT, "tool_calls holds a dict, not a ToolCall"),
 ])
 def test_an_environment_failure_ends_only_its_episode_with_the_reason(answer, reason, detail):
     environments = []
@@ -393,7 +398,7 @@ def test_environment_classes_load_from_a_file_with_clear_errors(tmp_path):
     assert environment_factory(EnvironmentConfig(type="class", class_path=f"{path}:Lookup"))().parser.name == "json"
     assert load_environment_class("megatron_rlhf/envs/calculator.py:CalculatorEnv").__name__ == "CalculatorEnv"
     problems = {f"{path}:not_a_class": "is not a subclass of megatron_rlhf.envs.Environment",
-                f"{path}:Missing": "has no function 'Missing'", f"{tmp_path}/nope.py:Echo": "file not found"}
+                f"{path}:Missing": "has no class 'Missing'", f"{tmp_path}/nope.py:Echo": "file not found"}
     for spec, problem in problems.items():
         with pytest.raises(ConfigError, match=problem) as caught:
             load_environment_class(spec)

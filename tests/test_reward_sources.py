@@ -90,6 +90,10 @@ def test_the_shipped_rule_reward_scores_exact_answers():
     ("def score(**kw):\n    return [1.0, 'a', 0.0]\n", "score 1 is 'a' (str), not a number"),
     ("def score(**kw):\n    return [True, 1.0, 0.0]\n", "score 0 is True (bool), not a number"),
     ("def score(**kw):\n    return 1.0\n", "returned float, expected a list of 3 floats"),
+    # issue 53: a score past the largest float (was an OverflowError); BaseExceptions of the user's code
+    ("def score(**kw):\n    return [10 ** 400, 0.0, 0.0]\n", "score 0 (int) is too large for a float"),
+    ("def score(**kw):\n    raise SystemExit(3)\n", "raised SystemExit: 3"),
+    ("def score(**kw):\n    raise KeyboardInterrupt('in the grader')\n", "raised KeyboardInterrupt: in the grader"),
 ])
 def test_a_rule_function_that_misbehaves_stops_with_its_file_and_the_problem_named(tmp_path, body, problem):
     spec = write(tmp_path, body)

@@ -5,6 +5,7 @@
     tools.py       tool-call parsers by name: json (<tool_call>{...}</tool_call>), tag (<calc>...</calc>)
     episode.py     EpisodeRunner: runs episodes turn by turn on token ids (token in, token out),
                    with the step timeout, rl.max_turns and rl.max_total_tokens; TurnTemplate
+    pool.py        a turn's environment calls at the same time (bounded, hung calls replaced)
     http.py        the environment service schema (megatron_rlhf.env.v1) and its client
     server.py      any Environment class served over that schema (tests, demos)
     loading.py     rl.environment -> a factory of environments ("file.py:Class" or a URL), a runner

@@ -94,9 +94,20 @@ class StepResult:
 
 
 class Environment(ABC):
-    """One episode's environment. `self_timed`: its calls enforce step_timeout_s themselves
-    (the HTTP client), so the episode runner does not run them in a watchdog thread."""
+    """One episode's environment. The episode runner makes one per episode and calls reset,
+    step and close from its pool of threads (envs/pool.py), the environments of a turn's
+    episodes at the same time, each instance by one thread at a time.
 
+    thread_safe: whether instances of the class may run at the same time (True: they share no
+    state that is not thread-safe). A class whose instances share such state (a module-level
+    interpreter or tool process, a class attribute they write, the global `random`) sets it
+    False: its calls then run one at a time, in episode order, each within step_timeout_s.
+    concurrency: the most calls of a thread-safe class run at once (the runner's pool size).
+    self_timed: its calls bound their own time (the HTTP client's per-request deadline and
+    retries), so the runner does not time them out (a service down must not look like a timeout)."""
+
+    thread_safe: bool = True
+    concurrency: int = 32
     self_timed: bool = False
 
     @abstractmethod
@@ -254,6 +265,12 @@ def check_step_result(result: Any, vocab_size: int | None) -> StepResult:
         raise EpisodeFailed(INVALID_OUTPUT, f"done is {result.done!r}, not true or false")
     if not isinstance(result.info, dict):
         raise EpisodeFailed(INVALID_OUTPUT, f"info is {type(result.info).__name__}, not a dict")
+    for name, item, kind in (("tool_calls", ToolCall, "ToolCall"), ("tool_errors", str, "str")):
+        value = getattr(result, name)
+        if not isinstance(value, (list, tuple)):
+            raise EpisodeFailed(INVALID_OUTPUT, f"{name} is {type(value).__name__}, not a list of {kind}")
+        if wrong := [type(v).__name__ for v in value if not isinstance(v, item)]:
+            raise EpisodeFailed(INVALID_OUTPUT, f"{name} holds a {wrong[0]}, not a {kind}")
     if result.reward is not None:
         try:
             finite_scores([result.reward], 1)

@@ -1,11 +1,19 @@
 """Running episodes turn by turn on token ids: what the rollout loop calls.
 
     runner = EpisodeRunner(factory, tokenizer, template, max_turns=..., max_total_tokens=..., step_timeout_s=...)
-    episode = runner.start(record, prompt_ids)
-    while not episode.ended:
-        ids = <generate from prompt_ids + episode.tokens, at most runner.tokens_left(episode) new tokens,
+    episodes = runner.start_all(records, prompts)           # runner.start(record, prompt_ids): one
+    while running := [e for e in episodes if not e.ended]:
+        ids = <generate from each prompt_ids + episode.tokens, at most runner.tokens_left(episode) new tokens,
                stopping at any of runner.stop_ids>
-        runner.policy_turn(episode, ids)
+        runner.policy_turns(running, ids)                   # runner.policy_turn(episode, ids): one
+
+A batch's environment calls (the factory's and reset, each turn's steps, the closes) run at
+the same time in a bounded pool of threads (envs/pool.py), each within step_timeout_s of its own
+start, and the caller waits once for all of them, interruptibly (a signal's StageInterrupted
+ends the wait). Their results are applied in the episodes' order, so an episode never depends
+on which call finished first. Whatever the environment's code raises, SystemExit and
+KeyboardInterrupt included, fails that episode; EnvironmentFailure (a service down) stops the
+stage.
 
 Token in, token out: the policy's ids are appended as sampled; an observation is tokenized
 once, on its own, and appended between the template's marker ids (encoded once, at start).
@@ -20,14 +28,15 @@ does not fit, with room for one more policy token, ends the episode as truncated
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Callable
 
 from megatron_rlhf.envs.base import (
-    INVALID_OUTPUT, MAX_TOTAL_TOKENS, MAX_TURNS, RAISED, TIMED_OUT, EnvironmentFactory, EnvironmentFailure, EnvStart, Episode,
-    EpisodeFailed, Observation, Turn, check_observation, check_step_result,
+    INVALID_OUTPUT, MAX_TOTAL_TOKENS, MAX_TURNS, RAISED, TIMED_OUT, Environment, EnvironmentFactory, EnvironmentFailure,
+    EnvStart, Episode, EpisodeFailed, Observation, Turn, check_observation, check_step_result,
 )
+from megatron_rlhf.envs.pool import Outcome, run_calls
 
 
 @dataclass(frozen=True)
@@ -43,10 +52,17 @@ class TurnTemplate:
 
 class EpisodeRunner:
     """Steps episodes of a factory's environments on token ids. One per rollout worker; the
-    episodes it runs at once are independent (one environment each)."""
+    episodes it runs at once are independent (one environment each).
+
+    The rollout loop calls it a batch at a time: `start_all` resets every episode's environment,
+    `policy_turns` steps every running episode's: their calls run at the same time (envs/pool.py:
+    at most `workers`, each within step_timeout_s of its own start), and their results are
+    applied in the episodes' order, so what an episode becomes never depends on which call
+    finished first. The factory says how its environments may run (`environment_policy`): a
+    class with `thread_safe = False` runs one call at a time, in episode order."""
 
     def __init__(self, factory: EnvironmentFactory, tokenizer, template: TurnTemplate, *, max_turns: int,
-                 max_total_tokens: int, step_timeout_s: float, turn_tokens: int = 1):
+                 max_total_tokens: int, step_timeout_s: float, turn_tokens: int = 1, workers: int | None = None):
         if max_turns < 1 or max_total_tokens < 1 or step_timeout_s <= 0 or turn_tokens < 1:
             raise ValueError(f"max_turns={max_turns}, max_total_tokens={max_total_tokens}, step_timeout_s="
                              f"{step_timeout_s}, turn_tokens={turn_tokens}: need >= 1, >= 1, > 0, >= 1")
@@ -56,6 +72,7 @@ class EpisodeRunner:
         # max_total_tokens: the engine generates every running episode's turn with one budget,
         # so a turn is never cut short by another episode's lack of room.
         self.turn_tokens = turn_tokens
+        self.workers, self.self_timed = environment_policy(factory, workers)
         self.prefix_ids = marker_ids(tokenizer, template.observation_prefix, "observation_prefix")
         self.suffix_ids = marker_ids(tokenizer, template.observation_suffix, "observation_suffix")
         tool_end = marker_ids(tokenizer, template.tool_call_end, "tool_call_end")
@@ -66,57 +83,86 @@ class EpisodeRunner:
         self._environments: dict[int, Any] = {}
 
     # --- the rollout loop's calls
+    def start_all(self, records: list[dict[str, Any]], prompts: list[list[int]]) -> list[Episode]:
+        """A new episode per prompt record (records[i] with prompts[i]): each gets a fresh
+        environment (the factory's call is the episode's: a constructor that fails fails that
+        episode), reset with its record; the start context (if any) is appended as context."""
+        episodes = [Episode(record, list(ids)) for record, ids in zip(records, prompts)]
+        made: list[Any] = [None] * len(episodes)
+
+        def begin(index: int) -> Any:
+            made[index] = environment = self.factory()
+            return environment.reset(episodes[index].record)
+
+        outcomes = self._run([partial(begin, i) for i in range(len(episodes))])
+        for episode, environment, outcome in zip(episodes, made, outcomes):
+            if environment is not None:
+                self._environments[id(episode)] = environment
+            where = (f"{type(environment).__name__}.reset" if environment is not None
+                     else f"making the environment ({_name(self.factory)})")
+            start = self._result(episode, outcome, where)
+            if episode.failure is None:
+                try:
+                    if not isinstance(start, EnvStart):
+                        raise EpisodeFailed(INVALID_OUTPUT, f"reset returned {type(start).__name__}, not an EnvStart")
+                    check_observation(start.observation, self.tokenizer.vocab_size)
+                    self._observe(episode, start.observation, ends_turn=False)
+                except EpisodeFailed as failed:
+                    episode.fail(failed.reason, failed.detail)
+            if episode.length + self.turn_tokens > self.max_total_tokens and not episode.ended:
+                episode.truncated = MAX_TOTAL_TOKENS  # the prompt leaves no room for a whole turn
+        self._close_ended(episodes)
+        return episodes
+
+    def policy_turns(self, episodes: list[Episode], actions: list[list[int]],
+                     texts: list[str | None] | None = None) -> list[list[int]]:
+        """Record each episode's policy turn `actions[i]`, step their environments (at the same
+        time), append their observations. Returns each episode's ids appended after the policy's
+        (template markers included; [] once it ended). `texts[i]`: the turn's text if the engine
+        has it (else decoded)."""
+        texts = texts if texts is not None else [None] * len(episodes)
+        for episode, action_ids in zip(episodes, actions):
+            if episode.ended:
+                raise ValueError("policy_turn on an episode that has ended (episode.ended)")
+            if episode.length + len(action_ids) > self.max_total_tokens:
+                raise ValueError(f"the policy's turn took the episode to {episode.length + len(action_ids)} tokens, "
+                                 f"past max_total_tokens={self.max_total_tokens}: generate at most "
+                                 "tokens_left(episode) tokens")
+        calls, turns = [], []
+        for episode, action_ids, text in zip(episodes, actions, texts):
+            episode.append(list(action_ids), sampled=True)
+            turns.append(Turn(list(action_ids)))
+            episode.turns.append(turns[-1])
+            text = self.tokenizer.decode(action_ids) if text is None else text
+            calls.append(partial(self._environments[id(episode)].step, text, list(action_ids)))
+        outcomes = self._run(calls)
+        for episode, turn, outcome in zip(episodes, turns, outcomes):
+            where = f"{type(self._environments[id(episode)]).__name__}.step"
+            result = self._result(episode, outcome, where)
+            if episode.failure is None:
+                try:
+                    result = check_step_result(result, self.tokenizer.vocab_size)
+                except EpisodeFailed as failed:
+                    episode.fail(failed.reason, failed.detail)
+            if episode.failure is None:
+                turn.reward, turn.info = result.reward, result.info
+                turn.tool_calls, turn.tool_errors = list(result.tool_calls), list(result.tool_errors)
+                episode.done = result.done
+                if not result.done:
+                    if len(episode.turns) >= self.max_turns:
+                        episode.truncated = MAX_TURNS
+                    else:
+                        turn.observation_ids = self._observe(episode, result.observation, ends_turn=True)
+        self._close_ended(episodes)
+        return [turn.observation_ids for turn in turns]
+
     def start(self, record: dict[str, Any], prompt_ids: list[int]) -> Episode:
-        """A new episode of prompt record `record`; the environment's start context (if any) is
-        appended to its tokens as context."""
-        episode = Episode(record, list(prompt_ids))
-        environment = self.factory()
-        self._environments[id(episode)] = environment
-        start = self._call(episode, environment, environment.reset, record)
-        if episode.failure is None:
-            try:
-                if not isinstance(start, EnvStart):
-                    raise EpisodeFailed(INVALID_OUTPUT, f"reset returned {type(start).__name__}, not an EnvStart")
-                check_observation(start.observation, self.tokenizer.vocab_size)
-                self._observe(episode, start.observation, ends_turn=False)
-            except EpisodeFailed as failed:
-                episode.fail(failed.reason, failed.detail)
-        if episode.length + self.turn_tokens > self.max_total_tokens and not episode.ended:
-            episode.truncated = MAX_TOTAL_TOKENS  # the prompt leaves no room for a whole turn
-        self._end_if_over(episode)
-        return episode
+        """One episode: start_all of one."""
+        return self.start_all([record], [prompt_ids])[0]
 
     def policy_turn(self, episode: Episode, action_ids: list[int], action_text: str | None = None) -> list[int]:
-        """Record the policy's turn `action_ids`, step the environment, append its observation.
-        Returns the ids appended after the policy's (template markers included; [] once the
-        episode ended). `action_text`: the turn's text if the engine has it (else decoded)."""
-        if episode.ended:
-            raise ValueError("policy_turn on an episode that has ended (episode.ended)")
-        episode.append(list(action_ids), sampled=True)
-        if episode.length > self.max_total_tokens:
-            raise ValueError(f"the policy's turn took the episode to {episode.length} tokens, past max_total_tokens="
-                             f"{self.max_total_tokens}: generate at most tokens_left(episode) tokens")
-        turn = Turn(list(action_ids))
-        episode.turns.append(turn)
-        text = self.tokenizer.decode(action_ids) if action_text is None else action_text
-        environment = self._environments[id(episode)]
-        result = self._call(episode, environment, environment.step, text, list(action_ids))
-        if episode.failure is None:
-            try:
-                result = check_step_result(result, self.tokenizer.vocab_size)
-            except EpisodeFailed as failed:
-                episode.fail(failed.reason, failed.detail)
-        if episode.failure is None:
-            turn.reward, turn.info = result.reward, result.info
-            turn.tool_calls, turn.tool_errors = list(result.tool_calls), list(result.tool_errors)
-            episode.done = result.done
-            if not result.done:
-                if len(episode.turns) >= self.max_turns:
-                    episode.truncated = MAX_TURNS
-                else:
-                    turn.observation_ids = self._observe(episode, result.observation, ends_turn=True)
-        self._end_if_over(episode)
-        return turn.observation_ids
+        """One episode's turn: policy_turns of one."""
+        return self.policy_turns([episode], [action_ids], [action_text])[0]
 
     def tokens_left(self, episode: Episode) -> int:
         """The most tokens the policy's next turn may have."""
@@ -124,9 +170,9 @@ class EpisodeRunner:
 
     def close(self) -> None:
         """Close the environments of episodes still running (a stage that stops early)."""
-        for environment in self._environments.values():
-            _close_quietly(environment)
+        environments = list(self._environments.values())
         self._environments.clear()
+        self._close(environments)
 
     # --- inside
     def _observe(self, episode: Episode, observation: Observation, ends_turn: bool) -> list[int]:
@@ -142,24 +188,49 @@ class EpisodeRunner:
         episode.append(framed, sampled=False)
         return framed
 
-    def _call(self, episode: Episode, environment, method: Callable, *args) -> Any:
-        """method(*args) within step_timeout_s; a failure of the environment ends the episode
-        (recorded) and returns None. EnvironmentFailure (a service down) propagates: it stops the stage."""
-        try:
-            if environment.self_timed:
-                return method(*args)
-            return _within(method, args, self.step_timeout_s)
-        except EnvironmentFailure:
-            raise
-        except EpisodeFailed as failed:
-            episode.fail(failed.reason, failed.detail)
-        except Exception as err:  # the environment's code: any error ends this episode only
-            episode.fail(RAISED, f"{type(environment).__name__}.{method.__name__} raised {type(err).__name__}: {err}")
-        return None
+    def _run(self, calls: list[Callable[[], Any]]) -> list[Outcome]:
+        """The calls' outcomes (envs/pool.py). EnvironmentFailure (a service down) raised by any
+        of them is raised here at once: it stops the stage."""
+        return run_calls(calls, self.workers, None if self.self_timed else self.step_timeout_s,
+                         stop_on=EnvironmentFailure)
 
-    def _end_if_over(self, episode: Episode) -> None:
-        if episode.ended and (environment := self._environments.pop(id(episode), None)) is not None:
-            _close_quietly(environment)
+    def _result(self, episode: Episode, outcome: Outcome, where: str) -> Any:
+        """The call's value; or None with the episode failed: a call past step_timeout_s, or
+        anything the environment's code raised (any BaseException: a tool's SystemExit fails
+        its episode, not the stage)."""
+        if outcome.timed_out:
+            episode.fail(TIMED_OUT, f"{where} gave no answer within rl.environment.step_timeout_s="
+                                    f"{self.step_timeout_s} s")
+        elif isinstance(outcome.error, EpisodeFailed):
+            episode.fail(outcome.error.reason, outcome.error.detail)
+        elif outcome.error is not None:
+            err = outcome.error
+            episode.fail(RAISED, f"{where} raised {type(err).__name__}" + (f": {err}" if str(err) else ""))
+        return outcome.value
+
+    def _close_ended(self, episodes: list[Episode]) -> None:
+        self._close([self._environments.pop(id(e)) for e in episodes if e.ended and id(e) in self._environments])
+
+    def _close(self, environments: list[Any]) -> None:
+        """Close `environments` (best effort: what a close raises or a close that hangs changes nothing)."""
+        if environments:
+            run_calls([environment.close for environment in environments], self.workers,
+                      None if self.self_timed else self.step_timeout_s)
+
+
+def environment_policy(factory: EnvironmentFactory, workers: int | None = None) -> tuple[int, bool]:
+    """(how many of the factory's environment calls may run at once, whether they bound their own
+    time): read off the factory (a class, loading.ClassFactory, the HTTP service), as the class
+    declares them (Environment.thread_safe, .concurrency, .self_timed; a plain function's
+    environments are taken to be the defaults'). `workers` overrides the pool size of a
+    thread-safe factory."""
+    def declared(name: str) -> Any:
+        return getattr(factory, name, getattr(Environment, name))
+
+    size = workers if workers is not None else declared("concurrency")
+    if size < 1:
+        raise ValueError(f"workers={size}: need >= 1")
+    return (size if declared("thread_safe") else 1), bool(declared("self_timed"))
 
 
 def marker_ids(tokenizer, text: str, name: str) -> list[int]:
@@ -174,31 +245,7 @@ def marker_ids(tokenizer, text: str, name: str) -> list[int]:
     return ids
 
 
-def _within(method: Callable, args: tuple, timeout_s: float) -> Any:
-    """method(*args) in a daemon thread, waiting at most timeout_s. A Python thread cannot be
-    killed: a step that hangs keeps its thread (and its environment, which is dropped) until it
-    returns; a service (rl.environment.type=http) contains such tools in another process."""
-    box: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            box["result"] = method(*args)
-        except BaseException as err:  # noqa: BLE001  (re-raised in the caller's thread)
-            box["error"] = err
-
-    thread = threading.Thread(target=run, name="environment-step", daemon=True)
-    thread.start()
-    thread.join(timeout_s)
-    if thread.is_alive():
-        raise EpisodeFailed(TIMED_OUT, f"{getattr(method, '__qualname__', method)} gave no answer within "
-                            f"rl.environment.step_timeout_s={timeout_s} s")
-    if "error" in box:
-        raise box["error"]
-    return box["result"]
-
-
-def _close_quietly(environment) -> None:
-    try:
-        environment.close()
-    except Exception:  # noqa: BLE001  (the episode is over; a failing close must not stop the others)
-        pass
+def _name(factory) -> str:
+    """A factory's name for messages: its class's (loading.ClassFactory), its own, or its type's."""
+    return (getattr(getattr(factory, "cls", None), "__name__", None) or getattr(factory, "__qualname__", None)
+            or type(factory).__name__)

@@ -23,10 +23,11 @@ service's (rewards/http.py): SchemaError, the JSON type names, the server's erro
 
 Failures, and what each does: a refused connection or a 429 / 503 is retried max_retries times
 with exponential backoff, then raises EnvironmentServiceDown (the stage stops cleanly, as for a
-reward service that is down); no answer within step_timeout_s ends the episode TIMED_OUT; an
-answer that is not the schema ends it INVALID_OUTPUT; an in-band failure or any other HTTP error
-ends it with the failure's reason (RAISED for an HTTP error). Episode failures count toward
-rl.max_failed_episodes.
+reward service that is down); no whole answer within step_timeout_s of the request's start (a
+deadline per request, however slowly the server trickles it: rewards/deadline.py) ends the
+episode TIMED_OUT; an answer that is not the schema ends it INVALID_OUTPUT; an in-band failure
+or any other HTTP error ends it with the failure's reason (RAISED for an HTTP error). Episode
+failures count toward rl.max_failed_episodes.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from megatron_rlhf.envs.base import (
     StepResult,
 )
 from megatron_rlhf.envs.tools import ToolCall
+from megatron_rlhf.rewards.deadline import deadline, deadline_client
 from megatron_rlhf.rewards.http import SchemaError, _check_ids, _error_text, _json_type
 
 SCHEMA = "megatron_rlhf.env.v1"
@@ -168,7 +170,12 @@ def _check_object(body: Any, expected: str) -> None:
 
 class HttpEnvironmentService:
     """The client side of an environment service: an EnvironmentFactory (calling it gives one
-    episode's HttpEnvironment), all episodes sharing one pooled connection set."""
+    episode's HttpEnvironment), all episodes sharing one pooled connection set. The episode
+    runner steps up to `max_connections` episodes at once (thread_safe, concurrency); each
+    request ends within step_timeout_s of its start, however slowly the server trickles its
+    answer (rewards/deadline.py), so the runner does not time the calls itself (self_timed)."""
+
+    thread_safe, self_timed = True, True
 
     def __init__(self, url: str, *, step_timeout_s: float = 30.0, max_retries: int = 4, backoff_s: float = 0.5,
                  max_backoff_s: float = 8.0, max_connections: int = 16):
@@ -182,7 +189,8 @@ class HttpEnvironmentService:
         self.step_timeout_s, self.max_retries = step_timeout_s, max_retries
         self.backoff_s, self.max_backoff_s = backoff_s, max_backoff_s
         limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
-        self._http = httpx.Client(timeout=step_timeout_s, limits=limits)
+        self._http = deadline_client(step_timeout_s, limits)  # a request's whole answer within step_timeout_s
+        self.concurrency = max_connections  # the episode runner's pool: one call per connection
         # Private: the trainer's global RNG streams must not move (exact resume).
         self._jitter = random.Random()
         self._lock = threading.Lock()
@@ -203,8 +211,9 @@ class HttpEnvironmentService:
                 time.sleep(min(self.max_backoff_s, self.backoff_s * 2 ** (attempt - 1)) * (0.5 + 0.5 * self._jitter.random()))
             self._count(requests=1)
             try:
-                response = self._http.post(f"{self.url}/{endpoint}", content=content,
-                                           headers={"content-type": "application/json"})
+                with deadline(self.step_timeout_s):
+                    response = self._http.post(f"{self.url}/{endpoint}", content=content,
+                                               headers={"content-type": "application/json"})
             except NOT_SENT_ERRORS as err:
                 last = f"{type(err).__name__}: {err}"
                 continue
@@ -246,7 +255,7 @@ class HttpEnvironmentService:
 class HttpEnvironment(Environment):
     """One episode on an environment service."""
 
-    self_timed = True  # httpx enforces step_timeout_s; a service down must not look like a timeout
+    self_timed = True  # each request has its deadline (step_timeout_s); a service down must not look like a timeout
 
     def __init__(self, service: HttpEnvironmentService):
         self.service = service

@@ -12,12 +12,13 @@ from megatron_rlhf.config.model import ModelConfig
 from megatron_rlhf.config.rl import EnvironmentConfig, RLConfig
 from megatron_rlhf.envs.base import Environment, EnvironmentFactory, ToolEnvironment
 from megatron_rlhf.envs.episode import EpisodeRunner, TurnTemplate
+from megatron_rlhf.resilience.preemption import StageInterrupted
 from megatron_rlhf.rewards.function import load_function
 
 
 def load_environment_class(spec: str, field_name: str = "rl.environment.class_path") -> type[Environment]:
     """The Environment subclass `spec` ("path.py:ClassName") names, imported from its file."""
-    cls, where = load_function(spec, field_name)
+    cls, where = load_function(spec, field_name, kind="class")
     if not (isinstance(cls, type) and issubclass(cls, Environment)):
         raise ConfigError(f"{field_name}={spec!r}: {where} is not a subclass of megatron_rlhf.envs.Environment "
                           "(reset(record) and step(action_text, action_ids); docs/environments.md)")
@@ -25,14 +26,27 @@ def load_environment_class(spec: str, field_name: str = "rl.environment.class_pa
 
 
 class ClassFactory:
-    """Makes one `cls` per episode; a ToolEnvironment with the configured tool parser."""
+    """Makes one `cls` per episode; a ToolEnvironment with the configured tool parser. Carries
+    the class's declarations (thread_safe, concurrency, self_timed) to the episode runner."""
 
     def __init__(self, cls: type[Environment], tool_parser: str | None, field_name: str):
         if tool_parser is not None and not issubclass(cls, ToolEnvironment):
             raise ConfigError(f"{field_name}.tool_parser={tool_parser!r}: {cls.__name__} is not a ToolEnvironment, "
                               f"so it parses its own actions; remove {field_name}.tool_parser")
         self.cls, self.tool_parser = cls, tool_parser
-        self().close()  # a constructor or parser that fails, fails now, not in the first episode
+        self.thread_safe, self.concurrency, self.self_timed = cls.thread_safe, cls.concurrency, cls.self_timed
+        if not (isinstance(self.concurrency, int) and self.concurrency >= 1):
+            raise ConfigError(f"{field_name}.class_path: {cls.__name__}.concurrency={self.concurrency!r}: the most "
+                              "calls of its environments run at once, an integer >= 1")
+        try:  # a constructor or parser that fails, fails now, not in the first episode
+            self().close()
+        except ConfigError:
+            raise
+        except StageInterrupted:
+            raise
+        except BaseException as err:  # the user's code, SystemExit included
+            raise ConfigError(f"{field_name}.class_path: making a {cls.__name__} and closing it raised "
+                              f"{type(err).__name__}: {err}") from err
 
     def __call__(self) -> Environment:
         return self.cls(tool_parser=self.tool_parser) if issubclass(self.cls, ToolEnvironment) else self.cls()

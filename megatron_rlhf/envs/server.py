@@ -54,7 +54,7 @@ class Episodes:
         environment = self.get(episode_id)
         try:
             result = check_step_result(environment.step(action, action_ids), None)
-        except Exception:
+        except BaseException:  # re-raised: the episode is over, whatever ended it
             self.close(episode_id)
             raise
         if result.done:
@@ -79,6 +79,18 @@ class Episodes:
             return len(self._running)
 
 
+def _user_code(act: Callable[..., dict], *args) -> dict:
+    """act(*args) in the request's worker thread: a BaseException the environment's code raises
+    (SystemExit from an argparse-based tool, KeyboardInterrupt) fails the episode, as an
+    Exception does; it must not reach the server's event loop."""
+    try:
+        return act(*args)
+    except Exception:
+        raise
+    except BaseException as err:  # noqa: BLE001  (the environment's code, in this worker thread)
+        return failure_answer(RAISED, f"{type(err).__name__}: {err}")
+
+
 def build_app(episodes: Episodes):
     """POST /reset, /step, /close (the schema) and GET /health."""
     from starlette.applications import Starlette
@@ -97,7 +109,7 @@ def build_app(episodes: Episodes):
                 return JSONResponse(error_body(str(err)), status_code=400)
             args = parsed if isinstance(parsed, tuple) else (parsed,)
             try:
-                return JSONResponse(await asyncio.to_thread(act, *args))
+                return JSONResponse(await asyncio.to_thread(_user_code, act, *args))
             except UnknownEpisode as err:
                 return JSONResponse(error_body(err.args[0]), status_code=404)
             except EpisodeFailed as failed:

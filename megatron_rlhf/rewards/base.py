@@ -54,9 +54,15 @@ def finite_scores(scores, expected: int) -> list[float]:
         raise ValueError(f"returned {type(scores).__name__}, expected a list of {expected} floats")
     if len(scores) != expected:
         raise ValueError(f"returned {len(scores)} scores for {expected} samples")
+    floats = []
     for index, value in enumerate(scores):
         if isinstance(value, bool) or not isinstance(value, numbers.Real):
-            raise ValueError(f"score {index} is {value!r} ({type(value).__name__}), not a number")
-        if not math.isfinite(value):
+            raise ValueError(f"score {index} is {value!r:.100} ({type(value).__name__}), not a number")
+        try:
+            floats.append(float(value))
+        except OverflowError:  # an int (or Fraction) past the largest float, e.g. 10**400
+            raise ValueError(f"score {index} ({type(value).__name__}) is too large for a float (over 1.8e308; "
+                             "scores must be finite)") from None
+        if not math.isfinite(floats[-1]):
             raise ValueError(f"score {index} is {value} (scores must be finite)")
-    return [float(v) for v in scores]
+    return floats

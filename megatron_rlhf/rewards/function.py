@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Callable
 
 from megatron_rlhf.config import ConfigError
+from megatron_rlhf.resilience.preemption import StageInterrupted
 from megatron_rlhf.rewards.base import RewardInputs, RewardSourceError, finite_scores
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
@@ -34,18 +35,21 @@ def resolve_function_file(spec: str, field_name: str) -> tuple[Path, str]:
     raise ConfigError(f"{field_name}={spec!r}: file not found (looked in {', '.join(str(c) for c in candidates)})")
 
 
-def load_function(spec: str, field_name: str) -> tuple[Callable, str]:
-    """The function `spec` names, imported from its file; (function, "file:name" for messages)."""
+def load_function(spec: str, field_name: str, kind: str = "function") -> tuple[Callable, str]:
+    """The function (or class: `kind`) `spec` names, imported from its file; (it, "file:name"
+    for messages)."""
     path, name = resolve_function_file(spec, field_name)
     module_spec = importlib.util.spec_from_file_location(f"megatron_rlhf_reward_{path.stem}", path)
     module = importlib.util.module_from_spec(module_spec)
     try:
         module_spec.loader.exec_module(module)
-    except Exception as err:  # the user's file: any error is theirs, named with the file
+    except StageInterrupted:
+        raise
+    except BaseException as err:  # the user's file, SystemExit at import included: theirs, named
         raise ConfigError(f"{field_name}={spec!r}: importing {path} failed: {type(err).__name__}: {err}") from err
     fn = getattr(module, name, None)
     if not callable(fn):
-        raise ConfigError(f"{field_name}={spec!r}: {path} has no function {name!r}")
+        raise ConfigError(f"{field_name}={spec!r}: {path} has no {kind} {name!r}")
     return fn, f"{path}:{name}"
 
 
@@ -60,7 +64,10 @@ class FunctionReward:
         try:
             scores = self.fn(prompts=inputs.prompts, responses=inputs.responses, prompt_ids=inputs.prompt_ids,
                              response_ids=inputs.response_ids, finished=inputs.finished, extras=inputs.extras)
-        except Exception as err:  # the user's code: stop with its file named, not a bare traceback
+        except StageInterrupted:  # a signal (SIGTERM) while the function ran: the stage's, not the function's
+            raise
+        except BaseException as err:  # the user's code, SystemExit and KeyboardInterrupt included:
+            # stop with its file named, exit code 4, never a clean exit or a bare traceback)
             raise RewardSourceError(f"reward function {self.where} raised {type(err).__name__}: {err}") from err
         return check_scores(scores, len(inputs), f"reward function {self.where}")
 

@@ -16,7 +16,8 @@ Client and server share the builders and validators here, so both read the schem
 
 The client splits a batch into requests of at most `batch_size` samples, keeps at most
 `max_concurrency` in flight on one pooled connection set, and retries transport failures,
-timeouts, 429 and 5xx with exponential backoff. An answer that is wrong (not the schema, the
+timeouts, 429 and 5xx with exponential backoff. A request's whole answer must arrive within
+timeout_s of its start (rewards/deadline.py: a server trickling it byte by byte times out too). An answer that is wrong (not the schema, the
 wrong count, a NaN) is never retried or patched: a server that answers wrongly must not feed
 the policy, so it stops the stage with a RewardSourceError at once.
 """
@@ -33,6 +34,7 @@ from typing import Any
 import httpx
 
 from megatron_rlhf.rewards.base import RewardInputs, RewardSourceError, finite_scores
+from megatron_rlhf.rewards.deadline import deadline, deadline_client
 
 SCHEMA = "megatron_rlhf.reward.v1"
 # A sample's required fields; the others default to empty: without ids a server tokenizes the text.
@@ -157,7 +159,7 @@ class HttpRewardClient:
         self.batch_size, self.max_concurrency = batch_size, max_concurrency
         self.where = f"reward source {name!r} (POST {url})"
         limits = httpx.Limits(max_connections=max_concurrency, max_keepalive_connections=max_concurrency)
-        self._http = httpx.Client(timeout=timeout_s, limits=limits)
+        self._http = deadline_client(timeout_s, limits)  # a request's whole answer within timeout_s
         self._pool = ThreadPoolExecutor(max_concurrency, thread_name_prefix=f"reward-{name}")
         # Private: the trainer's global RNG streams (random, numpy, torch) must not move, or a
         # resumed run would sample differently from an uninterrupted one.
@@ -203,7 +205,13 @@ class HttpRewardClient:
         chunks = [inputs.rows(start, start + self.batch_size) for start in range(0, len(inputs), self.batch_size)]
         abort = threading.Event()
         futures = [self._pool.submit(self._score_chunk, chunk, abort) for chunk in chunks]
-        done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+        try:  # a signal's StageInterrupted ends the wait at once (resilience/preemption.py)
+            done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+        except BaseException:
+            abort.set()  # the requests in flight stop retrying; those not started never start
+            for future in futures:
+                future.cancel()
+            raise
         failed = [f for f in futures if f in done and f.exception() is not None]
         if failed:
             abort.set()  # the batch is lost: stop the others' retries instead of waiting them out
@@ -240,7 +248,8 @@ class HttpRewardClient:
     def _post(self, body: bytes) -> httpx.Response:
         sent = time.monotonic()
         try:
-            return self._http.post(self.url, content=body, headers={"content-type": "application/json"})
+            with deadline(self.timeout_s):
+                return self._http.post(self.url, content=body, headers={"content-type": "application/json"})
         finally:
             self._count(requests=1, latency=time.monotonic() - sent)
 

@@ -85,8 +85,8 @@ def generate_episodes(engine, runner: EpisodeRunner | None, prompts: list[list[i
     mine = runs_environments()
     episodes = None
     with _stops_every_rank():
-        if mine:
-            episodes = [runner.start(record, ids) for record, ids in zip(records, prompts)]
+        if mine:  # every episode's environment made and reset at the same time (the runner's pool)
+            episodes = runner.start_all(records, prompts)
     episodes = share_episodes(episodes)
     logprobs: list[list[float]] = [[0.0] * len(e.tokens) for e in episodes]  # per trajectory token
     turn_sampling = dataclasses.replace(sampling, stop_token_ids=tuple(runner.stop_ids[1:]) if mine else ())
@@ -109,9 +109,8 @@ def generate_episodes(engine, runner: EpisodeRunner | None, prompts: list[list[i
             routes.add_turn(out.routes, active)
         new_ids, new_logprobs = _new_tokens(out, [len(s) for s in sequences])
         with _stops_every_rank():
-            for i, ids in zip(active, new_ids):
-                if mine:
-                    runner.policy_turn(episodes[i], ids)
+            if mine and active:  # the turn's environment steps at the same time, applied in episode order
+                runner.policy_turns([episodes[i] for i in active], new_ids[:len(active)])
         if active:
             for i, lps in zip(active, new_logprobs):
                 logprobs[i].extend(lps)
@@ -225,7 +224,8 @@ class EpisodeEngine:
     round), so the engine keeps the episodes of every generate since `new_iteration()` (or the
     last `episode_metrics`), in order; `episode_metrics(kept)` reports those the iteration trains
     on (global means) and stops the stage (TooManyFailedEpisodes) when more than `max_failed` of
-    all of them failed: a round of failures must not hide behind a clean later round."""
+    all of them failed: a round of failures must not hide behind a clean later round.
+    `check_evaluation` holds an evaluation's episodes to the same limit (trainers/policy_eval.py)."""
 
     runs_episodes = True
 
@@ -256,7 +256,7 @@ class EpisodeEngine:
         None: all). The failure limit counts every episode generated (its fraction is
         env_failed_fraction_all_rounds): above rl.max_failed_episodes, TooManyFailedEpisodes is
         raised on every rank."""
-        from megatron_rlhf.envs.base import TooManyFailedEpisodes, episode_metrics
+        from megatron_rlhf.envs.base import episode_metrics
         from megatron_rlhf.parallel.collectives import dp_sum
 
         generated, self.iteration_episodes = self.iteration_episodes, []
@@ -268,13 +268,29 @@ class EpisodeEngine:
         *sums, n_trained, n_failed, n_generated = totals.tolist()
         metrics = {k: v / max(n_trained, 1) for k, v in zip(local, sums)}
         metrics["env_failed_fraction_all_rounds"] = n_failed / max(n_generated, 1)
-        if metrics["env_failed_fraction_all_rounds"] > self.max_failed:
+        self._limit_failures(metrics["env_failed_fraction_all_rounds"], failed,
+                             "of the episodes generated this iteration (every sampling round)")
+        return metrics
+
+    def check_evaluation(self) -> None:
+        """rl.max_failed_episodes for an evaluation: the episodes of the last generate (the
+        eval's), over every data-parallel rank; above it, TooManyFailedEpisodes on every rank
+        (an eval of failed episodes scores nothing). Collective: every rank calls it."""
+        from megatron_rlhf.parallel.collectives import dp_sum
+
+        failed = [e for e in self.episodes if e.failure is not None]
+        n_failed, n = dp_sum(torch.tensor([len(failed), len(self.episodes)], dtype=torch.float64,
+                                          device=device())).tolist()
+        self._limit_failures(n_failed / max(n, 1), failed, "of the evaluation's episodes")
+
+    def _limit_failures(self, fraction: float, failed: list[Episode], which: str) -> None:
+        from megatron_rlhf.envs.base import TooManyFailedEpisodes
+
+        if fraction > self.max_failed:
             first = f"; here, e.g. {failed[0].failure}: {failed[0].failure_detail}" if failed else ""
             raise TooManyFailedEpisodes(
-                f"{metrics['env_failed_fraction_all_rounds']:.0%} of the episodes generated this iteration (every "
-                f"sampling round) failed, more than rl.max_failed_episodes={self.max_failed}{first}. Fix the "
+                f"{fraction:.0%} {which} failed, more than rl.max_failed_episodes={self.max_failed}{first}. Fix the "
                 "environment, or raise rl.max_failed_episodes to train on the episodes that succeed")
-        return metrics
 
     def update_weights(self) -> None:
         self.engine.update_weights()

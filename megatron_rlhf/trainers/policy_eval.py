@@ -51,6 +51,8 @@ def evaluate(engine, judges: dict[str, Judge], tokenizer, task, prompts: list[En
     rank, size = data_parallel()
     rows = prompts[rank::size]
     rollout = sample_rows(engine, rows, sampling, seed)
+    if hasattr(engine, "check_evaluation"):  # multi-turn episodes: rl.max_failed_episodes holds for the eval too
+        engine.check_evaluation()
     texts = decode_responses(rollout, tokenizer)
     mine = {name: judge(rollout, rows) for name, judge in judges.items()}
     if task:
