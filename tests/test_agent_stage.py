@@ -135,6 +135,7 @@ def test_sigterm_ends_a_hung_environment_step_and_an_eval_and_the_rerun_resumes_
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
     text = log.read_text()
+    print(f"SIGTERM during a hung environment step -> exit {rc} in {took:.2f} s")  # for the record (pytest -s)
     assert rc == 42 and took < SIGTERM_BOUND_S, (rc, took, text[-3000:])
     assert "SIGTERM during the generate phase" in text, text[-3000:]
     saved = int(latest(root, run, "grpo").split("_")[1])
