@@ -234,6 +234,26 @@ def test_conversations_without_a_template_are_refused_naming_the_file_and_fix(tm
     assert item.tokens[-1] == data.tokenizer.eos_id and item.targets[-1]
 
 
+def test_a_changed_recorded_tokenizer_is_refused_naming_its_files_not_itself(tmp_path):
+    """The run's recorded copy (<run>/tokenizer/) edited after the run recorded it: the refusal
+    names the copy's files and where to restore them from, not `set data.tokenizer=<the copy>`
+    (the tokenizer it had just refused)."""
+    from megatron_rlhf.config import ConfigError
+    from megatron_rlhf.trainers.stage_data import record_run, run_tokenizer
+
+    hf = make_chat_tokenizer_dir(tmp_path / "hf", CHATML, "<|im_end|>")
+    cfg, tokenizer, _ = run_tokenizer(load_config(None, [f"checkpoint.root={tmp_path}", f"data.tokenizer={hf}"]))
+    record_run(cfg, tokenizer)
+    recorded = tmp_path / "default" / "tokenizer"
+    config = json.loads((recorded / "tokenizer_config.json").read_text())
+    (recorded / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": LLAMA3}))
+    with pytest.raises(ConfigError) as refused:
+        run_tokenizer(load_config(None, [f"checkpoint.root={tmp_path}"]))  # data.tokenizer=auto: the recorded copy
+    message = str(refused.value)
+    assert message.startswith(f"{recorded}: the tokenizer this run recorded (data.tokenizer={hf}) has changed since")
+    assert f"copy them again from {hf}" in message and f"set data.tokenizer={recorded}" not in message
+
+
 def test_tokenizer_auto_is_init_from_hf_then_the_recorded_one_then_builtin(tmp_path):
     from megatron_rlhf.trainers.stage_data import auto_tokenizer, record_run, run_tokenizer
 

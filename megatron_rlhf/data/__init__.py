@@ -8,6 +8,8 @@ Pure Python and torch (no megatron-core), so it can be used and tested without a
 - `errors`: `DataError`, what every reader raises (`file:line: field ...`).
 - `tokenizers`: the `Tokenizer` contract, the builtin word-level tokenizer, local HF ones.
 - `chat`: chat templates: conversations rendered as transformers renders them, the assistant tokens trained on.
+- `template_budget`, `template_sizes`: the render budget a chat template (code from a download)
+  renders within: output, value sizes, allocations and time, checked before anything is made.
 - `encode`: examples -> token ids (with a length report) -> padded batch tensors.
 - `sampler`: a deterministic, resumable index stream over epochs.
 - `tasks`: built-in tasks (data generators with a gold scorer), e.g. `sentiment`.

@@ -48,10 +48,12 @@ class ChatTemplateError(TokenizerError):
     """A template that cannot be read or compiled; the message names where it came from."""
 
 
-def load_chat_template(setting: str, tokenizer, chat_loss: str = CHAT_LOSS_TURNS[0]) -> ChatTemplate | None:
+def load_chat_template(setting: str, tokenizer, chat_loss: str = CHAT_LOSS_TURNS[0],
+                       max_seq_length: int | None = None) -> ChatTemplate | None:
     """The template data.chat_template=`setting` names for `tokenizer`: none; auto (the
     tokenizer directory's, or none when it has none); or a Jinja file. `chat_loss`
-    (data.chat_loss): the assistant turns of an SFT conversation the loss trains on."""
+    (data.chat_loss): the assistant turns of an SFT conversation the loss trains on.
+    `max_seq_length` (model.max_seq_length) sizes its render budget (data/template_budget.py)."""
     if setting == NONE:
         return None
     if setting == AUTO:
@@ -65,30 +67,44 @@ def load_chat_template(setting: str, tokenizer, chat_loss: str = CHAT_LOSS_TURNS
         if not path.is_file():
             raise ChatTemplateError(f"data.chat_template={setting}: file not found; use auto (the tokenizer "
                                     "directory's template), none, or the path of a Jinja template file")
-        source, origin = path.read_text(encoding="utf-8"), f"data.chat_template={setting}"
-    return ChatTemplate(source, origin, tokenizer.special_tokens(), chat_loss == "last_assistant")
+        origin = f"data.chat_template={setting}"
+        source = _read_text(path, origin)
+    from megatron_rlhf.data.template_budget import RenderBudget  # imports jinja2: only when a template is used
+
+    budget = RenderBudget() if max_seq_length is None else RenderBudget(max_seq_length=max_seq_length)
+    return ChatTemplate(source, origin, tokenizer.special_tokens(), chat_loss == "last_assistant", budget)
 
 
 class ChatTemplate:
-    """A compiled chat template and the special-token variables it is rendered with."""
+    """A compiled chat template, the special-token variables it is rendered with, and the budget
+    each render stays within (data/template_budget.py)."""
 
     def __init__(self, source: str, origin: str, special_tokens: Mapping[str, str],
-                 last_assistant_only: bool = False) -> None:
+                 last_assistant_only: bool = False, budget=None) -> None:
+        from megatron_rlhf.data.template_budget import RenderBudget, RenderBudgetExceeded, render_within
+
         self.source = source
         self.origin = origin  # where it came from, for errors and notes
         self.special_tokens = dict(special_tokens)
         # data.chat_loss=last_assistant: an SFT conversation trains on its last assistant turn only.
         self.last_assistant_only = last_assistant_only
+        self.budget = budget or RenderBudget()
+        self._render_within, self._over_budget = render_within, RenderBudgetExceeded
         try:
             self._template = _environment().from_string(source)
         except Exception as exc:  # jinja2.TemplateSyntaxError and friends
             raise ChatTemplateError(f"{origin}: the chat template does not compile ({exc})") from None
 
     def render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool, where: str = "") -> str:
-        """The template's text for `messages`; a DataError at `where` when the template refuses them."""
+        """The template's text for `messages`; a DataError at `where` when the template refuses
+        them or goes past its budget. A signal's exception (a BaseException) passes through."""
         try:
-            return self._template.render(messages=list(messages), add_generation_prompt=add_generation_prompt,
-                                         tools=None, documents=None, **self.special_tokens)
+            return self._render_within(self._template, self.budget, list(messages),
+                                       add_generation_prompt=add_generation_prompt, tools=None, documents=None,
+                                       **self.special_tokens)
+        except self._over_budget as exc:
+            raise DataError(f"{where}: the chat template ({self.origin}) {exc}; fix the template, or give "
+                            "another (data.chat_template=<file.jinja>)") from None
         except Exception as exc:  # raise_exception in the template, or an undefined value it needs
             raise DataError(f"{where}: the chat template ({self.origin}) refuses this record: {exc}") from None
 
@@ -97,7 +113,8 @@ def _environment():
     import jinja2
     from jinja2 import nodes
     from jinja2.ext import Extension, loopcontrols
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    from megatron_rlhf.data.template_budget import BudgetedEnvironment, bounded_filter, json_text
 
     class GenerationBlock(Extension):
         """`{% generation %}...{% endgeneration %}` (transformers' assistant-mask markers): the body as is."""
@@ -113,11 +130,10 @@ def _environment():
 
     def tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
         # Jinja's own tojson escapes HTML characters, which would change the rendered text.
-        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+        return json_text(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[GenerationBlock, loopcontrols])
-    env.filters["tojson"] = tojson
+    env = BudgetedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[GenerationBlock, loopcontrols])
+    env.filters["tojson"] = bounded_filter("tojson", tojson)
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
     return env
@@ -127,15 +143,30 @@ def tokenizer_directory_template(directory: Path) -> tuple[str, str] | None:
     """(template, origin) a Hugging Face tokenizer directory carries, or None."""
     config_file = directory / "tokenizer_config.json"
     if config_file.is_file():
-        template = json.loads(config_file.read_text(encoding="utf-8")).get("chat_template")
+        try:
+            config = json.loads(_read_text(config_file, str(config_file)))
+        except json.JSONDecodeError as exc:
+            raise ChatTemplateError(f"{config_file}: not valid JSON ({exc})") from None
+        template = config.get("chat_template") if isinstance(config, dict) else None
         if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}, ...]
             template = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}.get("default")
         if isinstance(template, str) and template:
             return template, f"{config_file} \"chat_template\""
     jinja_file = directory / "chat_template.jinja"
     if jinja_file.is_file():
-        return jinja_file.read_text(encoding="utf-8"), str(jinja_file)
+        return _read_text(jinja_file, str(jinja_file)), str(jinja_file)
     return None
+
+
+def _read_text(path: Path, origin: str) -> str:
+    """A template file's text; ChatTemplateError naming `origin` when it is not UTF-8 or cannot be read."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ChatTemplateError(f"{origin}: not UTF-8 text ({exc.reason} at byte {exc.start}); save the template "
+                                "as UTF-8") from None
+    except OSError as exc:
+        raise ChatTemplateError(f"{origin}: cannot read ({exc.strerror or exc})") from None
 
 
 @dataclass(frozen=True)
@@ -169,6 +200,12 @@ def tokenize_chat(tokenizer, messages: Sequence[Mapping[str, Any]], first_traine
                             "separate records")
         spans.append((len(start), len(end)))
     ids, offsets = _encode(tokenizer, text)
+    for i, (span_start, span_end) in zip(trained, spans, strict=True):
+        if not any(end > start and start < span_end and end > span_start for start, end in offsets):
+            # An empty template (or one that drops assistant turns) would train on the EOS alone.
+            raise DataError(f"{where}: the chat template ({template.origin}) writes no token for message {i} (the "
+                            "assistant's), so nothing of it would be trained; fix the template so it writes each "
+                            "assistant message's content")
     targets = [end > start and any(start < s_end and end > s_start for s_start, s_end in spans)
                for start, end in offsets]
     last_start, last_end = spans[-1]
@@ -184,7 +221,11 @@ def tokenize_chat(tokenizer, messages: Sequence[Mapping[str, Any]], first_traine
 def tokenize_chat_prompt(tokenizer, messages: Sequence[Mapping[str, Any]], where: str) -> list[int]:
     """`messages` (without the answer) rendered with the generation prompt: what the policy continues."""
     template = _template_of(tokenizer, where)
-    ids, _ = _encode(tokenizer, template.render(messages, add_generation_prompt=True, where=where))
+    text = template.render(messages, add_generation_prompt=True, where=where)
+    if not text.strip():
+        raise DataError(f"{where}: the chat template ({template.origin}) writes nothing for this prompt; fix the "
+                        "template so it writes the messages")
+    ids, _ = _encode(tokenizer, text)
     return ids
 
 

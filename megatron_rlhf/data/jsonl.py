@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import sys
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +34,9 @@ PathLike = str | os.PathLike[str]
 
 
 ROLES = ("system", "user", "assistant")
+# Levels of lists and objects a record may nest: more than any real record has, few enough that
+# nothing downstream (pickling a prompt's extra fields, json, templates) runs out of recursion.
+MAX_NESTING = 100
 Messages = tuple[dict[str, str], ...]  # {"role": ..., "content": ...} each
 
 
@@ -193,7 +197,23 @@ def _read_rows(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
     return _read_objects(path)
 
 
+# ShareGPT (`conversations` of {from, value}): refused with the conversion, not read as something else.
+SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "system": "system"}
+SHAREGPT_FIX = ("convert it to 'messages' of {role, content}: from " + ", ".join(f"{a} -> role {b}" for a, b in
+                SHAREGPT_ROLES.items()) + "; value -> content (docs/data.md, \"ShareGPT records\", has a one-line "
+                "conversion)")
+
+
+def _refuse_sharegpt(obj: dict[str, Any], where: str, fields: RecordFields, needed: str) -> None:
+    """A ShareGPT record lacking the field `needed`: refused naming the format and the conversion."""
+    conversations = obj.get("conversations")
+    if (needed not in obj and fields.messages not in obj and isinstance(conversations, list)
+            and any(isinstance(m, dict) and "from" in m and "value" in m for m in conversations)):
+        raise DataError(f"{where}: field 'conversations': a ShareGPT record ({{from, value}} messages); {SHAREGPT_FIX}")
+
+
 def _sft_record(obj: dict[str, Any], where: str, fields: RecordFields) -> SFTExample:
+    _refuse_sharegpt(obj, where, fields, fields.prompt)
     if obj.get(fields.messages) is not None:  # (a parquet row has every column; null: not this record's)
         messages = _messages(obj, fields.messages, where)
         _ends_with(messages, "assistant", fields.messages, where)
@@ -206,6 +226,7 @@ def _sft_record(obj: dict[str, Any], where: str, fields: RecordFields) -> SFTExa
 
 
 def _preference_record(obj: dict[str, Any], where: str, fields: RecordFields) -> PreferenceExample:
+    _refuse_sharegpt(obj, where, fields, fields.prompt)
     names = (fields.prompt, fields.chosen, fields.rejected)
     if any(isinstance(obj.get(name), (list, dict)) for name in names):
         return _chat_preference(obj, where, fields)
@@ -238,6 +259,7 @@ def _chat_preference(obj: dict[str, Any], where: str, fields: RecordFields) -> P
 
 
 def _prompt_record(obj: dict[str, Any], where: str, fields: RecordFields) -> PromptExample:
+    _refuse_sharegpt(obj, where, fields, fields.prompt)
     extra = {key: value for key, value in obj.items() if key not in (fields.prompt, fields.messages, "prompt")}
     column = fields.messages if obj.get(fields.messages) is not None else fields.prompt
     if isinstance(obj.get(column), list):
@@ -262,6 +284,8 @@ def _messages(obj: dict[str, Any], name: str, where: str) -> Messages:
         at = f"{where}: field '{name}'[{i}]"
         if not isinstance(message, dict):
             raise DataError(f"{at}: expected a {{role, content}} object, got {_json_type(message)}")
+        if "role" not in message and "from" in message and "value" in message:
+            raise DataError(f"{at}: a ShareGPT message ({{from, value}}), not {{role, content}}; {SHAREGPT_FIX}")
         role, content = message.get("role"), message.get("content")
         if role not in ROLES:
             raise DataError(f"{at}: role {role!r}: expected one of {ROLES}")
@@ -316,9 +340,38 @@ def _read_objects(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
             obj = json.loads(line)
         except json.JSONDecodeError as exc:
             raise DataError(f"{where}: invalid JSON ({exc.msg} at column {exc.colno})") from None
+        except RecursionError:
+            raise DataError(f"{where}: JSON nested too deeply to read (more levels than Python's recursion limit, "
+                            f"{sys.getrecursionlimit()}); flatten the record") from None
+        except ValueError:  # (not a JSONDecodeError) an integer of more digits than Python reads
+            raise DataError(f"{where}: an integer of more than {sys.get_int_max_str_digits()} digits, which Python "
+                            "will not read; write it as a string") from None
         if not isinstance(obj, dict):
             raise DataError(f"{where}: line is not a JSON object (got {_json_type(obj)})")
+        if line.count("[") + line.count("{") > MAX_NESTING:  # (a quick look first: most lines nest a few levels)
+            _check_nesting(obj, where)
+        if "\\u" in line:  # only an escape can write a lone surrogate (\ud800-\udfff), which is not text
+            _check_encodable(obj, where)
         yield where, obj
+
+
+def _check_nesting(obj: dict[str, Any], where: str) -> None:
+    stack = [(obj, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if depth > MAX_NESTING:
+            raise DataError(f"{where}: lists and objects nested more than {MAX_NESTING} levels deep; flatten the "
+                            "record (a level this deep is no conversation, and pickling it would fail later)")
+        items = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
+        stack.extend((item, depth + 1) for item in items if isinstance(item, (dict, list)))
+
+
+def _check_encodable(obj: dict[str, Any], where: str) -> None:
+    try:
+        json.dumps(obj, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise DataError(f"{where}: a string holds a lone UTF-16 surrogate ({exc.object[exc.start:exc.end]!r}), which "
+                        "is not text (a \\ud800-\\udfff escape without its pair); fix or drop it") from None
 
 
 def _string_field(obj: dict[str, Any], name: str, where: str) -> str:

@@ -38,7 +38,9 @@ def arrow_rows(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
 def _dataset_files(directory: Path) -> list[Path]:
     """The Arrow files of a save_to_disk directory, in order (state.json's `_data_files`)."""
     if (directory / "dataset_dict.json").is_file():
-        splits = json.loads((directory / "dataset_dict.json").read_text()).get("splits", [])
+        dataset_dict = _json_file(directory / "dataset_dict.json", "the DatasetDict's split names")
+        splits = dataset_dict.get("splits") if isinstance(dataset_dict, dict) else None
+        splits = [str(split) for split in splits] if isinstance(splits, list) else []
         raise DataError(f"{directory}: a DatasetDict with splits {splits}; name one split's directory, "
                         f"e.g. {directory / (splits[0] if splits else 'train')}")
     state = directory / "state.json"
@@ -46,13 +48,27 @@ def _dataset_files(directory: Path) -> list[Path]:
         raise DataError(f"{directory}: a directory without state.json or *.parquet files, so neither one "
                         "Dataset.save_to_disk wrote nor parquet shards; give a .jsonl or .parquet file or such a directory")
     try:
-        names = [entry["filename"] for entry in json.loads(state.read_text())["_data_files"]]
-    except (json.JSONDecodeError, KeyError, TypeError) as exc:
+        names = [entry["filename"] for entry in _json_file(state, "the list of data files")["_data_files"]]
+    except (KeyError, TypeError) as exc:
         raise DataError(f"{state}: no list of data files (_data_files: {exc})") from None
+    if not all(isinstance(name, str) and name for name in names):
+        raise DataError(f"{state}: _data_files names a file that is not a file name ({names}); write the dataset "
+                        "again (Dataset.save_to_disk)")
     missing = [name for name in names if not (directory / name).is_file()]
     if missing:
         raise DataError(f"{directory}: state.json names data files that are missing: {missing}")
     return [directory / name for name in names]
+
+
+def _json_file(path: Path, holding: str) -> Any:
+    """A datasets metadata file's JSON; DataError naming it (and what it should hold) when it is not."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise DataError(f"{path}: not valid JSON, so not {holding} ({exc}); write the dataset again "
+                        "(Dataset.save_to_disk)") from None
+    except OSError as exc:
+        raise DataError(f"{path}: cannot read ({exc.strerror or exc})") from None
 
 
 def _parquet_batches(pyarrow, file: Path) -> Iterator[Any]:
@@ -62,18 +78,25 @@ def _parquet_batches(pyarrow, file: Path) -> Iterator[Any]:
         reader = parquet.ParquetFile(file)
     except (OSError, pyarrow.ArrowException) as exc:
         raise DataError(f"{file}: not a readable parquet file ({exc})") from None
-    yield from reader.iter_batches()
+    try:
+        yield from reader.iter_batches()
+    except (OSError, pyarrow.ArrowException) as exc:  # a damaged page after a readable footer
+        raise DataError(f"{file}: damaged parquet data ({exc}); write the file again") from None
 
 
 def _stream_batches(pyarrow, file: Path) -> Iterator[Any]:
     import pyarrow.ipc as ipc
 
-    with pyarrow.memory_map(str(file)) as source:
-        try:
-            reader = ipc.open_stream(source)
-        except pyarrow.ArrowInvalid as exc:
-            raise DataError(f"{file}: not an Arrow IPC stream ({exc})") from None
-        yield from reader
+    try:
+        with pyarrow.memory_map(str(file)) as source:
+            try:
+                reader = ipc.open_stream(source)
+            except pyarrow.ArrowInvalid as exc:
+                raise DataError(f"{file}: not an Arrow IPC stream ({exc})") from None
+            yield from reader
+    except (OSError, pyarrow.ArrowException) as exc:  # cut short (a copy that stopped), or unreadable
+        raise DataError(f"{file}: truncated or damaged Arrow stream ({exc}); write the dataset again "
+                        "(Dataset.save_to_disk)") from None
 
 
 def _pyarrow(path: Path):

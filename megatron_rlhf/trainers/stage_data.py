@@ -35,7 +35,8 @@ from megatron_rlhf.data import jsonl
 from megatron_rlhf.data.chat import load_chat_template
 from megatron_rlhf.data.tasks import get_task
 from megatron_rlhf.data.tasks.base import Task
-from megatron_rlhf.data.tokenizers import Tokenizer, load_tokenizer, read_tokenizer_record, record_tokenizer
+from megatron_rlhf.data.tokenizers import (RECORD_FILE, Tokenizer, load_tokenizer, read_tokenizer_record,
+                                          record_tokenizer)
 
 
 def run_dir(cfg: Config) -> Path:
@@ -225,7 +226,7 @@ def tokenizer_for(cfg: Config) -> Tokenizer:
     cfg, _ = _resolve_auto(cfg, None)
     d = cfg.data
     tokenizer = load_tokenizer(d.tokenizer, get_task(d.task).words() if d.task else None)
-    tokenizer.chat_template = load_chat_template(d.chat_template, tokenizer, d.chat_loss)
+    tokenizer.chat_template = load_chat_template(d.chat_template, tokenizer, d.chat_loss, cfg.model.max_seq_length)
     return tokenizer
 
 
@@ -256,6 +257,11 @@ def run_tokenizer(cfg: Config, stage: str | None = None) -> tuple[Config, Tokeni
     tokenizer = tokenizer_for(cfg)
     if tokenizer.fingerprint() != record.get("fingerprint"):
         # The run's checkpoints were trained with the recorded ids: others would be silently wrong.
+        if d.tokenizer == recorded != "builtin":  # the recorded copy itself changed: the fix is its files
+            raise ConfigError(f"{recorded_dir}: the tokenizer this run recorded ({named}) has changed since: its files "
+                              f"no longer match the fingerprint in {recorded_dir / RECORD_FILE}; restore them (copy "
+                              f"them again from {source} if it still holds the tokenizer the run started with), or "
+                              "start another run (checkpoint.run_name)")
         given = f"data.tokenizer={d.tokenizer}" + (f" (data.task={d.task})" if d.tokenizer == "builtin" else "")
         fix = ("remove the override (later stages use the recorded one)" if _overridden(cfg, "data.tokenizer")
                else "restore its files as they were when the run recorded them")
