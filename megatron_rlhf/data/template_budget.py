@@ -383,14 +383,7 @@ class BudgetedEnvironment(ImmutableSandboxedEnvironment):
                 if type(arg) is int and abs(arg) > render.limit:
                     render.check_integers(args, kwargs, obj)
         # The sandbox's own checks (before Jinja 3.1.5 also its str.format handling).
-        result = super().call(context, obj, *args, **kwargs)
-        if type(result) is str:
-            render.allocated += len(result)
-            if len(result) > render.limit or render.allocated > render.allocation_limit:
-                render.allocated -= len(result)
-                render.admit(result, obj)
-            return result
-        return render.admit(result, obj)
+        return _admitted(render, super().call(context, obj, *args, **kwargs), obj)
 
     def bounded_iteration(self, iterable: Any) -> Any:
         """A for loop's iterable, as is, once the clock is looked at: between two looks runs at
@@ -435,16 +428,21 @@ def bounded_filter(name: str, function):
                 size, value = size_of(args[skip], rest, kwargs)
                 render.expect(size, what)
                 args = (*args[:skip], value, *rest)
-        result = function(*args, **kwargs)
-        if type(result) is str:  # the common case, kept short
-            render.allocated += len(result)
-            if len(result) > render.limit or render.allocated > render.allocation_limit:
-                render.allocated -= len(result)
-                render.admit(result, what)
-            return result
-        return render.admit(result, what)
+        return _admitted(render, function(*args, **kwargs), what)
 
     return bounded
+
+
+def _admitted(render, result: Any, what: Any) -> Any:
+    """A call's or filter's `result`, charged to the render's budget (a str, the common case, in
+    a few operations; anything else measured by render.admit)."""
+    if type(result) is str:
+        render.allocated += len(result)
+        if len(result) > render.limit or render.allocated > render.allocation_limit:
+            render.allocated -= len(result)
+            render.admit(result, what)
+        return result
+    return render.admit(result, what)
 
 
 class _CountedText:
