@@ -20,7 +20,7 @@ import tempfile
 from pathlib import Path
 
 from megatron_rlhf.__main__ import COMMANDS, ERROR_DIR_ENV, LAUNCHER_PID_ENV, build_parser, check_recipe_given
-from megatron_rlhf.config import ConfigError, load_config, validate
+from megatron_rlhf.config import ConfigError, learning_rate_warnings, load_config, validate
 from megatron_rlhf.logging import quiet
 
 STAGE_COMMANDS = ("smoke", "sft", "rm", "dpo", "rl", "ppo", "pipeline")  # checked here before launch
@@ -95,6 +95,9 @@ def check(cfg, command: str, world_size: int | None) -> str | None:
         validate(cfg, world_size)
         for note in preflight(cfg, command):
             print(f"[preflight] {note}", flush=True)
+        stages = cfg.pipeline.stages if command == "pipeline" else ["rl" if command == "ppo" else command]
+        for warning in learning_rate_warnings(cfg, stages):
+            print(f"[preflight] warning: {warning}", flush=True)
         if command == "pipeline":
             plan(cfg)  # a finished stage it may not reuse (changed inputs, damaged checkpoint) stops here
         if message := live_writer(cfg, command):

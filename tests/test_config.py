@@ -136,7 +136,7 @@ def test_task_sizes_are_checked_with_the_field():
     assert cfg_with("data.task_sizes.sft_eval=7").data.task_sizes.sft_eval == 7
 
 
-RECIPES = {"tiny_cpu.yaml": (1, 2), "tiny_cpu_grpo.yaml": (1, 2), "tiny_cpu_rloo.yaml": (1, 2),
+RECIPES = {"tiny_cpu.yaml": (1, 2), "hf_small_cpu.yaml": (1, 2), "tiny_cpu_grpo.yaml": (1, 2), "tiny_cpu_rloo.yaml": (1, 2),
            "tiny_cpu_reinforce_pp.yaml": (1, 2), "tiny_cpu_vllm.yaml": (1, 2), "tiny_cpu_arithmetic.yaml": (1, 2), "tiny_cpu_agent.yaml": (1, 2), "tiny_cpu_dpo.yaml": (1, 2), "tiny_cpu_dpo_ppo.yaml": (1, 2), "llama3_8b.yaml": (8,), "qwen3_8b.yaml": (8,), "qwen3_8b_grpo_long.yaml": (16, 8), "llama3_70b.yaml": (64,),
            "llama3_70b_grpo.yaml": (64,), "llama3_70b_dpo.yaml": (64,), "tiny_cpu_lora.yaml": (1, 2),
            "llama3_70b_lora.yaml": (64,), "tiny_cpu_dpo_lora.yaml": (1, 2),
@@ -316,3 +316,50 @@ def test_an_episode_budget_without_room_for_a_prompt_and_a_turn_is_a_config_erro
     assert main(["stages", "--config", str(agent), "rl.max_total_tokens=12"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("config error: rl.max_total_tokens=12 with sampling.max_new_tokens=12: ") and err.count("\n") == 1
+
+
+def readme_hf_command() -> tuple[str, list[str]]:
+    """The README's "your data and your Hugging Face model" command: (recipe, overrides)."""
+    import shlex
+
+    text = (PIPELINES.parent / "README.md").read_text()
+    start = text.index("python -m megatron_rlhf.torchrun --nproc-per-node 1 pipeline --config")
+    words = shlex.split(text[start:text.index("```", start)].replace("\\\n", " "))
+    recipe = words[words.index("--config") + 1]
+    return recipe, [w for w in words[words.index("--config") + 2:] if "=" in w]
+
+
+def test_the_readmes_hf_command_fine_tunes_at_fine_tuning_learning_rates():
+    """Before: it ran pipelines/tiny_cpu.yaml, whose SFT lr 3e-3 (training from scratch) took a
+    135M instruct model's eval loss 0.79 -> 3.07 in 3 steps, silently."""
+    import dataclasses
+
+    from megatron_rlhf.config import learning_rate_warnings
+    from megatron_rlhf.config.rules import FINE_TUNING_MAX_LR
+
+    recipe, overrides = readme_hf_command()
+    hf = dict(o.split("=", 1) for o in overrides)["model.init_from_hf"]
+    cfg = load_config(PIPELINES.parent / recipe, [o for o in overrides if not o.startswith("model.init_from_hf=")])
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, init_from_hf=hf))  # no such directory here
+    rates = [cfg.sft.optimizer.lr, cfg.rm.optimizer.lr, cfg.dpo.optimizer.lr, cfg.rl.actor_optimizer.lr,
+             cfg.rl.critic_optimizer.lr]
+    assert max(rates) <= FINE_TUNING_MAX_LR and learning_rate_warnings(cfg, cfg.pipeline.stages) == []
+    assert cfg.data.tokenizer == "auto" and cfg.data.task is None
+
+
+def test_from_scratch_learning_rates_on_a_pretrained_start_are_warned_about():
+    import dataclasses
+
+    from megatron_rlhf.config import learning_rate_warnings
+
+    tiny = load_config(PIPELINES / "tiny_cpu.yaml")
+    assert learning_rate_warnings(tiny, tiny.pipeline.stages) == []  # from scratch: its rates are right
+    cfg = dataclasses.replace(tiny, model=dataclasses.replace(tiny.model, init_from_hf="/models/smol"))
+    warned = learning_rate_warnings(cfg, ["sft", "rm", "rl"])
+    assert [w.split(" ", 1)[0] for w in warned] == ["sft.optimizer.lr=0.003", "rm.optimizer.lr=0.001",
+                                                    "rl.actor_optimizer.lr=0.0002", "rl.critic_optimizer.lr=0.001"]
+    assert all("model.init_from_hf=/models/smol" in w and "pipelines/hf_small_cpu.yaml" in w for w in warned)
+    lora = load_config(PIPELINES / "tiny_cpu.yaml", ["lora.rank=8", "lora.stages=[sft]", "sft.optimizer.lr=1e-3",
+                                                     "sft.optimizer.min_lr=1e-4"])
+    lora = dataclasses.replace(lora, model=dataclasses.replace(lora.model, init_from_hf="/models/smol"))
+    assert learning_rate_warnings(lora, ["sft"]) == []  # LoRA's adapters take ~10x the rate

@@ -76,6 +76,8 @@ def test_sft_from_a_hf_checkpoint_starts_where_transformers_is(tmp_path, nproc, 
     out = stage(nproc, "sft", tmp_path, "from_hf", *SFT, *layout, f"model.init_from_hf={tmp_path / 'hf'}",
                 f"data.tokenizer={tmp_path / 'hf'}", "sft.save_interval=1", "sampling.temperature=0.7").stdout
     assert f"initialised from the Hugging Face checkpoint {tmp_path / 'hf'}" in out
+    # the tiny recipe's from-scratch SFT lr on a pretrained start: said at the stage's start
+    assert f"warning: sft.optimizer.lr=0.003 with model.init_from_hf={tmp_path / 'hf'}" in out
     seq_length = 32  # the recipe's sft.seq_length
     want = hf_response_nll(hf, tmp_path / "from_hf", seq_length)
     result = summary(tmp_path, "from_hf", "sft")

@@ -33,7 +33,7 @@ from megatron_rlhf.config.rl import (
 )
 from megatron_rlhf.config.rollout import ROLLOUT_ENGINES, VLLM_CPU_HEAD_DIMS, RolloutConfig, check_vllm_cpu_model
 from megatron_rlhf.config.resolved import config_yaml, write_resolved_config
-from megatron_rlhf.config.rules import policy_start, validate, warnings_for
+from megatron_rlhf.config.rules import learning_rate_warnings, policy_start, validate, warnings_for
 from megatron_rlhf.config.sampling import SamplingConfig
 from megatron_rlhf.config.run import (
     DEFAULT_STAGES, OVERFLOW_POLICIES, STAGE_INPUTS, STAGES, CheckpointConfig, Config, DataConfig, LoggingConfig,
@@ -53,5 +53,5 @@ __all__ = [
     "REWARD_SOURCE_TYPES", "RLConfig", "RL_ALGORITHMS", "RMConfig", "ROLLOUT_ENGINES", "ROPE_SCALING_TYPES", "RecipeFacts", "ResilienceConfig", "RewardSourceConfig", "RolloutConfig",
     "RopeScalingConfig", "SFTConfig", "STAGES", "SamplingConfig", "STAGE_INPUTS", "StageConfig", "VLLM_CPU_HEAD_DIMS",
     "check_vllm_cpu_model", "config_yaml", "engine_returns_routes", "from_dict", "load_config", "parse_overrides", "policy_start", "read_recipe",
-    "rename_legacy_keys", "validate", "warnings_for", "write_resolved_config", "yaml_problem",
+    "rename_legacy_keys", "validate", "warnings_for", "learning_rate_warnings", "write_resolved_config", "yaml_problem",
 ]

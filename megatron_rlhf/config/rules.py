@@ -100,6 +100,34 @@ def check_pipeline(cfg: Config) -> None:
                           "name stages of this pipeline, e.g. pipeline.rerun=[" + ",".join(stages[:1]) + "]")
 
 
+# The highest learning rate a pretrained model is usually fine-tuned with: full fine-tuning of small
+# chat models runs at 1e-6 (RL, DPO) to 5e-5 (SFT); LoRA's adapters take ~10x. Training from
+# scratch, as the tiny recipes do, runs at 1e-3 and more, which wrecks pretrained weights in steps.
+FINE_TUNING_MAX_LR = 1e-4
+LORA_FINE_TUNING_MAX_LR = 2e-3
+
+
+def learning_rate_warnings(cfg: Config, stages) -> list[str]:
+    """Learning rates of `stages` meant for training from scratch in a run that starts from a
+    pretrained model (model.init_from_hf): said at the launcher's pre-flight and at each stage's
+    start, since the run itself goes on without complaint while the loss climbs."""
+    if not cfg.model.init_from_hf:
+        return []
+    optimizers = {"sft": [("sft.optimizer", cfg.sft.optimizer)], "rm": [("rm.optimizer", cfg.rm.optimizer)],
+                  "dpo": [("dpo.optimizer", cfg.dpo.optimizer)],
+                  "rl": [("rl.actor_optimizer", cfg.rl.actor_optimizer), ("rl.critic_optimizer", cfg.rl.critic_optimizer)]}
+    notes = []
+    for stage in stages:
+        bound = LORA_FINE_TUNING_MAX_LR if cfg.lora.applies_to(stage) else FINE_TUNING_MAX_LR
+        for name, optimizer in optimizers.get(stage, []):
+            if optimizer.lr > bound:
+                notes.append(f"{name}.lr={optimizer.lr:g} with model.init_from_hf={cfg.model.init_from_hf}: a learning "
+                             f"rate for training from scratch; fine-tuning a pretrained model takes <= {bound:g} "
+                             "(typically 1e-6 to 5e-5: pipelines/hf_small_cpu.yaml), a higher one can wreck it in a "
+                             "few steps; lower it unless you mean to")
+    return notes
+
+
 def warnings_for(cfg: Config) -> list[str]:
     """Settings that run but are probably not what the user wants; stages log them at start-up."""
     notes = list(cfg.notes)

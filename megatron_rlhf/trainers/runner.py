@@ -29,7 +29,7 @@ from megatron_rlhf import parallel
 from megatron_rlhf.checkpoint.manager import CheckpointManager, rng_state, set_rng_state
 from megatron_rlhf.checkpoint.validate import iter_name
 from megatron_rlhf.colocation import current_memory_bytes, peak_memory_bytes, reset_peak_memory
-from megatron_rlhf.config import Config, validate, write_resolved_config
+from megatron_rlhf.config import Config, learning_rate_warnings, validate, write_resolved_config
 from megatron_rlhf.logging.memory import memory_account
 from megatron_rlhf.logging.metrics import MetricsLogger, nonfinite_to_null
 from megatron_rlhf.logging.trackers import Trackers
@@ -92,6 +92,8 @@ class StageRunner:
         self.log = MetricsLogger(self.out, self.stage_name, self.total, resume_step=self.step,
                                  tensorboard=self.cfg.logging.tensorboard, verbose=self.cfg.logging.verbose,
                                  trackers=Trackers.start(self.cfg, self.stage_name, self.out, state))
+        for warning in learning_rate_warnings(self.cfg, [STAGE_OF.get(self.stage, self.stage)]):
+            self.log.info(f"warning: {warning}")
         return state
 
     @property
