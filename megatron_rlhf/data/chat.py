@@ -15,6 +15,12 @@ render(messages); the tokens overlapping such a span are targets. A template tha
 earlier turns differently once later turns follow (some drop the reasoning of past turns) is
 refused with the fix (train on the last assistant turn only).
 
+Tool use: assistant `tool_calls` and `tool` messages are rendered by the template like any
+message (tool results are context), with the record's `tools` passed as `tools=` (None without
+them, as apply_chat_template). The prefix check above is what keeps a template that is not
+append-only around tool messages from mis-masking (refused naming tool messages and the fixes),
+and a template that does not write an assistant's tool calls is refused.
+
 BOS: the rendered text is tokenized without special tokens (as transformers'
 apply_chat_template(tokenize=True) does), so a template that writes the BOS token has it once;
 a template that does not, on a tokenizer whose post-processor adds a BOS, gets that BOS
@@ -95,12 +101,16 @@ class ChatTemplate:
         except Exception as exc:  # jinja2.TemplateSyntaxError and friends
             raise ChatTemplateError(f"{origin}: the chat template does not compile ({exc})") from None
 
-    def render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool, where: str = "") -> str:
-        """The template's text for `messages`; a DataError at `where` when the template refuses
-        them or goes past its budget. A signal's exception (a BaseException) passes through."""
+    def render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool, where: str = "",
+               tools: Sequence[Mapping[str, Any]] | None = None) -> str:
+        """The template's text for `messages` (and the record's function schemas `tools`, None
+        when it has none, as apply_chat_template(tools=...)); a DataError at `where` when the
+        template refuses them or goes past its budget. A signal's exception (a BaseException)
+        passes through."""
         try:
             return self._render_within(self._template, self.budget, list(messages),
-                                       add_generation_prompt=add_generation_prompt, tools=None, documents=None,
+                                       add_generation_prompt=add_generation_prompt,
+                                       tools=None if tools is None else list(tools), documents=None,
                                        **self.special_tokens)
         except self._over_budget as exc:
             raise DataError(f"{where}: the chat template ({self.origin}) {exc}; fix the template, or give "
@@ -178,12 +188,13 @@ class ChatTokens:
 
 
 def tokenize_chat(tokenizer, messages: Sequence[Mapping[str, Any]], first_trained: int, last_only: bool,
-                  where: str) -> ChatTokens:
-    """`messages` (ending with an assistant message) rendered with tokenizer.chat_template and
-    tokenized; targets: the assistant messages from index `first_trained` on (the last only with
-    `last_only`), each with its end-of-turn, and the final EOS (see the module docstring)."""
+                  where: str, tools: Sequence[Mapping[str, Any]] | None = None) -> ChatTokens:
+    """`messages` (ending with an assistant message) rendered with tokenizer.chat_template (and
+    the record's `tools`) and tokenized; targets: the assistant messages from index
+    `first_trained` on (the last only with `last_only`), each with its end-of-turn (tool calls
+    included), and the final EOS (see the module docstring). Tool messages are context."""
     template = _template_of(tokenizer, where)
-    text = template.render(messages, add_generation_prompt=False, where=where)
+    text = template.render(messages, add_generation_prompt=False, where=where, tools=tools)
     trained = [i for i, m in enumerate(messages) if m["role"] == "assistant" and i >= first_trained]
     if not trained:
         raise DataError(f"{where}: no assistant message to train on")
@@ -191,14 +202,17 @@ def tokenize_chat(tokenizer, messages: Sequence[Mapping[str, Any]], first_traine
         trained = trained[-1:]
     spans = []
     for i in trained:
-        start = template.render(messages[:i], add_generation_prompt=True, where=where)
-        end = template.render(messages[: i + 1], add_generation_prompt=False, where=where)
+        start = template.render(messages[:i], add_generation_prompt=True, where=where, tools=tools)
+        end = template.render(messages[: i + 1], add_generation_prompt=False, where=where, tools=tools)
         if not (text.startswith(start) and text.startswith(end) and len(start) <= len(end)):
+            if any(m["role"] == "tool" or m.get("tool_calls") for m in messages[: i + 2]):
+                raise DataError(_not_split_at_tools(template.origin, where, i))
             raise DataError(f"{where}: the chat template ({template.origin}) renders message {i} differently once "
                             "later messages follow, so its tokens cannot be told apart; train on the last "
                             "assistant turn only (data.chat_loss=last_assistant) or give the conversation as "
                             "separate records")
         spans.append((len(start), len(end)))
+        _check_calls_written(messages[i], text[len(start):len(end)], template.origin, where, i)
     ids, offsets = _encode(tokenizer, text)
     for i, (span_start, span_end) in zip(trained, spans, strict=True):
         if not any(end > start and start < span_end and end > span_start for start, end in offsets):
@@ -218,10 +232,35 @@ def tokenize_chat(tokenizer, messages: Sequence[Mapping[str, Any]], first_traine
     return ChatTokens(ids[:cut] + [tokenizer.eos_id], targets[:cut] + [True])
 
 
-def tokenize_chat_prompt(tokenizer, messages: Sequence[Mapping[str, Any]], where: str) -> list[int]:
-    """`messages` (without the answer) rendered with the generation prompt: what the policy continues."""
+def _not_split_at_tools(origin: str, where: str, i: int) -> str:
+    """Why a tool-use conversation's assistant message `i` cannot be told apart, and the fixes."""
+    return (f"{where}: the chat template ({origin}) is not append-only around the tool messages before or after "
+            f"assistant message {i}: the conversation up to it, rendered with the generation prompt (what the "
+            "model sees when it writes that turn), is not how the whole conversation begins (some templates "
+            "merge consecutive tool results into one block, or close a block only when another message "
+            "follows), so its tokens cannot be told apart; train on the last assistant turn only "
+            "(data.chat_loss=last_assistant), split the conversation into one record per assistant turn, or give "
+            "a template that renders tool messages append-only (data.chat_template=<file.jinja>)")
+
+
+def _check_calls_written(message: Mapping[str, Any], turn: str, origin: str, where: str, i: int) -> None:
+    """DataError when assistant message `i` calls tools and the template's text of the turn does
+    not name them all: a template without a tool-call format would train the turn without its calls."""
+    for call in message.get("tool_calls") or ():
+        name = call.get("function", call)["name"]
+        if name not in turn:
+            raise DataError(f"{where}: the chat template ({origin}) does not write message {i}'s tool call {name!r} "
+                            "(it has no tool-call format, so the turn would be trained without its call); give a "
+                            "template that writes tool_calls (data.chat_template=<file.jinja>), or write the call "
+                            "in the message's content as the model should produce it")
+
+
+def tokenize_chat_prompt(tokenizer, messages: Sequence[Mapping[str, Any]], where: str,
+                         tools: Sequence[Mapping[str, Any]] | None = None) -> list[int]:
+    """`messages` (without the answer; the record's `tools`) rendered with the generation
+    prompt: what the policy continues."""
     template = _template_of(tokenizer, where)
-    text = template.render(messages, add_generation_prompt=True, where=where)
+    text = template.render(messages, add_generation_prompt=True, where=where, tools=tools)
     if not text.strip():
         raise DataError(f"{where}: the chat template ({template.origin}) writes nothing for this prompt; fix the "
                         "template so it writes the messages")

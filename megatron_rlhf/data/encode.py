@@ -159,7 +159,7 @@ def encode_prompt_records(
     encoded, dropped = [], 0
     for index, example in enumerate(examples):
         if example.messages is not None:
-            prompt = tokenize_chat_prompt(tokenizer, example.messages, f"example {index}")
+            prompt = tokenize_chat_prompt(tokenizer, example.messages, f"example {index}", example.tools)
         else:
             prompt = _encode_prompt(tokenizer, example.prompt, index)
         if len(prompt) > max_len - 1:
@@ -257,7 +257,8 @@ def _fit_conversation(tokenizer: Tokenizer, example: SFTExample, index: int, max
                       overflow: str) -> tuple[EncodedSFT | None, bool]:
     """(the conversation's tokens and targets cut to `max_len`, was it cut); None: dropped."""
     last_only = getattr(tokenizer.chat_template, "last_assistant_only", False)
-    chat = tokenize_chat(tokenizer, example.messages, example.first_trained, last_only, f"example {index}")
+    chat = tokenize_chat(tokenizer, example.messages, example.first_trained, last_only, f"example {index}",
+                         example.tools)
     first_target = chat.targets.index(True)
     tokens, was_cut = _fit_tokens(chat.ids, first_target, max_len, overflow)
     if tokens is None:
@@ -269,8 +270,8 @@ def _conversation_pair(tokenizer: Tokenizer, example: PreferenceExample, index: 
     """(chosen tokens, rejected tokens, the length of the prompt tokens they share)."""
     prompt = example.prompt_messages or ()
     where = f"example {index}"
-    chosen = tokenize_chat(tokenizer, prompt + example.chosen_messages, len(prompt), False, where)
-    rejected = tokenize_chat(tokenizer, prompt + example.rejected_messages, len(prompt), False, where)
+    chosen = tokenize_chat(tokenizer, prompt + example.chosen_messages, len(prompt), False, where, example.tools)
+    rejected = tokenize_chat(tokenizer, prompt + example.rejected_messages, len(prompt), False, where, example.tools)
     prompt_len = chosen.targets.index(True)
     if rejected.targets.index(True) != prompt_len or chosen.ids[:prompt_len] != rejected.ids[:prompt_len]:
         raise DataError(f"{where}: the chat template renders the prompt differently before the chosen and the "

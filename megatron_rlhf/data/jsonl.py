@@ -6,11 +6,15 @@ field, so one bad record in a 100k-line file is found at once instead of surfaci
 error mid-training. `RecordFields` maps each record field to the column it is read from.
 
 Records are flat (`prompt`/`response`, `prompt`/`chosen`/`rejected`, `prompt`) or
-conversations: a `messages` list of {role: system|user|assistant, content} (SFT: the whole
+conversations: a `messages` list of {role: system|user|assistant|tool, content} (SFT: the whole
 conversation; prompts: without the answer), a `prompt` list of messages with a `response`
 list (SFT) or with `chosen`/`rejected` (preferences: each a list of messages, one message,
 or a string: the assistant's answer); a preference record without `prompt` takes the
 messages its `chosen` and `rejected` lists share. data/chat.py renders conversations.
+Tool use, as transformers' apply_chat_template takes it: an assistant message may carry
+`tool_calls` (then its content may be empty or null), a `tool` message (a tool's result, after
+an assistant or another tool message) `tool_call_id` and `name`; a conversation record's
+`tools` (function schemas: a list, or a JSON string of one) is passed to the template.
 
 A prompts record may carry fields besides `prompt` (a reference `answer`, unit tests, ...):
 they are kept in `PromptExample.extra` for rule rewards, and written back flattened. SFT and
@@ -33,11 +37,14 @@ from megatron_rlhf.data.errors import DataError
 PathLike = str | os.PathLike[str]
 
 
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
+# A conversation record's function schemas, passed to the chat template as `tools=`.
+TOOLS_FIELD = "tools"
 # Levels of lists and objects a record may nest: more than any real record has, few enough that
 # nothing downstream (pickling a prompt's extra fields, json, templates) runs out of recursion.
 MAX_NESTING = 100
-Messages = tuple[dict[str, str], ...]  # {"role": ..., "content": ...} each
+Messages = tuple[dict[str, Any], ...]  # {"role": ..., "content": ...} each (+ tool_calls, tool_call_id, name)
+Tools = tuple[dict[str, Any], ...]  # function schemas, as apply_chat_template(tools=...) takes them
 
 
 @dataclass(frozen=True)
@@ -66,6 +73,7 @@ class SFTExample:
     response: str
     messages: Messages | None = field(default=None, hash=False)
     first_trained: int = 0
+    tools: Tools | None = field(default=None, hash=False)  # the record's `tools`, for the template
 
 
 @dataclass(frozen=True)
@@ -79,13 +87,14 @@ class PreferenceExample:
     prompt_messages: Messages | None = field(default=None, hash=False)
     chosen_messages: Messages | None = field(default=None, hash=False)
     rejected_messages: Messages | None = field(default=None, hash=False)
+    tools: Tools | None = field(default=None, hash=False)  # the record's `tools`, for the template
 
     def chosen_example(self) -> SFTExample:
         """The prompt and the chosen response as an SFT example."""
         if self.chosen_messages is None:
             return SFTExample(self.prompt, self.chosen)
         prompt = self.prompt_messages or ()
-        return SFTExample(self.prompt, self.chosen, prompt + self.chosen_messages, len(prompt))
+        return SFTExample(self.prompt, self.chosen, prompt + self.chosen_messages, len(prompt), self.tools)
 
 
 @dataclass(frozen=True)
@@ -103,6 +112,8 @@ class PromptExample:
     # A conversation to answer (rendered with the chat template and its generation prompt);
     # `prompt` is then its last user message, which reward functions receive.
     messages: Messages | None = field(default=None, hash=False)
+    # The record's `tools` (also kept in `extra` as written), passed to the template.
+    tools: Tools | None = field(default=None, hash=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.extra, dict):
@@ -173,10 +184,12 @@ def _json_object(record: Any) -> dict[str, Any]:
         return {**head, **record.extra}
     if isinstance(record, SFTExample) and record.messages is not None:
         k, messages = record.first_trained, list(record.messages)
-        return {"messages": messages} if k == 0 else {"prompt": messages[:k], "response": messages[k:]}
+        tools = {} if record.tools is None else {TOOLS_FIELD: list(record.tools)}
+        return {"messages": messages, **tools} if k == 0 else {"prompt": messages[:k], "response": messages[k:], **tools}
     if isinstance(record, PreferenceExample) and record.chosen_messages is not None:
+        tools = {} if record.tools is None else {TOOLS_FIELD: list(record.tools)}
         return {"prompt": list(record.prompt_messages or ()), "chosen": list(record.chosen_messages),
-                "rejected": list(record.rejected_messages)}
+                "rejected": list(record.rejected_messages), **tools}
     return {key: value for key, value in dataclasses.asdict(record).items()
             if key in ("prompt", "response", "chosen", "rejected")}
 
@@ -217,11 +230,12 @@ def _sft_record(obj: dict[str, Any], where: str, fields: RecordFields) -> SFTExa
     if obj.get(fields.messages) is not None:  # (a parquet row has every column; null: not this record's)
         messages = _messages(obj, fields.messages, where)
         _ends_with(messages, "assistant", fields.messages, where)
-        return SFTExample(_last(messages, "user"), messages[-1]["content"], messages, 0)
+        return SFTExample(_last(messages, "user"), messages[-1]["content"], messages, 0, _tools(obj, where))
     if isinstance(obj.get(fields.prompt), list):  # a conversation's prompt and its answer
         prompt = _messages(obj, fields.prompt, where)
         response = _answer(obj, fields.response, where)
-        return SFTExample(_last(prompt, "user"), response[-1]["content"], prompt + response, len(prompt))
+        return SFTExample(_last(prompt, "user"), response[-1]["content"], prompt + response, len(prompt),
+                          _tools(obj, where))
     return SFTExample(_string_field(obj, fields.prompt, where), _string_field(obj, fields.response, where))
 
 
@@ -255,7 +269,7 @@ def _chat_preference(obj: dict[str, Any], where: str, fields: RecordFields) -> P
     for side, name in ((chosen, fields.chosen), (rejected, fields.rejected)):
         _ends_with(side, "assistant", name, where)
     return PreferenceExample(_last(prompt, "user"), chosen[-1]["content"], rejected[-1]["content"],
-                             prompt, chosen, rejected)
+                             prompt, chosen, rejected, _tools(obj, where))
 
 
 def _prompt_record(obj: dict[str, Any], where: str, fields: RecordFields) -> PromptExample:
@@ -267,7 +281,7 @@ def _prompt_record(obj: dict[str, Any], where: str, fields: RecordFields) -> Pro
         if messages[-1]["role"] == "assistant":
             raise DataError(f"{where}: field '{column}': ends with an assistant message; a prompt ends with "
                             "the message the policy answers (leave the answer out, or put it in another field)")
-        return PromptExample(_last(messages, "user"), extra, messages)
+        return PromptExample(_last(messages, "user"), extra, messages, _tools(obj, where))
     return PromptExample(_string_field(obj, fields.prompt, where), extra)
 
 
@@ -289,11 +303,66 @@ def _messages(obj: dict[str, Any], name: str, where: str) -> Messages:
         role, content = message.get("role"), message.get("content")
         if role not in ROLES:
             raise DataError(f"{at}: role {role!r}: expected one of {ROLES}")
-        if not isinstance(content, str) or (role != "system" and not content.strip()):
+        calls = message.get("tool_calls") or None  # (a parquet row's null or empty list: no calls)
+        if calls is not None:
+            if role != "assistant":
+                raise DataError(f"{at}: tool_calls on a {role!r} message; only an assistant message calls tools")
+            _check_tool_calls(calls, at)
+            content = "" if content is None else content  # a turn that only calls tools
+        if role == "tool" and (not messages or messages[-1]["role"] not in ("assistant", "tool")):
+            raise DataError(f"{at}: a tool message (a tool's result) must follow the assistant message that "
+                            "called the tool (or another tool message)")
+        may_be_empty = role in ("system", "tool") or calls is not None
+        if not isinstance(content, str) or (not may_be_empty and not content.strip()):
             got = _json_type(content) if not isinstance(content, str) else "an empty string"
-            raise DataError(f"{at}: content: expected a non-empty string, got {got}")
-        messages.append({"role": role, "content": content})
+            hint = "; json.dumps a structured tool result" if role == "tool" and content is not None else ""
+            raise DataError(f"{at}: content: expected a non-empty string, got {got}{hint}")
+        kept: dict[str, Any] = {"role": role, "content": content}
+        if calls is not None:
+            kept["tool_calls"] = calls
+        for key in ("tool_call_id", "name") if role == "tool" else ():
+            if message.get(key) is not None:
+                if not isinstance(message[key], str):
+                    raise DataError(f"{at}: {key}: expected a string, got {_json_type(message[key])}")
+                kept[key] = message[key]
+        messages.append(kept)
     return tuple(messages)
+
+
+def _check_tool_calls(calls: Any, at: str) -> None:
+    """An assistant message's tool_calls: a list of {type: function, function: {name, arguments}}
+    (or {name, arguments}), arguments an object or a JSON string, as apply_chat_template takes them."""
+    shape = "{type: function, function: {name, arguments}}"
+    if not isinstance(calls, list):
+        raise DataError(f"{at}: tool_calls: expected a list of {shape} objects, got {_json_type(calls)}")
+    for j, call in enumerate(calls):
+        function = call.get("function", call) if isinstance(call, dict) else None
+        name = function.get("name") if isinstance(function, dict) else None
+        if not isinstance(name, str) or not name.strip():
+            raise DataError(f"{at}: tool_calls[{j}]: expected {shape} with a non-empty name, got {call!r:.200}")
+        arguments = function.get("arguments", {})
+        if not isinstance(arguments, (dict, str)):
+            raise DataError(f"{at}: tool_calls[{j}]: arguments: expected an object or a JSON string, got "
+                            f"{_json_type(arguments)}")
+
+
+def _tools(obj: dict[str, Any], where: str) -> Tools | None:
+    """A conversation record's `tools` (function schemas): a list of objects, or a JSON string of
+    one (as datasets often store it); None when the record has none."""
+    value = obj.get(TOOLS_FIELD)
+    if value is None or value == []:
+        return None
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except (json.JSONDecodeError, RecursionError, ValueError) as exc:
+            raise DataError(f"{where}: field '{TOOLS_FIELD}': a string that is not JSON ({exc}); give a list of "
+                            "function schemas") from None
+    if not isinstance(value, list) or not all(isinstance(tool, dict) for tool in value):
+        raise DataError(f"{where}: field '{TOOLS_FIELD}': expected a list of function schema objects "
+                        "({type: function, function: {name, description, parameters}}), got "
+                        f"{_json_type(value)}")
+    return tuple(value) or None
 
 
 def _answer(obj: dict[str, Any], name: str, where: str) -> Messages:
