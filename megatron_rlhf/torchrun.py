@@ -88,11 +88,14 @@ def check(cfg, command: str, world_size: int | None) -> str | None:
     from megatron_rlhf.checkpoint.validate import CheckpointError
     from megatron_rlhf.data.jsonl import DataError
     from megatron_rlhf.data.tokenizers import TokenizerError
-    from megatron_rlhf.trainers.stage_data import preflight
+    from megatron_rlhf.trainers.stage_data import architecture_from_start, preflight
     from megatron_rlhf.trainers.stage_inputs import plan
 
     try:
-        validate(cfg, world_size)
+        stage = "rl" if command == "ppo" else command
+        # a stage that starts from a checkpoint runs with its architecture (max_seq_length included)
+        validate(architecture_from_start(cfg, stage, world_size)[0] if stage in ("sft", "rm", "dpo", "rl") else cfg,
+                 world_size)
         for note in preflight(cfg, command):
             print(f"[preflight] {note}", flush=True)
         stages = cfg.pipeline.stages if command == "pipeline" else ["rl" if command == "ppo" else command]

@@ -427,6 +427,59 @@ def test_import_refuses_before_starting_anything(tmp_path):
         import_hf(cfg, hf, tmp_path / "new")
 
 
+def tiny_llama_hf(directory: Path, generation: dict | None) -> Path:
+    """A 1-layer random LlamaForCausalLM (bos 3, eos 1, pad 0) with `generation` as its
+    generation_config.json (None: none)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128,
+                         bos_token_id=3, eos_token_id=1, pad_token_id=0)
+    LlamaForCausalLM(config).save_pretrained(directory)
+    (directory / "generation_config.json").unlink(missing_ok=True)
+    if generation is not None:
+        (directory / "generation_config.json").write_text(json.dumps(generation))
+    return directory
+
+
+def test_the_export_carries_the_models_generation_config_not_the_runs_sampling(tmp_path):
+    """import -> export writes the HF model's own generation_config.json back, with the token
+    ids made right, not the run's rollout settings (sampling.json: max_new_tokens 24 would cut
+    every answer of a plain generate()); a model with none gets the token ids alone. A run from
+    model.init_from_hf records the model's file (record_run), which export reads the same way."""
+    from transformers import GenerationConfig
+
+    from megatron_rlhf.convert import export_hf, import_hf
+
+    own = {"bos_token_id": 3, "eos_token_id": [1, 2], "do_sample": True, "temperature": 0.6, "top_p": 0.9,
+           "repetition_penalty": 1.1, "transformers_version": "4.45.0"}
+    rollouts = {"do_sample": True, "temperature": 1.0, "top_p": 1.0, "top_k": 0, "max_new_tokens": 24}
+    ids = {"bos_token_id": 3, "eos_token_id": 1, "pad_token_id": 0}  # config.json's: the import keeps them
+    for name, generation in (("chat", own), ("bare", None)):
+        hf = tiny_llama_hf(tmp_path / name, generation)
+        import_hf(load_config(None, hf_overrides(hf)), hf, tmp_path / f"{name}_imported")
+        (tmp_path / f"{name}_imported" / "sampling.json").write_text(json.dumps(rollouts))  # as a run records them
+        out = export_hf(tmp_path / f"{name}_imported", "actor", tmp_path / f"{name}_exported")
+        exported = json.loads((out / "generation_config.json").read_text())
+        assert exported == {**(generation or {}), **ids}, name
+        assert "max_new_tokens" not in exported and GenerationConfig.from_pretrained(out).max_new_tokens is None
+    # a run from model.init_from_hf: the file it recorded, read with the checkpoint (damaged: named)
+    from megatron_rlhf.convert.hf_io import _recorded_with_checkpoint
+    from megatron_rlhf.trainers.stage_data import record_run, run_dir, tokenizer_for
+
+    cfg = load_config(None, ["data.task=sentiment", f"model.init_from_hf={tmp_path / 'chat'}",
+                             f"checkpoint.root={tmp_path / 'runs'}", *hf_overrides(tmp_path / "chat")])
+    record_run(cfg, tokenizer_for(dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, tokenizer="builtin"))))
+    run = run_dir(cfg)
+    assert json.loads((run / "hf_generation_config.json").read_text()) == own
+    shutil.copytree(tmp_path / "bare_imported" / "iter_0000000", run / "sft" / "iter_0000000")  # no generation config
+    assert _recorded_with_checkpoint(run / "sft" / "iter_0000000")[2]["hf_generation_config"] == own
+    (run / "hf_generation_config.json").write_text("[1, 2]")
+    with pytest.raises(ConvertError, match="hf_generation_config.json: holds list, not a generation config.*delete"):
+        _recorded_with_checkpoint(run / "sft" / "iter_0000000")
+
+
 def test_sharded_safetensors_are_read_by_slices(tmp_path):
     from safetensors.torch import save_file
 

@@ -2,8 +2,8 @@
 local HF model (`model.init_from_hf`, no model.* overrides although its shape is not the
 recipe's: the architecture comes from config.json) evaluates exactly as transformers does on
 the same data; `export-hf --ckpt <the SFT stage>` needs nothing else and gives a model
-transformers evaluates as our run did, with the run's tokenizer, special-token ids and
-sampling settings; later stages (and the pipeline's export) take the architecture and the
+transformers evaluates as our run did, with the run's tokenizer, special-token ids and the
+model's own generation config; later stages (and the pipeline's export) take the architecture and the
 tokenizer from what the SFT run recorded; a model field given next to the HF directory that
 disagrees with it stops before any model is built; import-hf -> export-hf keeps config.json."""
 
@@ -102,17 +102,21 @@ def test_sft_from_a_hf_checkpoint_starts_where_transformers_is(tmp_path, nproc, 
 
 
 def check_the_export_is_complete(exported, tokenizer_dir):
-    """The run's tokenizer, its special-token ids and its sampling settings: generation stops."""
+    """The run's tokenizer and special-token ids, and the HF model's own generation config (the
+    run recorded it), not the run's rollout settings (sampling.temperature=0.7, max_new_tokens):
+    generation stops, and is not cut at the rollouts' length."""
     from transformers import GenerationConfig
-
-    from megatron_rlhf.config import load_config
 
     config = json.loads((exported / "config.json").read_text())
     assert (config["eos_token_id"], config["pad_token_id"]) == (1, 0)
     generation = GenerationConfig.from_pretrained(exported)
     assert (generation.eos_token_id, generation.pad_token_id) == (1, 0)
-    assert generation.do_sample and generation.temperature == 0.7
-    assert generation.max_new_tokens == load_config(REPO / RECIPE[1]).sampling.max_new_tokens
+    written = json.loads((exported / "generation_config.json").read_text())
+    own = tokenizer_dir / "generation_config.json"  # the HF directory's (save_pretrained's), if any
+    own = json.loads(own.read_text()) if own.is_file() else {}
+    ids = ("bos_token_id", "eos_token_id", "pad_token_id")
+    assert {k: v for k, v in written.items() if k not in ids} == {k: v for k, v in own.items() if k not in ids}
+    assert not {"max_new_tokens", "temperature", "do_sample"} & set(written), written
     for name in ("tokenizer.json", "tokenizer_config.json"):
         assert (exported / name).read_bytes() == (tokenizer_dir / name).read_bytes(), name
 

@@ -102,3 +102,69 @@ def test_a_stage_derives_its_settings_beside_the_loaded_config_which_stays_as_lo
     assert any("6 tokens, 4 ids the tokenizer lacks are masked" in note for note in run.notes)
     with pytest.raises(ConfigError, match="recipe: unknown key"):  # what loading learned is not a recipe key
         load_config(None, ["recipe.notes=[x]"])
+
+
+# ----------------------------------------------------------------------------- what a later stage reads from its start
+def started_from(tmp_path, **model):
+    """<tmp>/first/sft: a committed checkpoint (weights never read here) that recorded the
+    recipe's model with `model` changed, as an SFT run with those overrides leaves it."""
+    from test_damaged_run_files import fake_checkpoint
+
+    recorded = dataclasses.replace(load_config(None, ["model.vocab_size=87"]).model, **model)
+    fake_checkpoint(tmp_path / "first" / "sft", 2, {"step": 2, "model_config": dataclasses.asdict(recorded)})
+    return tmp_path / "first" / "sft"
+
+
+def test_a_later_stage_takes_the_length_its_start_was_trained_at(tmp_path):
+    """DPO after an SFT trained at max_seq_length 256 (the recipe says 128): the recipe's value is
+    replaced by the checkpoint's (with a note); a command-line override is the run's choice; a
+    stage length the adopted value cannot hold names the checkpoint's value and the override."""
+    from megatron_rlhf.trainers.stage_data import architecture_from_start
+
+    start = started_from(tmp_path, max_seq_length=256)
+    where = [f"dpo.init_from={start}", f"checkpoint.root={tmp_path}", "model.vocab_size=87"]
+    cfg, notes = architecture_from_start(load_config(None, where), "dpo")
+    assert cfg.model.max_seq_length == 256
+    assert any("model.max_seq_length=128 by 256" in note for note in notes), notes
+    # the length the DPO run asks for on the command line: kept, not refused
+    cfg, _ = architecture_from_start(load_config(None, [*where, "model.max_seq_length=512"]), "dpo")
+    assert cfg.model.max_seq_length == 512
+    # an SFT trained shorter than the recipe's DPO length: both named
+    start = started_from(tmp_path / "short", max_seq_length=32)
+    short = [f"dpo.init_from={start}", "model.vocab_size=87", "sft.seq_length=32", "rm.seq_length=32"]
+    with pytest.raises(ConfigError, match=r"dpo.seq_length=64: longer than model.max_seq_length=32: "
+                                          r"model.max_seq_length=32 is the length .*first/sft/iter_0000002.*"
+                                          r"recipe's 128 is replaced\); set model.max_seq_length="):
+        architecture_from_start(load_config(None, short), "dpo")
+
+
+def test_builtin_tokenizer_without_a_task_names_auto_which_reads_the_start_runs_tokenizer(tmp_path):
+    """A run on user data (data.task=null) that starts from another run's SFT with the recipe's
+    data.tokenizer=builtin: the error names data.tokenizer=auto, and auto is the tokenizer the
+    start run recorded."""
+    from megatron_rlhf.data.tokenizers import TokenizerError, record_tokenizer
+    from megatron_rlhf.trainers.stage_data import run_tokenizer
+
+    start = started_from(tmp_path)
+    tok = make_hf_dir(tmp_path / "tok", {"eos_token": "</s>", "pad_token": "<pad>"})
+    record_tokenizer(tokenizer_for(user_config(tmp_path)), str(tok), None, start.parent / "tokenizer")
+    second = ["data.task=null", f"rl.sft_from={start}", f"checkpoint.root={tmp_path}", "checkpoint.run_name=second"]
+    with pytest.raises(TokenizerError, match=r"needs a built-in task \(data.task\).*another run's checkpoint "
+                                             r"\(rl.sft_from.*set data.tokenizer=auto"):
+        run_tokenizer(load_config(None, [*second, "data.tokenizer=builtin"]), "rl")
+    cfg, tokenizer, notes = run_tokenizer(load_config(None, [*second, "data.tokenizer=auto"]), "rl")
+    assert cfg.data.tokenizer == str(start.parent / "tokenizer") and tokenizer.eos_id is not None, notes
+
+
+def test_the_issues_dpo_command_runs_at_the_length_its_sft_trained_at(tmp_path):
+    """`dpo ... dpo.seq_length=200` with the recipe's model.max_seq_length=128 after an SFT
+    trained at 256: the launcher's pre-flight (and a stage's start-up, start_distributed) check
+    the stage against the architecture it starts from. Before: 'dpo.seq_length=200: longer
+    than model.max_seq_length=128', from the recipe, before the checkpoint was read."""
+    from megatron_rlhf.torchrun import check
+
+    start = started_from(tmp_path, max_seq_length=256)
+    where = [f"dpo.init_from={start}", f"checkpoint.root={tmp_path}", "model.vocab_size=87", "dpo.seq_length=200"]
+    assert check(load_config(None, where), "dpo", 1) is None
+    assert "dpo.seq_length=300: longer than model.max_seq_length=256" in check(
+        load_config(None, [*where[:3], "dpo.seq_length=300"]), "dpo", 1)

@@ -21,12 +21,15 @@ from megatron_rlhf.config.model import ModelConfig
 # What a run records for its exports (trainers/stage_data.py record_run, in the run directory;
 # import_hf in its output directory), so that `export-hf --ckpt DIR` needs no more: the
 # tokenizer as Hugging Face files (data/tokenizers.py record_tokenizer) and the sampling
-# settings the run generates with, for generation_config.json.
+# settings the run generates with (its rollouts; not exported).
 RECORDED_TOKENIZER = "tokenizer"
 RECORDED_SAMPLING = "sampling.json"
-# The keys record_run writes to sampling.json, each with its rule: generation_config.json takes
-# these and nothing else, so a damaged or edited file cannot put a `trust_remote_code` or a
-# temperature of "hot" into an export.
+# The generation_config.json of the Hugging Face model a run started from (model.init_from_hf;
+# import_hf keeps it in the trainer state instead): export-hf writes it back with the token ids
+# made right. The run's sampling settings (sampling.json) are for its rollouts, not the export.
+RECORDED_GENERATION_CONFIG = "hf_generation_config.json"
+# The keys record_run writes to sampling.json, each with its rule: a damaged or edited file (a
+# `trust_remote_code`, a temperature of "hot") is refused where it is read.
 _SAMPLING_KEYS = {
     "do_sample": (lambda v: isinstance(v, bool), "true or false"),
     "temperature": (lambda v: _number(v) and v > 0, "a number > 0"),
@@ -46,11 +49,11 @@ def _integer(value: Any) -> bool:
 
 def read_recorded_sampling(path: Path) -> dict[str, Any]:
     """The sampling settings a run recorded in `path` (its sampling.json, trainers/stage_data.py
-    record_run), checked before export-hf writes them to generation_config.json: a JSON object
+    record_run), checked when export-hf reads the run's records (it does not export them: the
+    rollout settings are not the model's generation config): a JSON object
     of record_run's keys (any of them), each of its type and range. A ConvertError names the
     file, the key and the fix."""
-    fix = (f"delete {path} (the export then carries no sampling settings; the run's next stage records them "
-           "again)")
+    fix = f"delete {path} (the run's next stage records its sampling settings again)"
     try:
         recorded = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
@@ -67,6 +70,21 @@ def read_recorded_sampling(path: Path) -> dict[str, Any]:
         if not valid(value):
             what = "true (the stages sample)" if key == "do_sample" else f"the run's sampling.{key}"
             raise ConvertError(f"{path}: {key}={json.dumps(value)}: must be {rule}; set it to {what}, or {fix}")
+    return recorded
+
+
+def read_recorded_generation_config(path: Path) -> dict[str, Any]:
+    """The Hugging Face generation config a run recorded in `path` (RECORDED_GENERATION_CONFIG,
+    trainers/stage_data.py record_run): a JSON object; a ConvertError names the file and the fix."""
+    fix = (f"delete {path} (the export then writes only the token ids to generation_config.json) or copy "
+           "the model's generation_config.json there again")
+    try:
+        recorded = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
+        why = e.strerror if isinstance(e, OSError) and e.strerror else str(e) or type(e).__name__
+        raise ConvertError(f"{path}: unreadable ({why}); {fix}") from None
+    if not isinstance(recorded, dict):
+        raise ConvertError(f"{path}: holds {type(recorded).__name__}, not a generation config (a JSON object); {fix}")
     return recorded
 
 

@@ -9,10 +9,12 @@ megatron checkpoints.
   model's tokenizer (out_dir/tokenizer/), special-token ids and generation_config.json.
 - export_hf(checkpoint, role, out_dir, ...): one process, no torch.distributed; reads our
   torch_dist checkpoint (any layout) one layer at a time and writes an HF directory,
-  complete: the model config, tokenizer and sampling settings recorded with the checkpoint
-  (hf_config.RECORDED_TOKENIZER, RECORDED_SAMPLING: in its run directory, or an import's own)
-  give config.json's bos/eos/pad ids, the tokenizer files and generation_config.json; an
-  import's original ids come back as they were.
+  complete: the model config and tokenizer recorded with the checkpoint
+  (hf_config.RECORDED_TOKENIZER: in its run directory, or an import's own) give config.json's
+  bos/eos/pad ids and the tokenizer files; generation_config.json is the HF model's own (kept
+  by import_hf, or recorded by a run started from model.init_from_hf) with those ids, never the
+  run's rollout sampling settings (sampling.json, only checked); an import's original ids come
+  back as they were.
 
 Value models (reward model, critic) are <Family>ForSequenceClassification with num_labels=1:
 HF's `score` is a bias-free [1, hidden] projection read at the last non-pad token, our
@@ -38,8 +40,8 @@ import torch
 
 from megatron_rlhf.checkpoint.safe_load import load_pt, restricted_dcp_unpickling
 from megatron_rlhf.convert.hf_config import (
-    RECORDED_SAMPLING, RECORDED_TOKENIZER, ConvertError, check_model_matches_hf, hf_config_dict, read_hf_config,
-    read_recorded_sampling,
+    RECORDED_GENERATION_CONFIG, RECORDED_SAMPLING, RECORDED_TOKENIZER, ConvertError, check_model_matches_hf,
+    hf_config_dict, read_hf_config, read_recorded_generation_config, read_recorded_sampling,
 )
 from megatron_rlhf.convert.checkpoint_roles import POLICY_ROLES, VALUE_ROLES, model_config_for, resolve_role_dir
 from megatron_rlhf.convert.hf_moe_weights import ExpertRanks, check_checkpoint_experts, fused_experts_hint
@@ -294,17 +296,24 @@ def _check_checkpoint(ck: TorchDistCheckpoint, layers: _Layers, d: Dims, value_m
 def _recorded_with_checkpoint(iter_dir: Path | None) -> tuple[Path | None, dict[str, Any], dict[str, Any]]:
     """(tokenizer directory, sampling settings, trainer state) recorded with the checkpoint at
     `iter_dir`: the first two by import_hf next to it (in its stage directory), or by the
-    stages of its run in the run directory."""
+    stages of its run in the run directory. The state's "hf_generation_config" is the HF
+    model's generation config: import_hf's own, else the one the run recorded
+    (RECORDED_GENERATION_CONFIG), else absent."""
     if iter_dir is None:
         return None, {}, {}
-    tokenizer, sampling = None, {}
+    tokenizer, sampling, generation = None, {}, None
     for where in (iter_dir.parent, iter_dir.parent.parent):
         if tokenizer is None and read_tokenizer_record(where / RECORDED_TOKENIZER) is not None:
             tokenizer = where / RECORDED_TOKENIZER
         if not sampling and (where / RECORDED_SAMPLING).exists():
             sampling = read_recorded_sampling(where / RECORDED_SAMPLING)
+        if generation is None and (where / RECORDED_GENERATION_CONFIG).exists():
+            generation = read_recorded_generation_config(where / RECORDED_GENERATION_CONFIG)
     state_file = iter_dir / "trainer_state" / "rank_00000.pt"
-    return tokenizer, sampling, load_pt(state_file) if state_file.is_file() else {}
+    state = load_pt(state_file) if state_file.is_file() else {}
+    if not state.get("hf_generation_config") and generation is not None:
+        state = {**state, "hf_generation_config": generation}
+    return tokenizer, sampling, state
 
 
 def _token_ids(tokenizer_dir: Path | None, vocab_size: int) -> dict[str, int | None]:
@@ -384,7 +393,9 @@ def export_hf(checkpoint: str | os.PathLike, role: str, out_dir: str | os.PathLi
     Vocabulary padding rows are dropped. `dtype` ("float32", "bfloat16", "float16"):
     default the checkpoint's. The tokenizer (`tokenizer_dir`, default: the one its run or
     import recorded) is copied and its bos/eos/pad ids written to
-    config.json and generation_config.json, with the sampling settings the run recorded; an
+    config.json and generation_config.json: the HF model's own generation config (import_hf's,
+    or the one a run from model.init_from_hf recorded; none: the ids alone), not the run's
+    rollout sampling settings, which stay in <run>/sampling.json; an
     import's original ids win over the tokenizer's, `special_token_ids` ({"eos_token_id": 1,
     "pad_token_id": 0, ...}) over both. A policy without an eos id is exported with a warning.
     Weights go to safetensors shards of at most max_shard_bytes (model.safetensors when one
@@ -399,8 +410,9 @@ def export_hf(checkpoint: str | os.PathLike, role: str, out_dir: str | os.PathLi
     check_export_dir(out_dir)
     role_dir, iter_dir = resolve_role_dir(checkpoint, role)
     m = model_config_for(model_cfg, iter_dir)
-    # what the run recorded, checked before any weight is read (hf_config.read_recorded_sampling)
-    recorded_tokenizer, sampling, state = _recorded_with_checkpoint(iter_dir)
+    # what the run recorded, checked before any weight is read (hf_config.read_recorded_sampling:
+    # sampling.json is checked, not exported)
+    recorded_tokenizer, _, state = _recorded_with_checkpoint(iter_dir)
     with restricted_dcp_unpickling(role_dir):
         ck = merged_view(TorchDistCheckpoint(role_dir), lora_base)
     value_model = role in VALUE_ROLES
@@ -459,8 +471,9 @@ def export_hf(checkpoint: str | os.PathLike, role: str, out_dir: str | os.PathLi
         config = hf_config_dict(m, value_model, dtype_name, token_ids, extra={"megatron_rlhf_export": export_info})
         config["tie_word_embeddings"] = tied
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        gen = {**(state.get("hf_generation_config") or {}), **sampling,
-               **{k: v for k, v in token_ids.items() if v is not None}}
+        # the HF model's own generation config (none: a minimal one, the ids alone); the run's
+        # rollout settings (sampling.json: max_new_tokens, temperature, ...) are not the model's
+        gen = {**(state.get("hf_generation_config") or {}), **{k: v for k, v in token_ids.items() if v is not None}}
         if not value_model and gen:
             (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
         if not value_model and gen.get("eos_token_id") is None:

@@ -279,7 +279,12 @@ def load_tokenizer(spec: str, task_words: Sequence[str] | None) -> Tokenizer:
     """`"builtin"` -> WordTokenizer over the task's words; anything else is an HF directory."""
     if spec == "builtin":
         if task_words is None:
-            raise TokenizerError("data.tokenizer=builtin needs a built-in task (data.task)")
+            raise TokenizerError(
+                "data.tokenizer=builtin needs a built-in task (data.task); a run on your own data that starts from "
+                "another run's checkpoint (rl.sft_from, dpo.init_from, rm.init_from, sft.init_from) or from "
+                "model.init_from_hf: set data.tokenizer=auto (the tokenizer recorded with the checkpoint it starts "
+                "from, or model.init_from_hf's), or data.tokenizer=<a Hugging Face tokenizer directory>"
+            )
         return WordTokenizer(task_words)
     if not spec or not Path(spec).is_dir():
         raise TokenizerError(

@@ -66,7 +66,7 @@ def reward_statistics(rm: RewardModel, examples: list, pad_id: int, seq_len: int
 def train(cfg: Config) -> dict:
     """The reward model (<run>/rm); with rm.holdout_fraction > 0, first an independent one on
     the held-out pairs (<run>/rm_holdout), so that <run>/rm/summary.json marks both done."""
-    start_distributed(cfg)  # the data is read once for both: before the first stage runner
+    start_distributed(cfg, "rm")  # the data is read once for both: before the first stage runner
     data = load_stage_data(cfg, ("preference_train", "preference_eval"), optional=("sft_eval",), stage="rm")
     cfg = data.config  # the run's vocabulary and start architecture resolved (stage_data.RunContext)
     pairs, fraction = data.splits["preference_train"], cfg.rm.holdout_fraction

@@ -38,17 +38,22 @@ from megatron_rlhf.resilience.faults import FAULTS
 from megatron_rlhf.resilience.heartbeat import Heartbeat
 from megatron_rlhf.resilience.preemption import Preempted
 from megatron_rlhf.resilience.run_lock import hold_stage_directory
-from megatron_rlhf.trainers.stage_data import stage_dir
+from megatron_rlhf.trainers.stage_data import architecture_from_start, stage_dir
 from megatron_rlhf.trainers.stage_inputs import stage_inputs
 
 STAGE_OF = {"rm_holdout": "rm"}  # runners that are part of a pipeline stage
 
 
-def start_distributed(cfg: Config) -> parallel.DistEnv:
+def start_distributed(cfg: Config, stage: str | None = None) -> parallel.DistEnv:
     """Validate `cfg` for the world size this process was launched with, then start
     torch.distributed and megatron's parallel_state (parallel.initialize): a config error is
-    raised before any process group is made."""
-    validate(cfg, world_size=parallel.read_dist_env().world_size)
+    raised before any process group is made. A `stage` that starts from a checkpoint is
+    validated with the architecture that checkpoint recorded (stage_data.architecture_from_start:
+    a DPO length past the recipe's model.max_seq_length is right when its SFT trained longer)."""
+    world_size = parallel.read_dist_env().world_size
+    if stage is not None:
+        cfg = architecture_from_start(cfg, STAGE_OF.get(stage, stage), world_size)[0]
+    validate(cfg, world_size=world_size)
     return parallel.initialize(cfg.parallel, cfg.seed)
 
 
@@ -64,7 +69,7 @@ class StageRunner:
         # Start-up writes nothing a rerun needs (config.yaml is replaced whole): SIGTERM ends it at once.
         self._startup = self.preemption.interruptible(f"the {stage} stage's start-up")
         self._startup.__enter__()
-        start_distributed(cfg)
+        start_distributed(cfg, stage)
         reset_peak_memory()  # this stage's own peak, also after an earlier stage in the same process
         self.memory_at_start = current_memory_bytes()  # before any role is built
         self.heartbeat = Heartbeat.from_env()

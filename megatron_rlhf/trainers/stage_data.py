@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from megatron_rlhf.checkpoint.validate import find_checkpoint, recorded_model_config
 from megatron_rlhf.config import ARCHITECTURE_FIELDS, Config, ConfigError, policy_start, validate
-from megatron_rlhf.convert.hf_config import RECORDED_SAMPLING, RECORDED_TOKENIZER
+from megatron_rlhf.convert.hf_config import RECORDED_GENERATION_CONFIG, RECORDED_SAMPLING, RECORDED_TOKENIZER
 from megatron_rlhf.data import jsonl
 from megatron_rlhf.data.chat import load_chat_template
 from megatron_rlhf.data.tasks import get_task
@@ -283,11 +283,14 @@ def start_checkpoint(cfg: Config, stage: str) -> tuple[str | Path | None, str]:
 
 
 def architecture_from_start(cfg: Config, stage: str, world_size: int | None = None) -> tuple[Config, list[str]]:
-    """(the config with the model architecture (ARCHITECTURE_FIELDS but max_seq_length, the
-    run's choice) the checkpoint `stage` starts from recorded, notes). Nothing to do for a run whose
-    model.from_hf_config / init_from_hf gives it, or a start that does not exist (yet) or
-    records none. Architecture fields of the command-line overrides that differ are refused,
-    the recipe's replaced (with a note); the result is validated at `world_size`."""
+    """(the config with the model architecture (ARCHITECTURE_FIELDS) the checkpoint `stage`
+    starts from recorded, notes). Nothing to do for a run whose model.from_hf_config /
+    init_from_hf gives it, or a start that does not exist (yet) or records none. Architecture
+    fields of the command-line overrides that differ are refused, the recipe's replaced (with a
+    note); max_seq_length, the longest sequence the run trains on, is the start's too unless a
+    command-line override sets it (then the run's choice, never refused). The result is
+    validated at `world_size`; a stage length longer than the adopted max_seq_length is named
+    with the checkpoint's value and the override that lengthens it."""
     where, field_name = start_checkpoint(cfg, stage)
     if where is None or cfg.model.hf_source:
         return cfg, []
@@ -299,7 +302,9 @@ def architecture_from_start(cfg: Config, stage: str, world_size: int | None = No
     if recorded is None:
         return cfg, []
     m = cfg.model
-    differ = [f for f in ARCHITECTURE_FIELDS if f != "max_seq_length" and getattr(recorded, f) != getattr(m, f)]
+    run_length = _overridden(cfg, "model.max_seq_length")  # the command line's: the run's choice
+    differ = [f for f in ARCHITECTURE_FIELDS
+              if not (f == "max_seq_length" and run_length) and getattr(recorded, f) != getattr(m, f)]
     if refused := [f"model.{f}={getattr(m, f)!r}: the checkpoint recorded {getattr(recorded, f)!r}"
                    for f in differ if _overridden(cfg, f"model.{f}")]:
         raise ConfigError(f"{field_name}: {stage} starts from {iter_dir}, whose model differs from the overrides:\n  "
@@ -308,7 +313,15 @@ def architecture_from_start(cfg: Config, stage: str, world_size: int | None = No
     if not differ:
         return cfg, []
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(m, **{f: getattr(recorded, f) for f in differ}))
-    validate(cfg, world_size)
+    try:
+        validate(cfg, world_size)
+    except ConfigError as err:
+        if "max_seq_length" not in differ or "model.max_seq_length" not in str(err):
+            raise
+        raise ConfigError(f"{err}: model.max_seq_length={recorded.max_seq_length} is the length {iter_dir}, the "
+                          f"checkpoint {stage} starts from ({field_name}), recorded (the recipe's {m.max_seq_length} "
+                          f"is replaced); set model.max_seq_length=<a longer one> on the command line to train "
+                          "longer, or shorten the stage") from None
     # unset fields (vocab_size: the tokenizer's, max_position_embeddings) are filled without a note
     if replaced := [f"model.{f}={getattr(m, f)!r} by {getattr(recorded, f)!r}"
                     for f in differ if getattr(m, f) is not None]:
@@ -318,12 +331,18 @@ def architecture_from_start(cfg: Config, stage: str, world_size: int | None = No
 
 
 def record_run(cfg: Config, tokenizer: Tokenizer, only_missing: bool = False) -> None:
-    """Rank 0: record the run's tokenizer (once) and its sampling settings (every stage: the
-    latest run's; `only_missing`: only when none are recorded) for later stages and export-hf
-    (<run>/tokenizer/, <run>/sampling.json)."""
+    """Rank 0: record the run's tokenizer (once), model.init_from_hf's generation_config.json
+    (once: export-hf writes it back) and its sampling settings (every stage: the latest run's;
+    `only_missing`: only when none are recorded) for later stages and export-hf
+    (<run>/tokenizer/, <run>/hf_generation_config.json, <run>/sampling.json)."""
     directory = run_dir(cfg)
     directory.mkdir(parents=True, exist_ok=True)
     record_tokenizer(tokenizer, cfg.data.tokenizer, cfg.data.task, directory / RECORDED_TOKENIZER)
+    generation = Path(cfg.model.init_from_hf or "") / "generation_config.json"
+    if cfg.model.init_from_hf and generation.is_file() and not (directory / RECORDED_GENERATION_CONFIG).exists():
+        tmp = directory / f"{RECORDED_GENERATION_CONFIG}.tmp{os.getpid()}"
+        tmp.write_bytes(generation.read_bytes())
+        tmp.replace(directory / RECORDED_GENERATION_CONFIG)
     if only_missing and (directory / RECORDED_SAMPLING).is_file():
         return
     s = cfg.sampling
