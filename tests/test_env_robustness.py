@@ -400,7 +400,9 @@ def test_the_failure_limit_holds_for_the_eval(monkeypatch):
         return policy_eval.evaluate(engine, {"env": lambda rollout, rows: rollout.env_reward}, TOKENIZER, None,
                                     prompts, sampling, seed=1)
 
-    assert evaluate(CalculatorEnv, 0.0).metrics == {"eval_env_score": 1.0}
+    metrics = evaluate(CalculatorEnv, 0.0).metrics  # the score and the eval episodes' statistics
+    assert metrics["eval_env_score"] == 1.0 and metrics["eval_env_tool_call_rate"] == 1.0
+    assert metrics["eval_env_turns_per_episode"] == 2.0 and metrics["eval_env_failed_fraction"] == 0.0
     with pytest.raises(TooManyFailedEpisodes, match="100% of the evaluation's episodes failed, more than "
                                                     "rl.max_failed_episodes=0.5; here, e.g. raised"):
         evaluate(Exits, 0.5)

@@ -272,16 +272,21 @@ class EpisodeEngine:
                              "of the episodes generated this iteration (every sampling round)")
         return metrics
 
-    def check_evaluation(self) -> None:
+    def check_evaluation(self) -> dict[str, float]:
         """rl.max_failed_episodes for an evaluation: the episodes of the last generate (the
         eval's), over every data-parallel rank; above it, TooManyFailedEpisodes on every rank
-        (an eval of failed episodes scores nothing). Collective: every rank calls it."""
+        (an eval of failed episodes scores nothing). Returns their statistics (envs/base.py
+        episode_metrics, means over every rank) as eval_env_*: the held-out tool-call rate.
+        Collective: every rank calls it."""
+        from megatron_rlhf.envs.base import episode_metrics
         from megatron_rlhf.parallel.collectives import dp_sum
 
         failed = [e for e in self.episodes if e.failure is not None]
-        n_failed, n = dp_sum(torch.tensor([len(failed), len(self.episodes)], dtype=torch.float64,
-                                          device=device())).tolist()
+        local, mine = episode_metrics(self.episodes), len(self.episodes)
+        n_failed, n, *sums = dp_sum(torch.tensor([len(failed), mine, *(v * mine for v in local.values())],
+                                                 dtype=torch.float64, device=device())).tolist()
         self._limit_failures(n_failed / max(n, 1), failed, "of the evaluation's episodes")
+        return {f"eval_{name}": total / max(n, 1) for name, total in zip(local, sums)}
 
     def _limit_failures(self, fraction: float, failed: list[Episode], which: str) -> None:
         from megatron_rlhf.envs.base import TooManyFailedEpisodes

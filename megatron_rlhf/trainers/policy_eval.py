@@ -31,7 +31,8 @@ Judge = Callable[[Rollout, list[EncodedPrompt]], torch.Tensor]
 @dataclass
 class EvalResult:
     """One evaluation of the policy."""
-    metrics: dict[str, float]              # eval_<judge_metric>: mean scores; eval_win_rate_<judge> with `sft`
+    metrics: dict[str, float]              # eval_<judge_metric>: mean scores; eval_win_rate_<judge> with `sft`;
+                                           # eval_env_*: multi-turn episodes' statistics
     samples: list[str]                     # "prompt || response" of this rank's prompts
     response_tokens: int                   # this rank's response tokens
     per_prompt: dict[str, list[float]]     # each judge's score of every prompt (every rank has all)
@@ -51,8 +52,8 @@ def evaluate(engine, judges: dict[str, Judge], tokenizer, task, prompts: list[En
     rank, size = data_parallel()
     rows = prompts[rank::size]
     rollout = sample_rows(engine, rows, sampling, seed)
-    if hasattr(engine, "check_evaluation"):  # multi-turn episodes: rl.max_failed_episodes holds for the eval too
-        engine.check_evaluation()
+    # multi-turn episodes: rl.max_failed_episodes holds for the eval too; their eval_env_* statistics
+    episodes = engine.check_evaluation() if hasattr(engine, "check_evaluation") else {}
     texts = decode_responses(rollout, tokenizer)
     mine = {name: judge(rollout, rows) for name, judge in judges.items()}
     if task:
@@ -63,7 +64,7 @@ def evaluate(engine, judges: dict[str, Judge], tokenizer, task, prompts: list[En
         full = torch.zeros(len(prompts), device=device, dtype=torch.float64)
         full[rank::size] = scores.to(torch.float64)
         per_prompt[name] = dp_sum(full)
-    metrics = {f"eval_{judge_metric(name)}": float(v.mean()) for name, v in per_prompt.items()}
+    metrics = {f"eval_{judge_metric(name)}": float(v.mean()) for name, v in per_prompt.items()} | episodes
     for name, v in per_prompt.items():
         if sft and name in sft:
             before = torch.tensor(sft[name], device=device, dtype=torch.float64)
