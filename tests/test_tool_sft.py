@@ -17,26 +17,11 @@ from megatron_rlhf.data.jsonl import DataError, read_prompts, read_sft, write_js
 from megatron_rlhf.envs import EnvStart, Environment, EpisodeRunner, StepResult
 from megatron_rlhf.envs.chat_turns import turn_template_from_chat
 from test_chat_turns import tokenizer_with
+from tool_use_demo import TEMPLATE
 
 # Qwen 2.5 style: the tools in the system turn, calls as <tool_call> JSON in the assistant turn,
-# results as <tool_response> blocks in a user turn (consecutive results share it).
-QWEN_TOOLS = (
-    "{% if tools %}{{ '<|im_start|>system\\n' }}{% if messages[0]['role'] == 'system' %}"
-    "{{ messages[0]['content'] + '\\n\\n' }}{% endif %}{{ '# Tools\\n<tools>' }}{% for t in tools %}"
-    "{{ '\\n' + (t | tojson) }}{% endfor %}{{ '\\n</tools><|im_end|>\\n' }}"
-    "{% elif messages[0]['role'] == 'system' %}{{ '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}"
-    "{% endif %}"
-    "{% for m in messages %}{% if m['role'] == 'system' %}"
-    "{% elif m['role'] == 'assistant' %}{{ '<|im_start|>assistant\\n' }}{% generation %}{{ m['content'] }}"
-    "{% for c in m['tool_calls'] or [] %}{% set f = c['function'] if c['function'] is defined else c %}"
-    "{{ '<tool_call>\\n{\"name\": \"' + f['name'] + '\", \"arguments\": ' + (f['arguments'] | tojson) + '}\\n</tool_call>' }}"
-    "{% endfor %}{{ '<|im_end|>\\n' }}{% endgeneration %}"
-    "{% elif m['role'] == 'tool' %}"
-    "{% if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}{{ '<|im_start|>user' }}{% endif %}"
-    "{{ '\\n<tool_response>\\n' + m['content'] + '\\n</tool_response>' }}"
-    "{% if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}{{ '<|im_end|>\\n' }}{% endif %}"
-    "{% else %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endif %}{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+# results as <tool_response> blocks in a user turn (consecutive results share it); the demo's too.
+QWEN_TOOLS = TEMPLATE
 # Llama 3.1 style: BOS from the template, results under an ipython header, calls as JSON.
 LLAMA_TOOLS = (
     "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'tool' %}"

@@ -34,7 +34,7 @@ from megatron_rlhf.envs.calculator import CalculatorEnv
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 EOS = "<|im_end|>"
-# tests/test_tool_sft.py's QWEN_TOOLS
+# Qwen 2.5 style (tests/test_tool_sft.py checks it against transformers as QWEN_TOOLS)
 TEMPLATE = (
     "{% if tools %}{{ '<|im_start|>system\\n' }}{% if messages[0]['role'] == 'system' %}"
     "{{ messages[0]['content'] + '\\n\\n' }}{% endif %}{{ '# Tools\\n<tools>' }}{% for t in tools %}"

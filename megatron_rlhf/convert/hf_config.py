@@ -54,14 +54,7 @@ def read_recorded_sampling(path: Path) -> dict[str, Any]:
     of record_run's keys (any of them), each of its type and range. A ConvertError names the
     file, the key and the fix."""
     fix = f"delete {path} (the run's next stage records its sampling settings again)"
-    try:
-        recorded = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
-        why = e.strerror if isinstance(e, OSError) and e.strerror else str(e) or type(e).__name__
-        raise ConvertError(f"{path}: unreadable ({why}); {fix}") from None
-    if not isinstance(recorded, dict):
-        raise ConvertError(f"{path}: holds {type(recorded).__name__} {json.dumps(recorded)[:40]}, not the JSON "
-                           f"object of sampling settings a run records; {fix}")
+    recorded = _json_object(path, "the JSON object of sampling settings a run records", fix)
     for key, value in recorded.items():
         if key not in _SAMPLING_KEYS:
             raise ConvertError(f"{path}: {key!r} is not a sampling setting (a run records only "
@@ -78,13 +71,18 @@ def read_recorded_generation_config(path: Path) -> dict[str, Any]:
     trainers/stage_data.py record_run): a JSON object; a ConvertError names the file and the fix."""
     fix = (f"delete {path} (the export then writes only the token ids to generation_config.json) or copy "
            "the model's generation_config.json there again")
+    return _json_object(path, "a generation config (a JSON object)", fix)
+
+
+def _json_object(path: Path, what: str, fix: str) -> dict[str, Any]:
+    """The JSON object in `path`; a ConvertError naming the file, `what` it should hold and `fix`."""
     try:
         recorded = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
         why = e.strerror if isinstance(e, OSError) and e.strerror else str(e) or type(e).__name__
         raise ConvertError(f"{path}: unreadable ({why}); {fix}") from None
     if not isinstance(recorded, dict):
-        raise ConvertError(f"{path}: holds {type(recorded).__name__}, not a generation config (a JSON object); {fix}")
+        raise ConvertError(f"{path}: holds {type(recorded).__name__} {json.dumps(recorded)[:40]}, not {what}; {fix}")
     return recorded
 
 
