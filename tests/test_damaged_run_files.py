@@ -6,6 +6,7 @@ at its start. In-process and on directories built here: no stage is launched (~2
 
 import dataclasses
 import json
+import os
 import re
 from pathlib import Path
 
@@ -219,7 +220,11 @@ def test_an_exported_policy_carries_only_the_checked_sampling_settings(sft_rm_ro
     assert code == 2 and not (tmp_path / "hf").exists()
     assert_one_line(text, f"conversion error: {run / 'sampling.json'}: 'trust_remote_code' is not a sampling setting")
     (run / "sampling.json").write_text(json.dumps(recorded))
+    rendezvous = {name: os.environ.get(name) for name in ("MASTER_ADDR", "MASTER_PORT")}
     assert run_main(capsys, *export)[0] == 0
+    # the in-process export's process group left no port behind for this pytest worker's later
+    # subprocesses to collide on (they would inherit it; its store may still hold it)
+    assert {name: os.environ.get(name) for name in rendezvous} == rendezvous
     generation = json.loads((tmp_path / "hf" / "generation_config.json").read_text())
     assert not set(recorded) & set(generation) and "trust_remote_code" not in generation
     assert generation.keys() <= {"bos_token_id", "eos_token_id", "pad_token_id"} and "eos_token_id" in generation

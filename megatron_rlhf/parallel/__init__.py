@@ -103,6 +103,10 @@ def choose_backend(requested: str) -> str:
 
 # The parallel section this process started with (initialize): what models are built for.
 _started: ParallelConfig | None = None
+# MASTER_ADDR/MASTER_PORT initialize() set (a bare process's rendezvous): destroy() removes them, so
+# that a process started later from this one (a test's subprocess, an in-process CLI call's) picks
+# a free port of its own instead of this group's, whose store may still hold it.
+_set_here: list[str] = []
 
 
 def sequence_parallel() -> bool:
@@ -126,8 +130,10 @@ def initialize(p: ParallelConfig, seed: int) -> DistEnv:
     else:
         cpu.apply()
     if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", env.master_addr)
-        os.environ.setdefault("MASTER_PORT", str(env.master_port))
+        for name, value in (("MASTER_ADDR", env.master_addr), ("MASTER_PORT", str(env.master_port))):
+            if name not in os.environ:  # a bare process's own (a free port): taken back by destroy()
+                os.environ[name] = value
+                _set_here.append(name)
         dist.init_process_group(
             backend=backend, rank=env.rank, world_size=env.world_size,
             timeout=timedelta(minutes=int(os.environ.get("MEGATRON_RLHF_DIST_TIMEOUT_MIN", "30"))),
@@ -158,6 +164,8 @@ def seed_everything(seed: int) -> None:
 def destroy() -> None:
     global _started
     _started = None
+    while _set_here:
+        os.environ.pop(_set_here.pop(), None)
     if not dist.is_initialized():
         return
     from megatron.core import parallel_state
