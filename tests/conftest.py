@@ -67,3 +67,21 @@ HEAVIEST_FIRST = [
 def pytest_collection_modifyitems(config, items):
     rank = {name: i for i, name in enumerate(HEAVIEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
+
+
+# Modules that fake CUDA tensors (FakeTensorMode) to check device discipline on a CPU machine.
+FAKE_CUDA_MODULES = {"test_device_discipline", "test_rollout_device", "test_rollout_placement"}
+
+
+@pytest.fixture(autouse=True)
+def cuda_requests_stay_cuda(request):
+    """An in-process test that starts a process group (import_hf, an in-process export-hf) turns
+    on parallel/cpu.py's CUDA->CPU device mode for the rest of the pytest worker's life; a later
+    module that fakes CUDA tensors would then get CPU ones. Those modules run without it."""
+    if request.module.__name__ not in FAKE_CUDA_MODULES:
+        yield
+        return
+    from megatron_rlhf.parallel import cpu
+
+    with cpu.hot_path():  # pops the mode when it is on top (a no-op otherwise)
+        yield

@@ -6,14 +6,16 @@ at its start. In-process and on directories built here: no stage is launched (~2
 
 import dataclasses
 import json
-import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from distributed import REPO
 from megatron_rlhf.__main__ import main
 from megatron_rlhf.checkpoint.validate import CheckpointError
 from megatron_rlhf.config import ConfigError, load_config, write_resolved_config
@@ -220,11 +222,12 @@ def test_an_exported_policy_carries_only_the_checked_sampling_settings(sft_rm_ro
     assert code == 2 and not (tmp_path / "hf").exists()
     assert_one_line(text, f"conversion error: {run / 'sampling.json'}: 'trust_remote_code' is not a sampling setting")
     (run / "sampling.json").write_text(json.dumps(recorded))
-    rendezvous = {name: os.environ.get(name) for name in ("MASTER_ADDR", "MASTER_PORT")}
-    assert run_main(capsys, *export)[0] == 0
-    # the in-process export's process group left no port behind for this pytest worker's later
-    # subprocesses to collide on (they would inherit it; its store may still hold it)
-    assert {name: os.environ.get(name) for name in rendezvous} == rendezvous
+    # A process of its own: an export that runs starts a process group with the CPU adaptations
+    # (parallel/cpu.py patches torch.cuda for the process), which must not reach this pytest
+    # worker's later tests (the device-discipline tests fake CUDA tensors).
+    proc = subprocess.run([sys.executable, "-m", "megatron_rlhf", *map(str, export)], cwd=REPO, capture_output=True,
+                          text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
     generation = json.loads((tmp_path / "hf" / "generation_config.json").read_text())
     assert not set(recorded) & set(generation) and "trust_remote_code" not in generation
     assert generation.keys() <= {"bos_token_id", "eos_token_id", "pad_token_id"} and "eos_token_id" in generation
